@@ -1,0 +1,22 @@
+"""KV-Graph: Qwen-Image-2.1 for ComfyUI with a prefix K/V prefill and CUDA-graph decode steps.
+
+ComfyUI loads this folder (any folder name under custom_nodes) through `comfy_entrypoint` (V3) and serves
+`WEB_DIRECTORY`. Outside ComfyUI (tests, the CLI, tooling) the import succeeds and exposes nothing ComfyUI-specific.
+"""
+
+WEB_DIRECTORY = "./web"
+
+try:
+    import comfy_api.latest  # noqa: F401  (present only inside ComfyUI)
+except ImportError:  # imported outside ComfyUI
+    _IN_COMFYUI = False
+else:
+    _IN_COMFYUI = True
+
+if _IN_COMFYUI:
+    from .nodes import comfy_entrypoint  # noqa: F401
+    from .nodes import server_routes as _server_routes
+
+    _server_routes.register()
+
+__all__ = ["WEB_DIRECTORY", "comfy_entrypoint"] if _IN_COMFYUI else ["WEB_DIRECTORY"]

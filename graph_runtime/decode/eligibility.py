@@ -1,0 +1,93 @@
+"""Why a decode step cannot replay a captured graph. Each function returns a reason string, or None when fine.
+
+Every reason here ends in an eager step that is still correct; the manager logs each reason once and counts it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# Reason strings double as statistics keys, so they are stable, short and human-readable.
+NO_CUDA = "no CUDA"
+MODE_EAGER = "decode mode is eager"
+WEIGHTS_OFF_GPU = "weights are not all on the CUDA device (offloaded or lowvram)"
+OFFLOAD_HOOKS = "offload or streaming hooks can move weights after capture"
+BLOCK_HOOKS = "forward hooks on the transformer blocks"
+PARALLEL = "tensor, sequence or ring parallelism"
+LORA = "dynamic LoRA wrappers"
+PADDED_TEXT = "padded text mask (the masked path branches on mask contents)"
+QUANTIZED_KV = "quantized prefix K/V"
+COMPILING = "called while torch.compile is tracing"
+OWNED = "graph entry owned by another live request"
+WEIGHTS_MOVED = "weights moved since capture"
+ALLOCATION_FAILED = "graph buffer allocation failed"
+CAPTURE_FAILED = "graph capture failed"
+
+_FLOAT_KV = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def static_reason(transformer: torch.nn.Module) -> str | None:
+    """Checks that hold for the transformer as loaded (re-run every step: weights can be moved at any time)."""
+    if not torch.cuda.is_available():
+        return NO_CUDA
+    if _has_offload_hooks(transformer):
+        return OFFLOAD_HOOKS
+    for p in transformer.parameters():
+        if p.device.type != "cuda" or p.is_meta:
+            return WEIGHTS_OFF_GPU
+    if _parallel(transformer):
+        return PARALLEL
+    for block in transformer.transformer_blocks:
+        if block._forward_hooks or block._forward_pre_hooks or block.attn._forward_pre_hooks:
+            return BLOCK_HOOKS
+    return None
+
+
+def request_reason(transformer: torch.nn.Module, prefix_k: torch.Tensor, key_valid) -> str | None:
+    """Checks that depend on the request."""
+    if torch.compiler.is_compiling():
+        return COMPILING
+    if has_lora_wrappers(transformer):
+        return LORA
+    if key_valid is not None:
+        return PADDED_TEXT
+    if prefix_k.dtype not in _FLOAT_KV:
+        return QUANTIZED_KV
+    return None
+
+
+def has_lora_wrappers(module: torch.nn.Module) -> bool:
+    """True once PEFT (diffusers' LoRA loader) or any tuner layer wraps a layer under `module`.
+
+    A captured graph replays the layers that ran at capture time; an adapter bound or rescaled afterwards changes
+    the math without changing any shape the graph is keyed on.
+    """
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        BaseTunerLayer = None
+    for m in module.modules():
+        if BaseTunerLayer is not None and isinstance(m, BaseTunerLayer):
+            return True
+        if hasattr(m, "lora_A") or hasattr(m, "lora_up"):
+            return True
+    return False
+
+
+def _has_offload_hooks(module: torch.nn.Module) -> bool:
+    # accelerate's cpu/sequential offload and diffusers' group offloading attach these to the modules they move.
+    for m in (module, *module.transformer_blocks):
+        if getattr(m, "_hf_hook", None) is not None:
+            return True
+        registry = getattr(m, "_diffusers_hook", None)
+        if registry is not None and getattr(registry, "hooks", None):
+            return True
+    return False
+
+
+def _parallel(transformer) -> bool:
+    if getattr(transformer, "_parallel_config", None) is not None:
+        return True
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size() > 1
+    return False

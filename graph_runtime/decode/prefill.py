@@ -1,0 +1,124 @@
+"""The prefill: step 1 over the whole joint sequence, keeping every block's prefix K/V.
+
+This is diffusers' `kv_cache_mode="extract"` forward with the token layout precomputed (see `layout.py`); the
+blocks, embeddings and attention processor are diffusers' own, so the prefix K/V are exactly the reference's.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+from .layout import TokenLayout
+from .step import rope_tables
+
+
+@dataclass
+class PrefixCache:
+    """One request branch's prefix K/V and everything its decode steps need.
+
+    The request owns these tensors; graph entries only copy from them. Dropping the cache (or `release()`) frees
+    them, which is what tells the graph manager that the request is gone (it watches a weak reference to `k[0]`).
+    """
+
+    branch: str
+    layout: TokenLayout
+    k: list[torch.Tensor]  # per block, [B, P, H, D]
+    v: list[torch.Tensor]
+    cos: torch.Tensor  # target RoPE tables, [T, 1, D/2] fp32
+    sin: torch.Tensor
+    key_valid: torch.Tensor | None  # [B, P + T] bool when the text is padded, else None
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+    def owner_token(self) -> weakref.ReferenceType:
+        return weakref.ref(self.k[0])
+
+    def release(self) -> None:
+        self.k.clear()
+        self.v.clear()
+
+
+def _check_processors(transformer) -> None:
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21AttnProcessor
+
+    for block in transformer.transformer_blocks:
+        if not isinstance(block.attn.processor, QwenImage21AttnProcessor):
+            # The flex processor needs a BlockMask built per forward; the segment-wise SDPA prefill is exact and
+            # needs no compilation, so the runtime always uses it.
+            block.attn.set_processor(QwenImage21AttnProcessor())
+
+
+@torch.no_grad()
+def run_prefill(
+    transformer,
+    layout: TokenLayout,
+    latents: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    timestep: torch.Tensor,
+    text_mask: torch.Tensor | None = None,
+    branch: str = "cond",
+) -> tuple[torch.Tensor, PrefixCache]:
+    """Run step 1. `latents` is `[B, cond_tokens + T, C]` (condition images first); returns the target rows'
+    prediction `[B, T, C]` and the branch's prefix cache."""
+    _check_processors(transformer)
+    model = transformer
+    device = latents.device
+    batch = latents.shape[0]
+    hidden = model.img_in(latents)
+    text = model.txt_in(encoder_hidden_states)
+
+    # Text rows go to the non-image positions, latents to the image positions: the same joint sequence diffusers
+    # builds with `repeat_interleave`, without its host syncs.
+    joint = hidden.new_zeros(batch, layout.seq_len, hidden.shape[-1])
+    image_positions = layout.image_pad_mask.nonzero(as_tuple=True)[0]
+    text_positions = (~layout.image_pad_mask).nonzero(as_tuple=True)[0]
+    joint[:, image_positions] = hidden
+    joint[:, text_positions] = text[:, layout.vlm_text_positions.to(device)]
+
+    rotary = layout.rotary(model.pos_embed)
+    target_mask = layout.target_token_mask()
+    t = timestep.to(hidden.dtype)
+    t = torch.cat([t, t.new_zeros(1)])
+    temb = model.time_text_embed(t, hidden)
+    modulation = model.modulation(temb)
+    key_valid = layout.joint_key_valid(text_mask)
+
+    cache = QwenImage21KVCache(len(model.transformer_blocks))
+    segments = list(layout.segments)
+    for i, block in enumerate(model.transformer_blocks):
+        joint = block(
+            hidden_states=joint,
+            modulation=modulation,
+            rotary_emb=rotary,
+            attention_mask=None,
+            target_token_mask=target_mask,
+            layer_cache=cache.get_layer(i),
+            kv_cache_mode="extract",
+            cache_write_slice=slice(0, layout.prefix_len),
+            segments=segments,
+            key_valid=key_valid,
+        )
+    joint = model.norm_out(joint, temb, target_mask)
+    out = model.proj_out(joint)[:, layout.prefix_len:]
+
+    cos, sin = rope_tables(rotary[layout.prefix_len:])
+    prefix = PrefixCache(
+        branch=branch,
+        layout=layout,
+        k=[c.k for c in cache.layer_caches],
+        v=[c.v for c in cache.layer_caches],
+        cos=cos,
+        sin=sin,
+        key_valid=key_valid,
+    )
+    return out, prefix

@@ -1,0 +1,40 @@
+"""Counters the graph manager keeps, readable as one plain dict (for logs, the CLI and the HTTP status route)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DecodeStats:
+    captures: int = 0
+    replays: int = 0
+    capture_seconds: float = 0.0
+    eager_steps: Counter = field(default_factory=Counter)  # reason -> steps
+    evictions: int = 0
+
+    @property
+    def eager_total(self) -> int:
+        return sum(self.eager_steps.values())
+
+    def snapshot(self) -> dict:
+        return {
+            "captures": self.captures,
+            "replays": self.replays,
+            "capture_seconds": round(self.capture_seconds, 4),
+            "eager_steps": dict(self.eager_steps),
+            "eager_total": self.eager_total,
+            "evictions": self.evictions,
+        }
+
+    def delta(self, before: dict) -> dict:
+        """What changed since `before` (a snapshot): the per-run numbers a sampler reports."""
+        now = self.snapshot()
+        eager = {k: v - before["eager_steps"].get(k, 0) for k, v in now["eager_steps"].items()}
+        return {
+            "captures": now["captures"] - before["captures"],
+            "replays": now["replays"] - before["replays"],
+            "capture_seconds": round(now["capture_seconds"] - before["capture_seconds"], 4),
+            "eager_steps": {k: v for k, v in eager.items() if v},
+        }

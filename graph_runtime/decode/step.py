@@ -1,0 +1,136 @@
+"""The target-only decode step: the body that runs eagerly and that the graph manager captures.
+
+It is the math of diffusers' `kv_cache_mode="cached"` forward, called through the model's own modules (so LoRA
+layers and weight swaps are seen), with the per-step host work hoisted out:
+
+- RoPE is applied with precomputed real cos/sin tables instead of complex multiplication: the same products in
+  fp32, but inductor can fuse it (it generates no code for complex operators).
+- Modulation reads the sample's own row directly. Every decode row is a target row, so diffusers'
+  `torch.where(target_mask, real, zero)` would only materialize a full-size copy of the same values.
+- K/V of the target are written into a static `[prefix | target]` buffer when one is given, so a captured step
+  does not allocate and concatenate the prefix every block; the eager fallback concatenates as diffusers does.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class DecodeInputs:
+    """What one decode step reads. Graph entries hold static ones; the eager path builds them per call.
+
+    `k`/`v` are per block: either a `[B, P + T, H, D]` static buffer whose first `prefix_len` rows hold the prefix
+    (`static_kv=True`; the step writes the target rows), or the request's own `[B, P, H, D]` prefix tensors
+    (`static_kv=False`; the step concatenates).
+    """
+
+    hidden: torch.Tensor  # [B, T, in_channels] target latents
+    timestep: torch.Tensor  # [B], model dtype, in [0, 1]
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
+    cos: torch.Tensor  # [T, 1, head_dim / 2] fp32
+    sin: torch.Tensor
+    prefix_len: int
+    static_kv: bool
+    attn_mask: torch.Tensor | None = None  # [B, 1, 1, P + T] bool, only on the eager padded-text path
+    extra: dict = field(default_factory=dict)
+
+
+def rope_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Real cos/sin tables `[S, 1, D/2]` (fp32) from diffusers' complex RoPE table `[S, D/2]`."""
+    return freqs.real.float()[:, None, :].contiguous(), freqs.imag.float()[:, None, :].contiguous()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate interleaved (real, imag) channel pairs of `x` `[B, S, H, D]`, computed in fp32 like the reference."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+class TargetDecodeBlock(torch.nn.Module):
+    """One transformer block restricted to the target rows; wraps (does not copy) a diffusers block.
+
+    A module per block, rather than one function taking a block argument, so each can be `torch.compile`d on its
+    own: a shared compiled function would guard on the block's identity and recompile past dynamo's cache limit.
+    """
+
+    def __init__(self, block: torch.nn.Module):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, modulation, cos, sin, k_cache, v_cache, prefix_len: int, static_kv: bool, attn_mask):
+        block, attn = self.block, self.block.attn
+        scale1, gate1, scale2, gate2 = modulation[:, None].chunk(4, dim=-1)
+
+        h = block.img_norm1(x) * (1 + scale1)
+        head_dim = attn.inner_dim // attn.heads
+        q = attn.to_q(h).unflatten(-1, (-1, head_dim))
+        k = attn.to_k(h).unflatten(-1, (-1, head_dim))
+        v = attn.to_v(h).unflatten(-1, (-1, head_dim))
+        q = apply_rope(attn.norm_q(q).to(v.dtype), cos, sin)
+        k = apply_rope(attn.norm_k(k).to(v.dtype), cos, sin)
+        if static_kv:
+            k_cache[:, prefix_len:].copy_(k)
+            v_cache[:, prefix_len:].copy_(v)
+            keys, values = k_cache, v_cache
+        else:
+            keys, values = torch.cat([k_cache, k], dim=1), torch.cat([v_cache, v], dim=1)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attn_mask
+        )
+        out = attn.to_out[0](out.transpose(1, 2).flatten(2).type_as(q))
+        x = x + gate1.tanh() * out
+
+        h = block.img_norm2(x) * (1 + scale2)
+        x = x + gate2.tanh() * block.img_mlp(h)
+        if x.dtype == torch.float16:
+            x = x.clip(-65504, 65504)
+        return x
+
+
+class DecodeStep(torch.nn.Module):
+    """The whole decode step over a transformer's blocks: `forward(inputs) -> [B, T, out_channels]`."""
+
+    def __init__(self, transformer: torch.nn.Module):
+        super().__init__()
+        # A weak reference: the transformer holds this step (through its engine), and the weights must not be
+        # registered twice under this module.
+        self._model = weakref.ref(transformer)
+        self.blocks = torch.nn.ModuleList(TargetDecodeBlock(b) for b in transformer.transformer_blocks)
+        self.compiled = False
+
+    @property
+    def model(self):
+        return self._model()
+
+    def compile_blocks(self) -> None:
+        """Regionally compile every block; inductor's own CUDA graphs stay off so graph layers never stack."""
+        if self.compiled:
+            return
+        for i, block in enumerate(self.blocks):
+            self.blocks[i] = torch.compile(block, dynamic=False, options={"triton.cudagraphs": False})
+        self.compiled = True
+
+    def forward(self, inputs: DecodeInputs) -> torch.Tensor:
+        model = self.model
+        x = model.img_in(inputs.hidden)
+        batch = x.shape[0]
+        # The trailing t = 0 row is what diffusers computes for the prefix rows; keeping it makes the target rows'
+        # GEMMs run at the same M as the reference forward, so they round the same way.
+        timestep = torch.cat([inputs.timestep.to(x.dtype), inputs.timestep.new_zeros(1, dtype=x.dtype)])
+        temb = model.time_text_embed(timestep, x)
+        modulation = model.modulation(temb)[:batch]
+        for i, block in enumerate(self.blocks):
+            x = block(x, modulation, inputs.cos, inputs.sin, inputs.k[i], inputs.v[i], inputs.prefix_len,
+                      inputs.static_kv, inputs.attn_mask)
+        norm_out = model.norm_out
+        scale = norm_out.linear(norm_out.silu(temb).to(x.dtype))[:batch]
+        x = norm_out.norm(x) * (1 + scale[:, None])
+        return model.proj_out(x)

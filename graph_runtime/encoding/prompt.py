@@ -1,0 +1,128 @@
+"""Prompt encoding with Qwen3-VL exactly as `QwenImage21Pipeline` does it.
+
+The raw template string (not `apply_chat_template`, which tokenizes differently), left padding, the last decoder
+layer's hidden states *before* the final norm, the system turn dropped, and a mask of the image-slot positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
+TEMPLATE = (
+    f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
+    "<|im_start|>user\n{}<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+VISION_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
+
+
+@dataclass
+class PromptEmbeds:
+    """One encoded prompt (one CFG branch): what the transformer reads as text context.
+
+    `image_mask` marks the encoder positions that are image slots (each stands for 2x2 latent tokens of a
+    reference image); the transformer replaces them with the reference latents. `text_mask` is None unless the
+    encoder output is padded.
+    """
+
+    embeds: torch.Tensor  # [N, L, C]
+    image_mask: torch.Tensor  # [N, L] bool
+    text_mask: torch.Tensor | None = None  # [N, L] bool
+
+    @property
+    def num_image_slots(self) -> int:
+        return int(self.image_mask[0].sum())
+
+    def for_batch(self, batch: int, device, dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Embeddings and mask repeated to `batch` samples (the pipeline's `num_images_per_prompt` repeat)."""
+        embeds = self.embeds.to(device, dtype)
+        if embeds.shape[0] == 1 and batch > 1:
+            embeds = embeds.repeat(batch, 1, 1)
+        elif embeds.shape[0] != batch:
+            raise ValueError(f"prompt embeddings hold {embeds.shape[0]} prompts but the batch is {batch}")
+        mask = None
+        if self.text_mask is not None and not bool(self.text_mask.all()):
+            mask = self.text_mask.to(device).bool()
+            if mask.shape[0] == 1 and batch > 1:
+                mask = mask.repeat(batch, 1)
+        return embeds, mask
+
+
+def prompt_text(prompt: str, num_images: int) -> str:
+    """The pipeline's template; reference images go first in the user turn, as `<imageN>` + a vision block."""
+    prompt = prompt or " "  # Qwen has no BOS token: an empty prompt would leave the encoder nothing to read.
+    if num_images == 0:
+        return TEMPLATE.format(prompt)
+    refs = " ".join(f"<image{i + 1}>{VISION_BLOCK}" for i in range(num_images))
+    return TEMPLATE.replace("<|im_start|>user\n", "<|im_start|>user\n" + refs, 1).format(prompt)
+
+
+def _flatten_alpha(image):
+    """The vision encoder was trained on RGBA composited over white; the VAE reads all four channels itself."""
+    from PIL import Image
+
+    if not isinstance(image, Image.Image):
+        image = Image.fromarray(image)
+    if image.mode == "RGBA":
+        white = Image.new("RGB", image.size, (255, 255, 255))
+        white.paste(image, mask=image.getchannel("A"))
+        return white
+    return image
+
+
+class PromptEncoder:
+    def __init__(self, text_encoder, processor):
+        self.text_encoder = text_encoder
+        self.processor = processor
+        self.image_token_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        # Leading system-turn tokens to drop, counted on the tokenized system turn itself.
+        system_turn = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
+        self.drop_idx = len(processor.tokenizer(system_turn, add_special_tokens=False).input_ids)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.text_encoder.parameters()).device
+
+    @torch.no_grad()
+    def encode(self, prompts: str | list[str], images: list | None = None, device=None) -> PromptEmbeds:
+        """Encode one or more prompts, each with the same reference images (already resized, PIL)."""
+        prompts = [prompts] if isinstance(prompts, str) else list(prompts)
+        images = list(images or [])
+        device = device or self.device
+        texts = [prompt_text(p, len(images)) for p in prompts]
+        kwargs = {"text": texts, "padding": True, "padding_side": "left", "return_tensors": "pt"}
+        if images:
+            kwargs["images"] = [_flatten_alpha(img) for _ in prompts for img in images]
+        inputs = self.processor(**kwargs).to(device)
+        forward = {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask,
+                   "output_hidden_states": True}
+        if images and "pixel_values" in inputs:
+            forward.update(pixel_values=inputs.pixel_values, image_grid_thw=inputs.image_grid_thw)
+        if "mm_token_type_ids" in inputs:
+            forward["mm_token_type_ids"] = inputs.mm_token_type_ids
+
+        # The transformer was trained on the last decoder layer *before* the final RMSNorm. transformers 5 ties
+        # `hidden_states[-1]` to the normed output, so a forward hook returning the norm's input undoes it for
+        # this call, on any transformers version.
+        model = self.text_encoder.model
+        text_model = getattr(model, "language_model", model)
+        handle = text_model.norm.register_forward_hook(lambda module, args, output: args[0])
+        try:
+            hidden = self.text_encoder(**forward).hidden_states[-1]
+        finally:
+            handle.remove()
+
+        valid = inputs.attention_mask.bool()
+        per_sample = [h[m][self.drop_idx:] for h, m in zip(hidden, valid)]
+        slots = [(ids[m] == self.image_token_id)[self.drop_idx:] for ids, m in zip(inputs.input_ids, valid)]
+        longest = max(e.shape[0] for e in per_sample)
+        embeds = torch.stack([torch.cat([e, e.new_zeros(longest - e.shape[0], e.shape[1])]) for e in per_sample])
+        text_mask = torch.stack([
+            torch.cat([torch.ones(e.shape[0], dtype=torch.bool, device=e.device),
+                       torch.zeros(longest - e.shape[0], dtype=torch.bool, device=e.device)]) for e in per_sample
+        ])
+        image_mask = torch.stack([torch.cat([s, s.new_zeros(longest - s.shape[0])]) for s in slots])
+        return PromptEmbeds(embeds=embeds, image_mask=image_mask, text_mask=None if text_mask.all() else text_mask)

@@ -1,0 +1,65 @@
+"""The process-wide registry of decode engines (and so of graph managers): exactly one per process.
+
+The pack can be imported twice in one process under different module names: as `<folder>.graph_runtime` by
+ComfyUI (any folder name under custom_nodes) and as the installed top-level `graph_runtime` (CLI, tests, other
+packs). Module-level state would then exist twice, so the registry lives in one well-known entry of
+`sys.modules`, which both copies find. Engines are attached to the transformer they serve, so whichever copy asks
+for a transformer's engine gets the same one.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import types
+import weakref
+
+_MODULE_NAME = "_kvgraph_process_registry"
+_ENGINE_ATTR = "_kvgraph_engine"
+
+
+class EngineRegistry:
+    def __init__(self):
+        self._engines: "weakref.WeakSet" = weakref.WeakSet()
+        self.lock = threading.RLock()
+
+    def add(self, engine) -> None:
+        with self.lock:
+            self._engines.add(engine)
+
+    def engines(self) -> list:
+        with self.lock:
+            return list(self._engines)
+
+    def status(self) -> list[dict]:
+        return [engine.status() for engine in self.engines()]
+
+    def release_all(self) -> list[dict]:
+        return [engine.release() for engine in self.engines()]
+
+
+def process_registry() -> EngineRegistry:
+    module = sys.modules.get(_MODULE_NAME)
+    if module is None:
+        fresh = types.ModuleType(_MODULE_NAME)
+        fresh.registry = EngineRegistry()
+        # setdefault: if two threads race here, both end up with the first module stored.
+        module = sys.modules.setdefault(_MODULE_NAME, fresh)
+    return module.registry
+
+
+def engine_for(transformer, **options):
+    """The transformer's decode engine, created on first use and alive as long as the transformer is."""
+    engine = getattr(transformer, _ENGINE_ATTR, None)
+    if engine is None:
+        from .decode.engine import DecodeEngine
+
+        registry = process_registry()
+        with registry.lock:
+            engine = getattr(transformer, _ENGINE_ATTR, None)
+            if engine is None:
+                engine = DecodeEngine(transformer, **options)
+                # object.__setattr__: nn.Module.__setattr__ would try to register it; it is not a submodule.
+                object.__setattr__(transformer, _ENGINE_ATTR, engine)
+                registry.add(engine)
+    return engine

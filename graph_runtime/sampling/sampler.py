@@ -1,0 +1,193 @@
+"""The sampling loop: prefill on step 1, decode (graph replay or eager) on every later step, flow-match Euler.
+
+Numerically it is `QwenImage21Pipeline`'s loop (same noise from a CPU generator, same sigmas, same timestep
+rounding, same CFG combination, same Euler update), so its latents can be compared with the reference.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..decode.engine import DecodeEngine
+from ..decode.layout import TokenLayout
+from ..encoding.prompt import PromptEmbeds
+from ..errors import InputError
+from .schedule import build_schedule, euler_step, resolve_sigmas
+
+logger = logging.getLogger("kvgraph")
+
+
+class Cancelled(RuntimeError):
+    """Raised between steps when the caller asked to stop; the request's caches are released first."""
+
+
+@dataclass
+class SamplingRequest:
+    positive: PromptEmbeds
+    latent_height: int  # in latent tokens (pixels / 16)
+    latent_width: int
+    negative: PromptEmbeds | None = None
+    cfg: float = 1.0
+    reference_latents: list[torch.Tensor] = field(default_factory=list)  # each [1, C, h, w], normalized space
+    batch_size: int = 1
+    seed: int = 0
+    steps: int = 40
+    sigma_preset: str = "dynamic"
+    sigmas: list[float] | None = None
+    denoise: float = 1.0
+    init_latents: torch.Tensor | None = None  # [B, C, h, w] normalized space, for denoise < 1
+    decode_mode: str = "auto"
+    compile: bool = False
+    scheduler_config: dict | None = None
+
+    @property
+    def do_cfg(self) -> bool:
+        return self.negative is not None and self.cfg > 1.0
+
+
+@dataclass
+class SampleResult:
+    latents: torch.Tensor  # [B, C, h, w], normalized latent space
+    timings: dict
+    stats: dict
+    paths: list[str]
+
+
+def pack(latents: torch.Tensor) -> torch.Tensor:
+    """[B, C, h, w] -> [B, h * w, C] (Qwen-Image-2.1 consumes latents unpatched)."""
+    return latents.flatten(2).transpose(1, 2)
+
+
+def unpack(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
+    return tokens.transpose(1, 2).reshape(tokens.shape[0], tokens.shape[2], height, width)
+
+
+def initial_noise(seed: int, batch: int, channels: int, height: int, width: int, dtype) -> torch.Tensor:
+    """The pipeline's noise: `randn` of `[B, 1, C, h, w]` from `torch.Generator("cpu").manual_seed(seed)`."""
+    generator = torch.Generator("cpu").manual_seed(int(seed))
+    return torch.randn((batch, 1, channels, height, width), generator=generator, dtype=dtype)[:, 0]
+
+
+def _validate(req: SamplingRequest, in_channels: int) -> None:
+    if req.latent_height < 1 or req.latent_width < 1:
+        raise InputError("latent size", (req.latent_height, req.latent_width), "at least 1x1 latent tokens (16 px)")
+    if req.batch_size < 1:
+        raise InputError("batch_size", req.batch_size, "an integer >= 1")
+    if req.steps < 1:
+        raise InputError("steps", req.steps, "an integer >= 1")
+    for i, ref in enumerate(req.reference_latents):
+        if ref.dim() != 4 or ref.shape[1] != in_channels:
+            raise InputError(f"reference latent {i}", tuple(ref.shape), f"[1, {in_channels}, h, w]")
+
+
+def sample(
+    engine: DecodeEngine,
+    req: SamplingRequest,
+    on_step: Callable[[int, int, torch.Tensor], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    on_event: Callable[[str, dict], None] | None = None,
+) -> SampleResult:
+    transformer = engine.transformer
+    param = next(transformer.parameters())
+    device, dtype = param.device, param.dtype
+    channels = transformer.config.in_channels
+    _validate(req, channels)
+    emit = on_event or (lambda name, data: None)
+    sigmas_in = resolve_sigmas(req.sigma_preset, req.steps, req.sigmas)
+    height, width, batch = req.latent_height, req.latent_width, req.batch_size
+
+    # Everything below runs outside inference mode so tensors handed to the static graph buffers and compiled
+    # blocks are normal tensors (ComfyUI calls nodes under `torch.inference_mode()`).
+    with torch.inference_mode(False), torch.no_grad():
+        noise = initial_noise(req.seed, batch, channels, height, width, dtype).to(device)
+        timesteps, sigmas = build_schedule(req.scheduler_config, req.steps, height * width, sigmas_in, req.denoise,
+                                           device)
+        latents = pack(noise)
+        if req.init_latents is not None:
+            init = pack(req.init_latents.to(device, dtype).expand(batch, -1, -1, -1))
+            start = sigmas[0]
+            latents = (start * latents.float() + (1.0 - start) * init.float()).to(dtype)
+        elif req.denoise < 1.0:
+            raise InputError("denoise", req.denoise, "1.0 unless an input latent to start from is given")
+
+        cond_tokens = None
+        if req.reference_latents:
+            cond_tokens = torch.cat([pack(r.to(device, dtype)) for r in req.reference_latents], dim=1)
+            cond_tokens = cond_tokens.expand(batch, -1, -1)
+        img_shapes = [(1, r.shape[2], r.shape[3]) for r in req.reference_latents] + [(1, height, width)]
+        branches = [("cond", req.positive)] + ([("uncond", req.negative)] if req.do_cfg else [])
+        inputs = {}
+        for name, embeds in branches:
+            layout = TokenLayout.build(embeds.image_mask, img_shapes, device)
+            inputs[name] = (layout, *embeds.for_batch(batch, device, dtype))
+
+        if req.compile:
+            compile_started = engine.enable_compile()
+        else:
+            compile_started = False
+        stats_before = engine.manager.stats.snapshot()
+        prefixes = {}
+        paths: list[str] = []
+        timings = {"steps": len(timesteps)}
+        total = len(timesteps)
+        loop_start = _now(device)
+        decode_start = loop_start
+        try:
+            for i, t in enumerate(timesteps):
+                if should_stop is not None and should_stop():
+                    raise Cancelled(f"stopped before step {i + 1} of {total}")
+                timestep = t.expand(batch).to(dtype) / 1000
+                preds = {}
+                for name, _ in branches:
+                    layout, embeds, text_mask = inputs[name]
+                    if i == 0:
+                        hidden = latents if cond_tokens is None else torch.cat([cond_tokens, latents], dim=1)
+                        preds[name], prefixes[name] = engine.prefill(layout, hidden, embeds, timestep, text_mask,
+                                                                     branch=name)
+                        paths.append("prefill")
+                    else:
+                        outcome = engine.decode(prefixes[name], latents, timestep, req.decode_mode)
+                        preds[name] = outcome.output
+                        paths.append(outcome.path)
+                        if outcome.path == "capture":
+                            emit("capture", {"branch": name, "step": i + 1})
+                        elif outcome.reason is not None and i == 1:
+                            emit("fallback", {"branch": name, "reason": outcome.reason})
+                if i == 0:
+                    # One sync after the prefill and one at the end: per-step syncs would stall eager launches.
+                    decode_start = _now(device)
+                    timings["prefill_ms"] = decode_start - loop_start
+                    emit("prefill", {"ms": round(timings["prefill_ms"], 2),
+                                     "prefix_tokens": inputs["cond"][0].prefix_len,
+                                     "target_tokens": inputs["cond"][0].target_tokens})
+                elif i == 1 and paths[-1] in ("replay", "capture"):
+                    emit("replay", {"step": i + 1})
+                noise_pred = preds["cond"]
+                if "uncond" in preds:
+                    noise_pred = preds["uncond"] + req.cfg * (noise_pred - preds["uncond"])
+                latents = euler_step(latents, noise_pred, sigmas[i], sigmas[i + 1])
+                if on_step is not None:
+                    on_step(i + 1, total, unpack(latents, height, width))
+        finally:
+            for prefix in prefixes.values():
+                prefix.release()
+            prefixes.clear()
+        decode_ms = _now(device) - decode_start if total > 1 else 0.0
+        timings["decode_ms_per_step"] = decode_ms / max(1, total - 1)
+        timings["decode_ms_total"] = decode_ms
+        stats = engine.manager.stats.delta(stats_before)
+        stats["compiled"] = engine.step.compiled
+        stats["compiles"] = 1 if compile_started else 0
+        emit("done", {**stats, **{k: round(v, 2) for k, v in timings.items() if isinstance(v, float)}})
+        return SampleResult(unpack(latents, height, width), timings, stats, paths)
+
+
+def _now(device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter() * 1e3

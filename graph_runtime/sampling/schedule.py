@@ -1,0 +1,73 @@
+"""Sigma schedules: diffusers' flow-match Euler scheduler computes them, so they equal the reference pipeline's."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from diffusers import FlowMatchEulerDiscreteScheduler
+from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+
+from ..errors import InputError
+
+# Qwen-Image-2.1 Turbo's fixed 8-step grid.
+TURBO_SIGMAS = (1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568)
+SIGMA_PRESETS = ("dynamic", "turbo")
+
+# Used when a model comes without a scheduler config (ComfyUI single files): Qwen-Image's flow-match settings.
+DEFAULT_SCHEDULER_CONFIG = {
+    "num_train_timesteps": 1000, "shift": 1.0, "use_dynamic_shifting": True, "base_shift": 0.5, "max_shift": 0.9,
+    "base_image_seq_len": 256, "max_image_seq_len": 8192, "shift_terminal": 0.02, "time_shift_type": "exponential",
+}
+
+
+def resolve_sigmas(preset: str | None, steps: int, sigmas=None) -> list[float] | None:
+    """Explicit sigmas win; 'turbo' is the fixed grid; 'dynamic' (None) lets the pipeline's default apply."""
+    if sigmas is not None:
+        values = [float(s) for s in sigmas]
+        if not values or any(not (0.0 < s <= 1.0) for s in values) or values != sorted(values, reverse=True):
+            raise InputError("sigmas", sigmas, "a non-empty, decreasing list of values in (0, 1]")
+        return values
+    if preset in (None, "dynamic"):
+        if steps < 1:
+            raise InputError("steps", steps, "an integer >= 1")
+        return None
+    if preset == "turbo":
+        return list(TURBO_SIGMAS)
+    raise InputError("sigma preset", preset, f"one of {', '.join(SIGMA_PRESETS)}")
+
+
+def build_schedule(scheduler_config: dict | None, steps: int, image_seq_len: int, sigmas=None, denoise: float = 1.0,
+                   device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """Return `(timesteps [N], sigmas [N + 1])` exactly as `QwenImage21Pipeline` computes them.
+
+    `denoise < 1` keeps the last `steps` steps of a `round(steps / denoise)`-step schedule, as ComfyUI's samplers
+    do for img2img.
+    """
+    if not (0.0 < denoise <= 1.0):
+        raise InputError("denoise", denoise, "a value in (0, 1]")
+    config = dict(DEFAULT_SCHEDULER_CONFIG)
+    config.update(scheduler_config or {})
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    if sigmas is None:
+        total = steps if denoise >= 1.0 else max(steps, int(round(steps / denoise)))
+        sigmas = np.linspace(1.0, 1 / total, total)
+    else:
+        total = len(sigmas)
+        steps = total if denoise >= 1.0 else max(1, int(round(total * denoise)))
+    mu = calculate_shift(
+        image_seq_len,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", 1.15),
+    )
+    scheduler.set_timesteps(sigmas=sigmas, device=device, mu=mu)
+    timesteps, all_sigmas = scheduler.timesteps, scheduler.sigmas
+    if len(timesteps) > steps:
+        timesteps, all_sigmas = timesteps[-steps:], all_sigmas[-(steps + 1):]
+    return timesteps, all_sigmas
+
+
+def euler_step(latents: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor):
+    """Flow-match Euler, upcast to fp32 for the update and cast back, as diffusers' scheduler steps."""
+    return (latents.float() + (sigma_next - sigma) * velocity).to(velocity.dtype)

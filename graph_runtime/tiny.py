@@ -1,0 +1,186 @@
+"""Tiny random Qwen-Image-2.1 models, built offline in seconds.
+
+They drive the CPU tests, the CLI's built-in default and the end-to-end tests against a real ComfyUI. The
+architecture is the real one (single-stream DiT, Qwen3-VL text encoder, 16x VAE) at toy widths, written in the real
+on-disk layouts so every loader path is exercised exactly as it is with the full 30 GB of weights.
+
+The tokenizer keeps the real Qwen token ids of the special tokens (`<|im_start|>` = 151644, `<|image_pad|>` =
+151655, ...) and the text encoder keeps the real vocabulary size, so one tiny text encoder works with this
+tokenizer and with the real Qwen tokenizer that ComfyUI bundles.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+# The real Qwen2/Qwen3 special tokens, in id order from 151643.
+QWEN_SPECIAL_TOKENS = [
+    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
+    "<|box_start|>", "<|box_end|>", "<|quad_start|>", "<|quad_end|>", "<|vision_start|>", "<|vision_end|>",
+    "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>",
+]
+FIRST_SPECIAL_ID = 151643
+QWEN_VOCAB_SIZE = 151936
+
+TINY_TRANSFORMER = dict(
+    patch_size=1, in_channels=64, out_channels=64, num_layers=2, attention_head_dim=16, num_attention_heads=2,
+    context_in_dim=64, mlp_ratio=3, axes_dims_rope=(4, 6, 6), eps=1e-6, causal_condition=True,
+)
+TINY_VAE = dict(base_dim=8, decoder_base_dim=8, z_dim=64, num_res_blocks=1)
+
+# Qwen2's pre-tokenizer split pattern (contractions, letters, single digits, punctuation runs, whitespace).
+_QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# A chat template rendering each turn as `<|im_start|>{role}\n{text}<|im_end|>\n`, images as vision blocks: what
+# Qwen3-VL's own template renders for the turns the Qwen-Image pipeline builds.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+_CORPUS = [
+    "A capybara wearing a wizard hat, reading a book by candlelight, oil painting.",
+    "Comprehend and analyze the provided prompt. A photo of a red cube on a blue sphere at sunset.",
+    "Make the sky purple and add a small boat. Replace the background with a snowy mountain.",
+    "portrait, studio lighting, 35mm film, highly detailed, sharp focus, bokeh, golden hour",
+    "user assistant system image picture the a an of in on with and",
+]
+
+
+def build_tokenizer():
+    """A byte-level BPE tokenizer with Qwen's pre-tokenizer and special tokens at their real ids."""
+    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers, trainers
+    from transformers import Qwen2TokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Split(Regex(_QWEN_SPLIT), behavior="isolated"),
+         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)]
+    )
+    trainer = trainers.BpeTrainer(vocab_size=600, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(_CORPUS * 4, trainer=trainer)
+    state = json.loads(tok.to_str())
+    vocab = dict(state["model"]["vocab"])
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in state["model"]["merges"]]
+    # Unused filler entries push the special tokens to Qwen's ids; BPE never produces them.
+    for i in range(len(vocab), FIRST_SPECIAL_ID):
+        vocab[f"<|unused_{i}|>"] = i
+    fast = Qwen2TokenizerFast(vocab=vocab, merges=merges, unk_token=None, bos_token=None, eos_token=None,
+                              pad_token=None)
+    # Added in id order, in one call, so each lands on its real Qwen id.
+    fast.add_tokens([AddedToken(t, special=True, normalized=False) for t in QWEN_SPECIAL_TOKENS], special_tokens=True)
+    fast.eos_token, fast.pad_token = "<|im_end|>", "<|endoftext|>"
+    for offset, name in enumerate(QWEN_SPECIAL_TOKENS):
+        got = fast.convert_tokens_to_ids(name)
+        if got != FIRST_SPECIAL_ID + offset:
+            raise RuntimeError(f"tiny tokenizer put {name} at id {got}, expected {FIRST_SPECIAL_ID + offset}")
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_processor(tokenizer=None):
+    """Qwen3-VL's processor with Qwen3-VL's image settings (16 px patches, 2x2 merge, mean/std 0.5)."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        size={"shortest_edge": 64 * 64, "longest_edge": 16777216},
+    )
+    video_processor = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2)
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer or build_tokenizer(),
+                            video_processor=video_processor, chat_template=CHAT_TEMPLATE)
+
+
+def tiny_text_encoder_config():
+    from transformers import Qwen3VLConfig
+
+    return Qwen3VLConfig(
+        text_config=dict(
+            hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=16, vocab_size=QWEN_VOCAB_SIZE, max_position_embeddings=4096, rms_norm_eps=1e-6,
+            rope_parameters={"rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [2, 3, 3],
+                             "mrope_interleaved": True},
+        ),
+        vision_config=dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64,
+                           deepstack_visual_indexes=[0], num_position_embeddings=256, patch_size=16,
+                           spatial_merge_size=2, temporal_patch_size=2),
+        image_token_id=151655, video_token_id=151656, vision_start_token_id=151652, vision_end_token_id=151653,
+        tie_word_embeddings=True,
+    )
+
+
+def build_tiny_components(seed: int = 0):
+    """Random tiny transformer, VAE, text encoder, processor and scheduler (fp32, CPU)."""
+    from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel
+    from transformers import Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    transformer = QwenImage21Transformer2DModel(**TINY_TRANSFORMER).eval()
+    # Zero-init weights would make the model trivially constant; give every weight real variation.
+    with torch.no_grad():
+        for name, p in transformer.named_parameters():
+            if "norm" in name and p.dim() == 1:
+                p.normal_(0.0, 0.1)
+            else:
+                p.normal_(0.0, 0.5 / max(1, p.shape[-1]) ** 0.5)
+    vae = AutoencoderKLQwenImage21(**TINY_VAE).eval()
+    text_encoder = Qwen3VLForConditionalGeneration(tiny_text_encoder_config()).eval()
+    processor = build_processor()
+    scheduler = FlowMatchEulerDiscreteScheduler(
+        num_train_timesteps=1000, shift=1.0, use_dynamic_shifting=True, base_shift=0.5, max_shift=0.9,
+        base_image_seq_len=256, max_image_seq_len=8192, shift_terminal=0.02, time_shift_type="exponential",
+    )
+    return dict(transformer=transformer, vae=vae, text_encoder=text_encoder, processor=processor,
+                scheduler=scheduler)
+
+
+def write_diffusers_folder(out_dir: str | os.PathLike, seed: int = 0) -> Path:
+    """Write a complete tiny Qwen-Image-2.1 in the Hugging Face diffusers layout and return its path."""
+    from diffusers import QwenImage21Pipeline
+
+    out = Path(out_dir)
+    parts = build_tiny_components(seed)
+    pipe = QwenImage21Pipeline(**parts)
+    pipe.save_pretrained(out, safe_serialization=True)
+    return out
+
+
+def write_comfyui_files(models_dir: str | os.PathLike, seed: int = 0) -> dict[str, Path]:
+    """Write the tiny model as the single files ComfyUI's own Qwen-Image-2.1 template uses.
+
+    Layout: `diffusion_models/qwen_image_2.1_bf16.safetensors`, `text_encoders/qwen3vl_8b_bf16.safetensors`,
+    `vae/qwen_image_2.1_vae_bf16.safetensors`, each in ComfyUI's key layout and bf16.
+    """
+    from .loading.comfy_layout import (
+        text_encoder_to_comfy_state_dict, transformer_to_comfy_state_dict, vae_to_comfy_state_dict,
+    )
+    from safetensors.torch import save_file
+
+    parts = build_tiny_components(seed)
+    root = Path(models_dir)
+    files = {
+        "transformer": root / "diffusion_models" / "qwen_image_2.1_bf16.safetensors",
+        "text_encoder": root / "text_encoders" / "qwen3vl_8b_bf16.safetensors",
+        "vae": root / "vae" / "qwen_image_2.1_vae_bf16.safetensors",
+    }
+    state_dicts = {
+        "transformer": transformer_to_comfy_state_dict(parts["transformer"].state_dict()),
+        "text_encoder": text_encoder_to_comfy_state_dict(parts["text_encoder"].state_dict()),
+        "vae": vae_to_comfy_state_dict(parts["vae"].state_dict()),
+    }
+    for name, path in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in state_dicts[name].items()}
+        save_file(tensors, str(path), metadata={"format": "pt"})
+    return files
