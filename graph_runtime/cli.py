@@ -73,7 +73,7 @@ def cmd_generate(args) -> int:
         result = generator.generate(
             args.prompt, negative_prompt=args.negative, cfg=args.cfg, images=images, width=args.width,
             height=args.height, steps=args.steps, seed=args.seed, sigma_preset=args.sigmas, decode_mode=args.decode,
-            compile=args.compile, batch_size=args.batch, reference_resolution=args.reference_resolution,
+            compile=args.compile == "blocks", batch_size=args.batch, reference_resolution=args.reference_resolution,
         )
         timings = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.timings.items()}
         print(f"run {run + 1}: load {load_s:.2f} s (first run only) | " + " | ".join(
@@ -130,7 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--batch", type=int, default=1)
     gen.add_argument("--sigmas", choices=["dynamic", "turbo"], default="dynamic")
     gen.add_argument("--decode", choices=["auto", "graph", "eager"], default="auto")
-    gen.add_argument("--compile", action="store_true", help="torch.compile the blocks (once per loaded model)")
+    gen.add_argument("--compile", choices=["blocks", "off"], default="blocks",
+                     help="torch.compile the blocks on CUDA, once per loaded model and shape (default blocks: the "
+                          "fastest path in our benchmark)")
     gen.add_argument("--reference-resolution", type=int, default=1024, help="references are resized to ~N*N px")
     gen.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on CPU")
     gen.add_argument("--device", default=None, help="default cuda when available")

@@ -43,17 +43,27 @@ def static_reason(transformer: torch.nn.Module) -> str | None:
     return None
 
 
-def request_reason(transformer: torch.nn.Module, prefix_k: torch.Tensor, key_valid) -> str | None:
-    """Checks that depend on the request."""
+def request_reason(kv_dtype: torch.dtype, key_valid) -> str | None:
+    """Checks that depend on the request (cheap: they run every step)."""
     if torch.compiler.is_compiling():
         return COMPILING
-    if has_lora_wrappers(transformer):
-        return LORA
     if key_valid is not None:
         return PADDED_TEXT
-    if prefix_k.dtype not in _FLOAT_KV:
+    if kv_dtype not in _FLOAT_KV:
         return QUANTIZED_KV
     return None
+
+
+class StructureWatch:
+    """Notices, cheaply enough to run every step, when a Linear of the model is replaced or grows submodules:
+    how LoRA wrappers appear (PEFT swaps in its own layer; others hang `lora_*` modules on the Linear)."""
+
+    def __init__(self, module: torch.nn.Module):
+        self._slots = [(parent, name, child) for parent in module.modules()
+                       for name, child in parent._modules.items() if isinstance(child, torch.nn.Linear)]
+
+    def changed(self) -> bool:
+        return any(parent._modules.get(name) is not child or child._modules for parent, name, child in self._slots)
 
 
 def has_lora_wrappers(module: torch.nn.Module) -> bool:

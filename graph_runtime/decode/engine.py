@@ -7,13 +7,12 @@ graphs survive from one generation to the next as long as the model stays loaded
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from .graph_manager import DecodeGraphManager, DecodeOutcome
 from .layout import TokenLayout
-from .prefill import PrefixCache, run_prefill
+from .prefill import OwnerToken, PrefixCache, run_prefill
 from .step import DecodeStep
 
 logger = logging.getLogger("kvgraph")
@@ -23,24 +22,46 @@ class DecodeEngine:
     def __init__(self, transformer: torch.nn.Module, max_entries: int = 4, backend=None):
         self.manager = DecodeGraphManager(transformer, max_entries=max_entries, backend=backend)
         self.step = DecodeStep(transformer)
-        self.compile_seconds = 0.0
         self.compiles = 0
 
     @property
     def transformer(self):
         return self.manager.transformer
 
+    def __reduce__(self):
+        # A deep copy or pickle of the transformer must not share (or try to serialize) this engine's graphs and
+        # lock: the copy gets no engine and creates its own on first use.
+        return (_no_engine, ())
+
     def enable_compile(self) -> bool:
-        """Compile the blocks once per loaded model. Returns True when this call did the (lazy) compile setup."""
+        """Compile the blocks once per loaded model (lazily: the first decode of each shape compiles).
+
+        Only on CUDA: on CPU the compile costs more than it saves and needs a C++ toolchain. Returns True when
+        this call set the compile up.
+        """
         if self.step.compiled:
+            return False
+        device = next(self.transformer.parameters()).device
+        if device.type != "cuda":
+            logger.info("KV-Graph: block compile skipped: the model is on %s, not CUDA.", device)
             return False
         self.step.compile_blocks()
         self.compiles += 1
         return True
 
     def prefill(self, layout: TokenLayout, latents, encoder_hidden_states, timestep, text_mask=None,
-                branch="cond") -> tuple[torch.Tensor, PrefixCache]:
-        return run_prefill(self.transformer, layout, latents, encoder_hidden_states, timestep, text_mask, branch)
+                branch="cond", mode="auto") -> tuple[torch.Tensor, PrefixCache]:
+        """Step 1. When this request can own a graph entry, the prefix goes straight into its static buffers."""
+        token = OwnerToken()
+        entry = self.manager.claim(self.step, token, branch, layout, latents.shape[0],
+                                   layout.joint_key_valid(text_mask), mode)
+        static_kv = None if entry is None else (entry.inputs.k, entry.inputs.v)
+        out, prefix = run_prefill(self.transformer, layout, latents, encoder_hidden_states, timestep, text_mask,
+                                  branch, static_kv=static_kv)
+        prefix.owner = token
+        if entry is not None:
+            self.manager.bind(entry, prefix)
+        return out, prefix
 
     def decode(self, prefix: PrefixCache, hidden: torch.Tensor, timestep: torch.Tensor, mode="auto") -> DecodeOutcome:
         return self.manager.decode(self.step, prefix, hidden, timestep, mode)
@@ -50,16 +71,9 @@ class DecodeEngine:
 
     def status(self) -> dict:
         status = self.manager.status()
-        status.update(compiled=self.step.compiled, compiles=self.compiles)
+        status.update(compiled=bool(self.step.compiled), compiles=self.compiles)
         return status
 
 
-def timed(fn, device) -> tuple[object, float]:
-    """Run `fn` and return its result with its wall time in ms, synchronizing CUDA so the time is the GPU's."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    start = time.perf_counter()
-    result = fn()
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return result, (time.perf_counter() - start) * 1e3
+def _no_engine():
+    return None

@@ -49,6 +49,30 @@ class FailedEntry:
     detail: str
 
 
+@dataclass(frozen=True)
+class EntrySpec:
+    """Shapes and dtypes of an entry's static buffers, known before the prefill runs."""
+
+    batch: int
+    prefix_len: int
+    target_tokens: int
+    heads: int
+    head_dim: int
+    num_blocks: int
+    in_channels: int
+    dtype: torch.dtype
+    device: torch.device
+
+    @classmethod
+    def for_request(cls, transformer, layout, batch: int) -> "EntrySpec":
+        config = transformer.config
+        param = next(transformer.parameters())
+        return cls(batch=batch, prefix_len=layout.prefix_len, target_tokens=layout.target_tokens,
+                   heads=config.num_attention_heads, head_dim=config.attention_head_dim,
+                   num_blocks=len(transformer.transformer_blocks), in_channels=config.in_channels,
+                   dtype=param.dtype, device=param.device)
+
+
 class DecodeGraphEntry:
     """Static buffers for one key, and the graph once captured.
 
@@ -56,23 +80,20 @@ class DecodeGraphEntry:
     in (ComfyUI runs nodes under `torch.inference_mode()`).
     """
 
-    def __init__(self, key: GraphKey, prefix: PrefixCache, in_channels: int, dtype: torch.dtype):
-        batch, prefix_len, heads, head_dim = prefix.k[0].shape
-        target = prefix.layout.target_tokens
-        device = prefix.k[0].device
+    def __init__(self, key: GraphKey, spec: EntrySpec):
         self.key = key
         with torch.inference_mode(False):
-            kv_shape = (batch, prefix_len + target, heads, head_dim)
+            kv_shape = (spec.batch, spec.prefix_len + spec.target_tokens, spec.heads, spec.head_dim)
+            rope_shape = (spec.target_tokens, 1, spec.head_dim // 2)
+            zeros = lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=spec.device)  # noqa: E731
             self.inputs = DecodeInputs(
-                hidden=torch.zeros(batch, target, in_channels, dtype=dtype, device=device),
-                timestep=torch.zeros(batch, dtype=dtype, device=device),
-                k=[torch.zeros(kv_shape, dtype=k.dtype, device=device) for k in prefix.k],
-                v=[torch.zeros(kv_shape, dtype=v.dtype, device=device) for v in prefix.v],
-                # The target RoPE tables depend only on the layout, which the key pins; clone them out of the
-                # prefill's (possibly inference-mode) tensors.
-                cos=prefix.cos.clone(),
-                sin=prefix.sin.clone(),
-                prefix_len=prefix_len,
+                hidden=zeros((spec.batch, spec.target_tokens, spec.in_channels), spec.dtype),
+                timestep=zeros((spec.batch,), spec.dtype),
+                k=[zeros(kv_shape, spec.dtype) for _ in range(spec.num_blocks)],
+                v=[zeros(kv_shape, spec.dtype) for _ in range(spec.num_blocks)],
+                cos=zeros(rope_shape, torch.float32),
+                sin=zeros(rope_shape, torch.float32),
+                prefix_len=spec.prefix_len,
                 static_kv=True,
             )
         self.graph = None
@@ -80,8 +101,15 @@ class DecodeGraphEntry:
         self.captures = 0
         self.replays = 0
         self.pool_bytes = 0
+        self.warmup_seconds = 0.0
+        self.capture_seconds = 0.0
         self.weights_fingerprint: int | None = None
         self._sources: list[tuple[weakref.ReferenceType, int | None]] = []
+
+    def set_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
+        """The target RoPE tables depend only on the layout, which the key pins; copied once per registration."""
+        self.inputs.cos.copy_(cos)
+        self.inputs.sin.copy_(sin)
 
     @property
     def nbytes(self) -> int:
@@ -104,7 +132,8 @@ class DecodeGraphEntry:
         sources = [*prefix.k, *prefix.v]
         versions = [None if t.is_inference() else t._version for t in sources]
         if len(sources) == len(self._sources) and all(
-            ref() is t and version == seen for (ref, seen), t, version in zip(self._sources, sources, versions)
+            ref() is t and (seen is None or version == seen)
+            for (ref, seen), t, version in zip(self._sources, sources, versions)
         ):
             return False
         prefix_len = self.inputs.prefix_len
@@ -115,6 +144,14 @@ class DecodeGraphEntry:
 
     def forget_prefix(self) -> None:
         self._sources = []
+
+    def mark_current(self, prefix: PrefixCache) -> None:
+        """Record `prefix` as what the buffers hold: the prefill wrote it there, and its tensors are views of them.
+
+        No version is recorded: the views share the buffers' version counter, which every decode step bumps by
+        writing the target rows, while the prefix rows themselves are only ever written by a prefill.
+        """
+        self._sources = [(weakref.ref(t), None) for t in (*prefix.k, *prefix.v)]
 
 
 class CudaGraphBackend:
@@ -129,6 +166,11 @@ class CudaGraphBackend:
     def __init__(self):
         self._pool = None
 
+    def reset_pool(self) -> None:
+        """Forget the pool once no captured graph uses it: the allocator frees a private pool with its last graph,
+        and capturing into the stale handle afterwards trips an internal assert."""
+        self._pool = None
+
     def unavailable_reason(self, transformer) -> str | None:
         from .eligibility import static_reason
 
@@ -139,7 +181,6 @@ class CudaGraphBackend:
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         start = time.perf_counter()
-        reserved_before = torch.cuda.memory_reserved(device)
         # Warm up on a side stream with the exact computation to record, so cuBLAS workspaces, autotuning and lazy
         # buffers are created outside the capture. Decode only writes the target rows of the static K/V, which
         # the captured run overwrites, so warm-up runs are idempotent.
@@ -149,6 +190,11 @@ class CudaGraphBackend:
             for _ in range(2):
                 body(entry.inputs)
         torch.cuda.current_stream(device).wait_stream(side)
+        torch.cuda.synchronize(device)
+        # Warm-up includes compiling the blocks the first time a compiled step meets a shape.
+        entry.warmup_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        reserved_before = torch.cuda.memory_reserved(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
             entry.output = body(entry.inputs)

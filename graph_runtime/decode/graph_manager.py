@@ -3,24 +3,29 @@
 It owns the captured graphs and their static buffers, decides per step whether to replay or run eagerly, and
 keeps the statistics. A second generation with the same shapes finds its entry and replays without capturing.
 
-Ownership: the first live request to use a key owns its entry, tracked by a weak reference to the request's prefix
-K of block 0. While that request is alive, another request with the same key runs eagerly (correct, and logged
-once), because refreshing the static buffers would overwrite the owner's prefix mid-generation. When the owner's
-cache is released the reference dies and the key is free again.
+Ownership: the first live request to use a key owns its entry, tracked by a weak reference to the request's owner
+token (held by its prefix cache). While that request is alive, another request with the same key runs eagerly
+(correct, and logged once), because refreshing the static buffers would overwrite the owner's prefix mid-
+generation. When the owner's cache is released the reference dies and the key is free again.
+
+A request normally claims its entry before its prefill, which then writes the prefix straight into the entry's
+buffers; a request that could not claim at prefill time (the key was owned, or the entry was evicted since) gets
+its own prefix copied in at its first graph step instead, and only when the source tensors changed.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import weakref
 from collections import OrderedDict
 from typing import NamedTuple
 
 import torch
 
 from . import eligibility as why
-from .graph_entry import CudaGraphBackend, DecodeGraphEntry, FailedEntry, GraphKey
-from .prefill import PrefixCache
+from .graph_entry import CudaGraphBackend, DecodeGraphEntry, EntrySpec, FailedEntry, GraphKey
+from .prefill import OwnerToken, PrefixCache
 from .stats import DecodeStats
 from .step import DecodeInputs, DecodeStep
 
@@ -35,87 +40,136 @@ class DecodeOutcome(NamedTuple):
     reason: str | None  # why eager, else None
 
 
+def check_mode(mode: str) -> str:
+    if mode not in DECODE_MODES:
+        raise ValueError(f"decode mode {mode!r} is invalid: expected one of {', '.join(DECODE_MODES)}")
+    return mode
+
+
+def make_key(step: DecodeStep, branch: str, batch: int, layout, dtype, device) -> GraphKey:
+    return GraphKey(branch=branch, batch=batch, layout=layout.signature, dtype=str(dtype).removeprefix("torch."),
+                    device=str(device), backend=step.variant())
+
+
 class DecodeGraphManager:
     def __init__(self, transformer: torch.nn.Module, max_entries: int = 4, backend=None):
-        import weakref
-
         self._transformer = weakref.ref(transformer)
         self.max_entries = max_entries
         self.backend = backend if backend is not None else CudaGraphBackend()
         self.entries: OrderedDict[GraphKey, DecodeGraphEntry | FailedEntry] = OrderedDict()
-        self._owners: dict[GraphKey, object] = {}
+        self._owners: dict[GraphKey, weakref.ReferenceType] = {}
         self.stats = DecodeStats()
         self._logged: set[str] = set()
         # Replay + clone must be atomic: route handlers and some ComfyUI forks call in from other threads.
         self.lock = threading.RLock()
         self.name = type(transformer).__name__
+        # Per-step checks must cost well under a millisecond of host time, so the whole-model scans (devices,
+        # hooks, LoRA wrappers) run at every request start and again only when the weights' addresses change.
+        self._params: list | None = None
+        self._watch: why.StructureWatch | None = None
+        self._static: tuple = (None, None)  # (weights fingerprint, reason or None)
 
     @property
     def transformer(self):
         return self._transformer()
 
+    # -- claiming an entry before the prefill -------------------------------------------------------------------
+
+    @torch.no_grad()
+    def claim(self, step: DecodeStep, token: OwnerToken, branch: str, layout, batch: int, key_valid,
+              mode: str) -> DecodeGraphEntry | None:
+        """Reserve the entry for this request's key, so its prefill can write the prefix into the static buffers.
+
+        Returns None when the request will not replay (ineligible, owned by another live request, failed key);
+        its decode steps then say why.
+        """
+        if check_mode(mode) == "eager":
+            return None
+        transformer = self.transformer
+        # Modules may have been hooked or wrapped since the last request: rescan everything once.
+        self._params, self._watch, self._static = None, None, (None, None)
+        spec = EntrySpec.for_request(transformer, layout, batch)
+        if self._blocker(spec.dtype, key_valid, self._fingerprint()) is not None:
+            return None
+        key = make_key(step, branch, batch, layout, spec.dtype, spec.device)
+        with self.lock:
+            entry = self._lookup_or_register(key, lambda: spec)
+            if not isinstance(entry, DecodeGraphEntry) or self._owned_by_other(key, token):
+                return None
+            self._owners[key] = weakref.ref(token)
+            entry.forget_prefix()
+            return entry
+
+    @torch.no_grad()
+    def bind(self, entry: DecodeGraphEntry, prefix: PrefixCache) -> None:
+        """After a prefill into `entry`'s buffers: the buffers hold `prefix`, and the rope tables are set."""
+        with self.lock:
+            entry.set_rope(prefix.cos, prefix.sin)
+            entry.mark_current(prefix)
+
     # -- the per-step entry point --------------------------------------------------------------------------------
 
+    @torch.no_grad()
     def decode(self, step: DecodeStep, prefix: PrefixCache, hidden: torch.Tensor, timestep: torch.Tensor,
                mode: str = "auto") -> DecodeOutcome:
         """One decode step for `prefix`'s request: replay its graph when it may, else run eagerly."""
-        if mode not in DECODE_MODES:
-            raise ValueError(f"decode mode {mode!r} is invalid: expected one of {', '.join(DECODE_MODES)}")
-        reason = why.MODE_EAGER if mode == "eager" else self._graph_blocker(prefix)
+        if check_mode(mode) == "eager":
+            return self._eager(step, prefix, hidden, timestep, why.MODE_EAGER, mode)
+        fingerprint = self._fingerprint()
+        reason = self._blocker(prefix.k[0].dtype, prefix.key_valid, fingerprint)
         if reason is None:
             with self.lock:
-                outcome = self._replay(step, prefix, hidden, timestep, mode)
+                outcome = self._replay(step, prefix, hidden, timestep, fingerprint)
             if outcome.reason is None:
                 return outcome
             reason = outcome.reason
         return self._eager(step, prefix, hidden, timestep, reason, mode)
 
-    def _graph_blocker(self, prefix: PrefixCache) -> str | None:
-        transformer = self.transformer
-        reason = self.backend.unavailable_reason(transformer)
-        if reason is None:
-            reason = why.request_reason(transformer, prefix.k[0], prefix.key_valid)
-        if reason == why.LORA and self.entries:
-            with self.lock:
-                self._drop_all()
-        return reason
+    def _fingerprint(self) -> tuple:
+        """The weights' addresses: a captured graph is valid only while this is unchanged."""
+        if self._params is None:
+            self._params = list(self.transformer.parameters())
+            self._watch = why.StructureWatch(self.transformer)
+        return tuple(p.data_ptr() for p in self._params)
 
-    def key_for(self, step: DecodeStep, prefix: PrefixCache, hidden: torch.Tensor) -> GraphKey:
-        return GraphKey(
-            branch=prefix.branch,
-            batch=prefix.batch,
-            layout=prefix.layout.signature,
-            dtype=str(hidden.dtype).removeprefix("torch."),
-            device=str(hidden.device),
-            backend="sdpa" + ("+compiled-blocks" if step.compiled else ""),
-        )
+    def _blocker(self, kv_dtype, key_valid, fingerprint) -> str | None:
+        seen, reason = self._static
+        if seen != fingerprint or self._watch.changed():
+            transformer = self.transformer
+            reason = self.backend.unavailable_reason(transformer)
+            if reason is None and why.has_lora_wrappers(transformer):
+                reason = why.LORA
+            self._static = (fingerprint, reason)
+            self._params, self._watch = None, None  # rescan the new module tree once, not every step
+            if reason == why.LORA and self.entries:
+                with self.lock:
+                    self._remove(list(self.entries))
+        return reason or why.request_reason(kv_dtype, key_valid)
 
-    def _replay(self, step, prefix, hidden, timestep, mode) -> DecodeOutcome:
-        key = self.key_for(step, prefix, hidden)
-        entry = self.entries.get(key)
-        if entry is None:
-            entry = self._register(key, prefix, hidden)
-        else:
-            self.entries.move_to_end(key)
+    def _replay(self, step, prefix, hidden, timestep, fingerprint) -> DecodeOutcome:
+        key = prefix.graph_key
+        if key is None:
+            key = prefix.graph_key = make_key(step, prefix.branch, prefix.batch, prefix.layout, hidden.dtype,
+                                              hidden.device)
+        entry = self._lookup_or_register(
+            key, lambda: EntrySpec.for_request(self.transformer, prefix.layout, prefix.batch))
         if isinstance(entry, FailedEntry):
             return DecodeOutcome(None, "eager", entry.reason)
-
-        owner = self._owners.get(key)
-        owner_k = owner() if owner is not None else None
-        if owner_k is not None and owner_k is not prefix.k[0]:
+        if self._owned_by_other(key, prefix.owner):
             return DecodeOutcome(None, "eager", why.OWNED)
-        if owner_k is None:
-            self._owners[key] = prefix.owner_token()
+        owner = self._owners.get(key)
+        if owner is None or owner() is None:
+            self._owners[key] = prefix.owner_ref()
             entry.forget_prefix()
 
-        fingerprint = _weights_fingerprint(self.transformer)
         if entry.graph is not None and entry.weights_fingerprint != fingerprint:
             # A captured graph reads weights at the addresses it was captured with: never replay it stale.
-            self._drop_graphs()
+            self._remove([k for k, e in self.entries.items() if isinstance(e, DecodeGraphEntry)])
             return DecodeOutcome(None, "eager", why.WEIGHTS_MOVED)
 
         entry.load_inputs(hidden, timestep)
-        entry.refresh_prefix(prefix)
+        if entry.refresh_prefix(prefix):
+            entry.set_rope(prefix.cos, prefix.sin)
         path = "replay"
         if entry.graph is None:
             try:
@@ -125,32 +179,49 @@ class DecodeGraphManager:
                 return DecodeOutcome(None, "eager", why.CAPTURE_FAILED)
             entry.weights_fingerprint = fingerprint
             self.stats.captures += 1
-            self.stats.capture_seconds += getattr(entry, "capture_seconds", 0.0)
-            logger.info("KV-Graph: captured decode graph %s in %.2f s", key.describe(),
-                        getattr(entry, "capture_seconds", 0.0))
+            self.stats.capture_seconds += entry.capture_seconds
+            logger.info("KV-Graph: captured decode graph %s in %.2f s (warm-up %.2f s)", key.describe(),
+                        entry.capture_seconds, entry.warmup_seconds)
             path = "capture"
         output = self.backend.replay(entry)
         self.stats.replays += 1
         return DecodeOutcome(output, path, None)
 
-    def _register(self, key: GraphKey, prefix: PrefixCache, hidden: torch.Tensor):
+    def _owned_by_other(self, key: GraphKey, token) -> bool:
+        owner = self._owners.get(key)
+        alive = owner() if owner is not None else None
+        return alive is not None and alive is not token
+
+    def _lookup_or_register(self, key: GraphKey, make_spec):
+        entry = self.entries.get(key)
+        if entry is not None:
+            self.entries.move_to_end(key)
+            return entry
         while len(self.entries) >= self.max_entries:
-            evicted, _ = self.entries.popitem(last=False)
-            self._owners.pop(evicted, None)
-            self.stats.evictions += 1
-            logger.debug("KV-Graph: evicted decode graph %s (max_entries=%d)", evicted, self.max_entries)
+            self._evict_one()
         try:
-            entry = DecodeGraphEntry(key, prefix, in_channels=hidden.shape[-1], dtype=hidden.dtype)
+            entry = DecodeGraphEntry(key, make_spec())
         except torch.OutOfMemoryError as exc:
             return self._mark_failed(key, why.ALLOCATION_FAILED, exc)
         self.entries[key] = entry
         return entry
 
+    def _evict_one(self) -> None:
+        # Least recently used first, but spare entries whose owner is still generating when another will do.
+        victims = [k for k in self.entries if not self._owner_alive(k)] or list(self.entries)
+        self._remove(victims[:1])
+        self.stats.evictions += 1
+        logger.debug("KV-Graph: evicted decode graph %s (max_entries=%d)", victims[0], self.max_entries)
+
+    def _owner_alive(self, key) -> bool:
+        owner = self._owners.get(key)
+        return owner is not None and owner() is not None
+
     def _mark_failed(self, key: GraphKey, reason: str, exc: BaseException) -> FailedEntry:
         # Keep a marker, not the exception: its traceback would pin the failed entry's tensors.
         marker = FailedEntry(reason, f"{type(exc).__name__}: {exc}"[:500])
+        self._remove([key])
         self.entries[key] = marker
-        self._owners.pop(key, None)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         logger.warning("KV-Graph: %s for %s: %s; this shape decodes eagerly.", reason, key.describe(), marker.detail)
@@ -172,21 +243,23 @@ class DecodeGraphManager:
 
     # -- lifecycle and reporting ---------------------------------------------------------------------------------
 
-    def _drop_graphs(self) -> None:
-        for key, entry in list(self.entries.items()):
-            if isinstance(entry, DecodeGraphEntry):
-                del self.entries[key]
-                self._owners.pop(key, None)
-
-    def _drop_all(self) -> None:
-        self.entries.clear()
-        self._owners.clear()
+    def _remove(self, keys) -> None:
+        for key in keys:
+            self.entries.pop(key, None)
+            self._owners.pop(key, None)
+        if not any(isinstance(e, DecodeGraphEntry) and e.graph is not None for e in self.entries.values()):
+            reset = getattr(self.backend, "reset_pool", None)
+            if reset is not None:
+                reset()
 
     def release(self) -> dict:
-        """Drop every entry (graphs, static buffers, failure markers). Returns what was held."""
+        """Drop every entry (graphs, static buffers, failure markers). Returns what was held.
+
+        A request still generating keeps its prefix (its views keep the buffers alive) and finishes eagerly.
+        """
         with self.lock:
             held = {"entries": len(self.entries), "bytes": self.bytes_held()}
-            self._drop_all()
+            self._remove(list(self.entries))
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
         return held
@@ -199,18 +272,13 @@ class DecodeGraphManager:
         with self.lock:
             entries = []
             for key, entry in self.entries.items():
-                owner = self._owners.get(key)
                 item = {"key": key.describe()}
                 if isinstance(entry, FailedEntry):
                     item.update(state="failed", reason=entry.reason, detail=entry.detail)
                 else:
                     item.update(state="captured" if entry.graph is not None else "registered",
                                 captures=entry.captures, replays=entry.replays, bytes=entry.nbytes,
-                                owner_alive=owner is not None and owner() is not None)
+                                owner_alive=self._owner_alive(key))
                 entries.append(item)
             return {"model": self.name, "entries": entries, "bytes_held": self.bytes_held(),
                     "max_entries": self.max_entries, **self.stats.snapshot()}
-
-
-def _weights_fingerprint(module: torch.nn.Module) -> int:
-    return hash(tuple(p.data_ptr() for p in module.parameters()))

@@ -47,8 +47,15 @@ def rope_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate interleaved (real, imag) channel pairs of `x` `[B, S, H, D]`, computed in fp32 like the reference."""
+    """Rotate interleaved (real, imag) channel pairs of `x` `[B, S, H, D]` in fp32, as the reference does.
+
+    Eagerly, one complex multiply is fewest kernels; under torch.compile the same products are written in real
+    arithmetic, because inductor generates no code for complex operators and would leave RoPE unfused.
+    """
     pairs = x.float().unflatten(-1, (-1, 2))
+    if not torch.compiler.is_compiling():
+        rotated = torch.view_as_real(torch.view_as_complex(pairs) * torch.complex(cos, sin))
+        return rotated.flatten(-2).to(x.dtype)
     real, imag = pairs[..., 0], pairs[..., 1]
     rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
     return rotated.flatten(-2).to(x.dtype)
@@ -89,7 +96,8 @@ class TargetDecodeBlock(torch.nn.Module):
         x = x + gate1.tanh() * out
 
         h = block.img_norm2(x) * (1 + scale2)
-        x = x + gate2.tanh() * block.img_mlp(h)
+        mlp_out = block.img_mlp(h)
+        x = x + gate2.tanh() * mlp_out
         if x.dtype == torch.float16:
             x = x.clip(-65504, 65504)
         return x
@@ -118,6 +126,10 @@ class DecodeStep(torch.nn.Module):
             self.blocks[i] = torch.compile(block, dynamic=False, options={"triton.cudagraphs": False})
         self.compiled = True
 
+    def variant(self) -> str:
+        """Names what a captured graph of this step recorded (graph keys include it)."""
+        return "sdpa+compiled-blocks" if self.compiled else "sdpa"
+
     def forward(self, inputs: DecodeInputs) -> torch.Tensor:
         model = self.model
         x = model.img_in(inputs.hidden)
@@ -134,3 +146,4 @@ class DecodeStep(torch.nn.Module):
         scale = norm_out.linear(norm_out.silu(temb).to(x.dtype))[:batch]
         x = norm_out.norm(x) * (1 + scale[:, None])
         return model.proj_out(x)
+

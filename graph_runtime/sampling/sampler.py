@@ -42,7 +42,7 @@ class SamplingRequest:
     denoise: float = 1.0
     init_latents: torch.Tensor | None = None  # [B, C, h, w] normalized space, for denoise < 1
     decode_mode: str = "auto"
-    compile: bool = False
+    compile: bool = True  # compiled blocks measured fastest (bench/results); skipped automatically off CUDA
     scheduler_config: dict | None = None
 
     @property
@@ -148,7 +148,7 @@ def sample(
                     if i == 0:
                         hidden = latents if cond_tokens is None else torch.cat([cond_tokens, latents], dim=1)
                         preds[name], prefixes[name] = engine.prefill(layout, hidden, embeds, timestep, text_mask,
-                                                                     branch=name)
+                                                                     branch=name, mode=req.decode_mode)
                         paths.append("prefill")
                     else:
                         outcome = engine.decode(prefixes[name], latents, timestep, req.decode_mode)

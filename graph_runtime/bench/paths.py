@@ -1,0 +1,92 @@
+"""The decode paths the benchmark measures, all over the same weights, inputs and prefix caches.
+
+`diffusers` is the reference: the transformer's own `kv_cache_mode="cached"` forward, eager, host syncs included.
+The others are this project's decode step: eager, captured, and captured with compiled blocks. (Fused q/k/v and
+gate/up GEMMs, a pinned cuDNN attention backend, max-autotune GEMMs and FP8 GEMMs were measured too and not kept:
+see bench/results/levers-20261202T113910.md and the README's performance section.)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
+
+from ..decode.engine import DecodeEngine
+
+
+@dataclass(frozen=True)
+class PathSpec:
+    name: str
+    mode: str = "graph"  # our decode mode; unused by the reference
+    compile: bool = False
+    reference: bool = False
+
+
+ALL_PATHS = [
+    PathSpec("diffusers", reference=True),
+    PathSpec("eager", mode="eager"),
+    PathSpec("graph"),
+    PathSpec("compile+graph", compile=True),
+]
+CPU_PATHS = ["diffusers", "eager"]
+
+
+def reference_caches(prefixes: dict) -> dict:
+    """diffusers KV caches holding the very tensors of our prefill (identical K/V for every path)."""
+    caches = {}
+    for name, prefix in prefixes.items():
+        cache = QwenImage21KVCache(len(prefix.k))
+        for layer, k, v in zip(cache.layer_caches, prefix.k, prefix.v):
+            layer.store(k, v)
+        caches[name] = cache
+    return caches
+
+
+def _reference_kwargs(inputs, branch):
+    batch = inputs.latents.shape[0]
+    target_slots = inputs.latents.shape[1] // 4
+    img_mask = torch.cat([branch.vlm_mask, branch.vlm_mask.new_ones(1, target_slots)], dim=1).expand(batch, -1)
+    return dict(hidden_states=inputs.hidden_all, encoder_hidden_states=branch.embeds, timestep=inputs.timestep,
+                img_shapes=[inputs.img_shapes] * batch, img_mask=img_mask, return_dict=False)
+
+
+def reference_prefill(transformer, inputs):
+    """diffusers' prefill of every branch (`kv_cache_mode="extract"`), for its prefill time."""
+
+    def prefill():
+        for branch in inputs.branches:
+            cache = QwenImage21KVCache(len(transformer.transformer_blocks))
+            transformer(**_reference_kwargs(inputs, branch), kv_cache=cache, kv_cache_mode="extract")
+
+    return prefill
+
+
+def reference_step(transformer, inputs, caches):
+    """One decode step of every CFG branch through diffusers' own cached forward."""
+
+    def step():
+        return [transformer(**_reference_kwargs(inputs, branch), kv_cache=caches[branch.name],
+                            kv_cache_mode="cached")[0] for branch in inputs.branches]
+
+    return step
+
+
+class OursPath:
+    """An engine configured for one path; kept across scenarios so compiled code and graphs are reused."""
+
+    def __init__(self, spec: PathSpec, transformer):
+        self.spec = spec
+        self.engine = DecodeEngine(transformer, max_entries=4)
+        if spec.compile:
+            self.engine.enable_compile()
+
+    def step(self, inputs, prefixes):
+        engine, mode = self.engine, self.spec.mode
+
+        def step():
+            return [engine.decode(prefixes[b.name], inputs.latents, inputs.timestep, mode).output
+                    for b in inputs.branches]
+
+        return step

@@ -1,0 +1,76 @@
+"""Markdown and JSON reports of a benchmark run."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+COLUMNS = [
+    ("path", "path", "{}"), ("prefill_ms", "prefill ms", "{:.1f}"), ("decode_ms", "decode ms/step", "{:.2f}"),
+    ("speedup_vs_diffusers", "x diffusers", "{:.2f}"), ("x_roofline", "/ roofline", "{:.2f}"),
+    ("dit_40_steps_ms", "DiT 40 steps s", "{:.2f}", 1e-3), ("dit_8_steps_ms", "DiT 8 steps s", "{:.3f}", 1e-3),
+    ("host_ms", "host ms/step", "{:.2f}"), ("capture_s", "capture s", "{:.2f}"), ("warmup_s", "warm-up+compile s", "{:.1f}"),
+    ("peak_gb", "peak GB", "{:.1f}"), ("graph_bytes", "graph GB", "{:.2f}", 2**-30),
+    ("psnr_vs_fp32_db", "PSNR vs fp32 dB", "{:.1f}"), ("err_ratio_vs_diffusers", "err / diffusers err", "{:.3f}"),
+    ("quality_ok", "guard", "{}"), ("vs_own_eager_maxabs", "vs own eager", "{:.2e}"),
+]
+
+
+def _cell(row, column):
+    key, _, fmt, *scale = column
+    value = row.get(key)
+    if value is None:
+        return ""
+    if scale and isinstance(value, (int, float)) and not isinstance(value, bool):
+        value = value * scale[0]
+    if isinstance(value, bool):
+        return "pass" if value else "FAIL"
+    try:
+        return fmt.format(value)
+    except (ValueError, TypeError):
+        return str(value)
+
+
+def markdown(meta, results, amortization) -> str:
+    lines = [f"# Decode benchmark, {meta['date']}", "",
+             f"- GPU: {meta['gpu']}; torch {meta['torch']}; diffusers {meta['diffusers']}; "
+             f"{meta['layers']} blocks, {meta['params_billion']:.2f} B parameters, random bf16 weights",
+             f"- command: `{meta['command']}` ({meta['wall_s']} s)",
+             f"- roofline: FLOPs / {meta['peak_tflops_assumed']} TFLOP/s; quality guard: {meta['quality_guard']}",
+             f"- fastest path passing the guard: **{meta['fastest_passing_path']}**", ""]
+    for res in results:
+        lines += [f"## {res['scenario']}: {res['pixels']}, {res['references']} reference(s), batch {res['batch']}, "
+                  f"CFG {'on' if res['cfg'] else 'off'}; prefix tokens {res['prefix_tokens']}, "
+                  f"target tokens {res['target_tokens']}, {res['rows'][0]['decode_flop'] / 1e12:.1f} TFLOP/step, "
+                  f"roofline {res['rows'][0]['roofline_ms']:.1f} ms", ""]
+        lines.append("| " + " | ".join(c[1] for c in COLUMNS) + " |")
+        lines.append("|" + "---|" * len(COLUMNS))
+        for row in res["rows"]:
+            lines.append("| " + " | ".join(_cell(row, c) for c in COLUMNS) + " |")
+        lines.append("")
+    lines += ["## Back-to-back sampler runs (process-wide engine, like two queued prompts)", "",
+              "| run | steps | DiT total s | prefill ms | decode ms/step | captures | replays | compiles | "
+              "eager steps | peak GB | graph GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in amortization:
+        lines.append(f"| {r['run']} | {r['steps']} | {r['dit_total_ms'] / 1e3:.3f} | {r['prefill_ms']:.1f} | "
+                     f"{r['decode_ms_per_step']:.2f} | {r['captures']} | {r['replays']} | {r['compiles']} | "
+                     f"{r['eager_steps'] or 0} | {_fmt(r['peak_gb'], '{:.1f}')} | {r['graph_bytes'] / 2**30:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def _fmt(value, fmt):
+    return "" if value is None else fmt.format(value)
+
+
+def write_reports(out_dir: Path, meta, results, amortization, profile_text=None):
+    out_dir.mkdir(parents=True, exist_ok=True)
+    stamp = meta["date"].replace(":", "").replace("-", "")[:15]
+    md_path = out_dir / f"decode-{stamp}.md"
+    json_path = out_dir / f"decode-{stamp}.json"
+    text = markdown(meta, results, amortization)
+    if profile_text:
+        text += "\n## Profile\n\n```\n" + profile_text + "\n```\n"
+    md_path.write_text(text)
+    json_path.write_text(json.dumps({"meta": meta, "scenarios": results, "amortization": amortization}, indent=1,
+                                    default=str))
+    return md_path, json_path

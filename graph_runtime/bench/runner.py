@@ -1,0 +1,301 @@
+"""`python -m graph_runtime bench`: decode-step speed, memory and quality of every path, in one process.
+
+Phases: (1) fp32 reference outputs for the quality scenarios (an fp32 copy of the weights, freed afterwards);
+(2) every scenario x path: prefill, decode step (median CUDA-event time), host time, capture/compile time, peak
+and held memory, FLOPs, ratios to the diffusers reference and to the bf16 roofline, and the quality guard;
+(3) amortization: two sampler runs back to back with equal shapes, through the process-wide engine, as a second
+queued prompt would see it. Results go to `bench/results/` as markdown and JSON with the command that made them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..decode.prefill import run_prefill
+from . import quality
+from .model import build_transformer, fp32_copy
+from .paths import ALL_PATHS, CPU_PATHS, OursPath, reference_caches, reference_prefill, reference_step
+from .report import write_reports
+from .scenarios import (DEFAULT_SCENARIOS, QUICK_SCENARIOS, TINY_SCENARIOS, build_inputs, decode_flops,
+                        describe, prefill_flops)
+from .timing import device_ms, host_ms, wall_s
+
+PEAK_TFLOPS = float(os.environ.get("PEAK_TFLOPS", "790"))
+
+
+def _select_scenarios(spec: str, tiny: bool):
+    if tiny:
+        return TINY_SCENARIOS
+    pool = {s.name: s for s in DEFAULT_SCENARIOS + QUICK_SCENARIOS}
+    if spec == "default":
+        return DEFAULT_SCENARIOS
+    if spec == "quick":
+        return QUICK_SCENARIOS
+    return [pool[name] for name in spec.split(",")]
+
+
+def _select_paths(spec: str, device):
+    specs = ALL_PATHS
+    if spec != "all":
+        wanted = spec.split(",")
+        specs = [p for p in ALL_PATHS if p.name in wanted or p.reference]
+    if torch.device(device).type != "cuda":
+        specs = [p for p in specs if p.name in CPU_PATHS]
+    return specs
+
+
+def _prefixes(transformer, inputs):
+    prefixes = {}
+    for branch in inputs.branches:
+        _, prefixes[branch.name] = run_prefill(transformer, branch.layout, inputs.hidden_all, branch.embeds,
+                                               inputs.timestep, branch=branch.name)
+    return prefixes
+
+
+def _fp32_references(transformer, scenarios, device, context, channels):
+    wanted = [s for s in scenarios if s.quality]
+    if not wanted:
+        return {}
+    refs = {}
+    model32 = fp32_copy(transformer)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False  # a true fp32 reference, not TF32
+    try:
+        for scenario in wanted:
+            inputs = build_inputs(scenario, context, channels, device, torch.bfloat16).to(torch.float32)
+            with torch.no_grad():
+                caches = reference_caches(_prefixes(model32, inputs))
+                refs[scenario.name] = [o.cpu() for o in reference_step(model32, inputs, caches)()]
+            del inputs, caches
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        del model32
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    return refs
+
+
+def _peak_reset(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def _peak_gb(device) -> float | None:
+    if torch.device(device).type != "cuda":
+        return None
+    return torch.cuda.max_memory_allocated(device) / 2**30
+
+
+def run_scenario(transformer, scenario, path_specs, engines, refs, device, iters, context, channels):
+    config = transformer.config
+    inputs = build_inputs(scenario, context, channels, device, torch.bfloat16 if device != "cpu" else torch.float32)
+    flops = decode_flops(config, scenario, inputs.branches)
+    roofline_ms = flops / (PEAK_TFLOPS * 1e12) * 1e3
+    rows = []
+    with torch.no_grad():
+        prefill_ms = device_ms(lambda: _prefixes(transformer, inputs), device, iters=3, warmup=1)
+        prefixes = _prefixes(transformer, inputs)
+        caches = reference_caches(prefixes)
+        reference_outputs = None
+        reference_err = None
+        eager_outputs = None
+        for spec in path_specs:
+            _peak_reset(device)
+            if spec.reference:
+                step = reference_step(transformer, inputs, caches)
+                stats_before = None
+            else:
+                path = engines.setdefault(spec.name, OursPath(spec, transformer))
+                step = path.step(inputs, prefixes)
+                stats_before = path.engine.manager.stats.snapshot()
+            outputs, first_s = wall_s(step, device)
+            row = {"scenario": scenario.name, "path": spec.name, "prefill_ms": prefill_ms,
+                   "first_call_s": first_s, "decode_flop": flops, "roofline_ms": roofline_ms}
+            if stats_before is not None:
+                delta = path.engine.manager.stats.delta(stats_before)
+                row["captures"] = delta["captures"]
+                row["capture_s"] = delta["capture_seconds"]
+                row["warmup_s"] = sum(getattr(e, "warmup_seconds", 0.0)
+                                      for e in path.engine.manager.entries.values())
+                row["compile_s"] = row["warmup_s"] if spec.compile else 0.0
+                row["eager_steps"] = delta["eager_steps"]
+            row["decode_ms"] = device_ms(step, device, iters=iters)
+            row["host_ms"] = host_ms(step, device, iters=iters)
+            row["peak_gb"] = _peak_gb(device)
+            if not spec.reference:
+                row["graph_bytes"] = path.engine.manager.bytes_held()
+            if spec.reference:
+                reference_outputs = outputs
+                row["prefill_ms"] = device_ms(reference_prefill(transformer, inputs), device, iters=2, warmup=1)
+            if spec.name == "eager":
+                eager_outputs = outputs
+            elif eager_outputs is not None and not spec.reference:
+                row["vs_own_eager_maxabs"] = quality.max_abs(outputs, eager_outputs)
+            if reference_outputs is not None and not spec.reference:
+                row["vs_diffusers_maxabs"] = quality.max_abs(outputs, reference_outputs)
+            if scenario.name in refs:
+                err = quality.relative_error(outputs, refs[scenario.name])
+                row["rel_err_vs_fp32"] = err
+                row["psnr_vs_fp32_db"] = quality.psnr_db(outputs, refs[scenario.name])
+                if spec.reference:
+                    reference_err = err
+                if reference_err:
+                    row["err_ratio_vs_diffusers"] = err / reference_err
+                    row["quality_ok"] = err <= quality.GUARD_RATIO * reference_err
+            rows.append(row)
+            if not spec.reference:
+                path.engine.release()  # each path's peak is its own: drop its graphs before the next path
+            del outputs
+        for row in rows:
+            base = next(r for r in rows if r["path"] == "diffusers")
+            row["speedup_vs_diffusers"] = base["decode_ms"] / row["decode_ms"]
+            row["x_roofline"] = row["decode_ms"] / roofline_ms
+            row["dit_40_steps_ms"] = row["prefill_ms"] + 39 * row["decode_ms"]
+            row["dit_8_steps_ms"] = row["prefill_ms"] + 7 * row["decode_ms"]
+        for prefix in prefixes.values():
+            prefix.release()
+    return {"scenario": scenario.name, **describe(scenario, inputs.branches),
+            "prefill_flop": prefill_flops(config, scenario, inputs.branches), "rows": rows}
+
+
+def amortization(transformer, device, context, channels):
+    """Two sampler runs back to back, equal shapes, through the process-wide engine (like two queued prompts),
+    with the product's default settings (decode "auto", compiled blocks)."""
+    from ..encoding.prompt import PromptEmbeds
+    from ..registry import engine_for
+    from ..sampling.sampler import SamplingRequest, sample
+    from .scenarios import Scenario
+
+    engine = engine_for(transformer)
+    results = []
+    size = 1024 if device != "cpu" else 128
+    for label, steps, preset, refs in [("t2i-40", 40, "dynamic", 0), ("t2i-40", 40, "dynamic", 0),
+                                       ("turbo-8", 8, "turbo", 0), ("turbo-8", 8, "turbo", 0),
+                                       ("edit1-40", 40, "dynamic", 1)]:
+        inputs = build_inputs(Scenario(label, size, references=refs), context, channels, device,
+                              next(transformer.parameters()).dtype)
+        branch = inputs.branches[0]
+        embeds = PromptEmbeds(branch.embeds[:1], branch.vlm_mask.bool())
+        reference_latents = []
+        if refs:
+            g = size // 16
+            reference_latents = [inputs.cond_tokens[:1].transpose(1, 2).reshape(1, channels, g, g)]
+        request = SamplingRequest(positive=embeds, latent_height=size // 16, latent_width=size // 16,
+                                  reference_latents=reference_latents, steps=steps, sigma_preset=preset,
+                                  decode_mode="auto", seed=len(results))
+        _peak_reset(device)
+        compiles_before = engine.compiles
+        result, wall = wall_s(lambda: sample(engine, request), device)
+        results.append({
+            "run": label, "steps": steps, "wall_s": wall, "dit_total_ms": result.timings["prefill_ms"]
+            + result.timings["decode_ms_total"], "prefill_ms": result.timings["prefill_ms"],
+            "decode_ms_per_step": result.timings["decode_ms_per_step"], "captures": result.stats["captures"],
+            "replays": result.stats["replays"], "eager_steps": result.stats["eager_steps"],
+            "compiles": engine.compiles - compiles_before, "peak_gb": _peak_gb(device),
+            "graph_bytes": engine.manager.bytes_held(),
+        })
+        del result, inputs
+    engine.release()
+    return results
+
+
+def main(args) -> int:
+    device = args.device if torch.cuda.is_available() or args.device == "cpu" else "cpu"
+    if device != "cpu" and not torch.cuda.is_available():
+        print("bench: no CUDA device; run with --device cpu --tiny for a smoke run", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    command = "python -m graph_runtime bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    transformer = build_transformer(tiny=args.tiny, layers=args.layers, device=device,
+                                    dtype=torch.bfloat16 if device != "cpu" else torch.float32)
+    config = transformer.config
+    context, channels = config.context_in_dim, config.in_channels
+    scenarios = _select_scenarios(args.scenarios, args.tiny)
+    specs = _select_paths(args.paths, device)
+    print(f"bench: {len(scenarios)} scenarios x {len(specs)} paths on {device}", flush=True)
+    # Back-to-back sampler runs first, while only the bf16 weights are resident: their peak memory is what a
+    # user sees (text encoder off the GPU).
+    amort = amortization(transformer, device, context, channels)
+    for row in amort:
+        print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    gc.collect()
+    refs = _fp32_references(transformer, scenarios, device, context, channels)
+    engines: dict = {}
+    results = []
+    for scenario in scenarios:
+        result = run_scenario(transformer, scenario, specs, engines, refs, device, args.iters, context, channels)
+        results.append(result)
+        for row in result["rows"]:
+            print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+    for path in engines.values():
+        path.engine.release()
+    engines.clear()
+    gc.collect()
+    best = _fastest_passing(results, specs)
+    print(f"bench: fastest path passing the quality guard: {best.name}", flush=True)
+    profile_text = None
+    if args.profile and device != "cpu":
+        profile_text = _profile(transformer, best, device, context, channels)
+        print(profile_text, flush=True)
+    meta = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "gpu": torch.cuda.get_device_name() if device != "cpu" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "diffusers": __import__("diffusers").__version__,
+        "peak_tflops_assumed": PEAK_TFLOPS,
+        "layers": config.num_layers,
+        "params_billion": sum(p.numel() for p in transformer.parameters()) / 1e9,
+        "fastest_passing_path": best.name,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "quality_guard": f"relative L2 error vs fp32 <= {quality.GUARD_RATIO:.2f} x the diffusers bf16 path's",
+    }
+    md, js = write_reports(Path(args.out_dir), meta, results, amort, profile_text)
+    print(f"bench: wrote {md} and {js} in {meta['wall_s']} s", flush=True)
+    return 0
+
+
+def _profile(transformer, spec, device, context, channels) -> str:
+    """Kernel table of one step of `spec` at 1024x1024 (eager body on the static buffers) and per-op rates."""
+    from .profile import kernel_table, op_rates
+    from .scenarios import Scenario
+
+    scenario = Scenario("profile-1024", 1024)
+    inputs = build_inputs(scenario, context, channels, device, torch.bfloat16)
+    path = OursPath(spec, transformer)
+    with torch.no_grad():
+        prefixes = _prefixes(transformer, inputs)
+        path.step(inputs, prefixes)()
+        entry = next(e for e in path.engine.manager.entries.values() if hasattr(e, "inputs"))
+        table = kernel_table(lambda: path.engine.step(entry.inputs), device)
+    layout = inputs.branches[0].layout
+    rates = op_rates(transformer, layout.target_tokens, layout.seq_len, device)
+    path.engine.release()
+    lines = [f"profile of one {spec.name} step at 1024x1024 (eager body on static buffers):", table, "op rates:"]
+    lines += [f"  {r['op']}: {r['ms']:.3f} ms, {r['tflops']:.0f} TFLOP/s" for r in rates]
+    return "\n".join(lines)
+
+
+def _fastest_passing(results, specs):
+    """The path with the lowest summed decode time over the scenarios that has not failed a quality check."""
+    candidates = [s for s in specs if not s.reference]
+    totals = {}
+    for spec in candidates:
+        rows = [r for res in results for r in res["rows"] if r["path"] == spec.name]
+        if any(r.get("quality_ok") is False for r in rows):
+            continue
+        totals[spec.name] = sum(r["decode_ms"] for r in rows)
+    name = min(totals, key=totals.get)
+    return next(s for s in candidates if s.name == name)

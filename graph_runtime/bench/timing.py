@@ -1,0 +1,55 @@
+"""Timers: CUDA-event medians for device time, perf_counter medians for host time."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+
+
+def _sync(device):
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_ms(fn, device, iters: int = 10, warmup: int = 2) -> float:
+    """Median device time of `fn` in ms (CUDA events on GPU; wall time with sync on CPU)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times = []
+    if torch.device(device).type == "cuda":
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        for _ in range(iters):
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    else:
+        for _ in range(iters):
+            t0 = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def host_ms(fn, device, iters: int = 10) -> float:
+    """Median host time to issue `fn` (no sync inside the timed region): the CPU cost of launching a step."""
+    times = []
+    for _ in range(iters):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    _sync(device)
+    return statistics.median(times)
+
+
+def wall_s(fn, device) -> tuple[object, float]:
+    _sync(device)
+    t0 = time.perf_counter()
+    out = fn()
+    _sync(device)
+    return out, time.perf_counter() - t0

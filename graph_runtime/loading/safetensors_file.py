@@ -1,0 +1,180 @@
+"""Open and validate a .safetensors file before anything is loaded from it.
+
+`safetensors` itself reports a truncated or foreign file with a terse Rust error ("HeaderTooLarge",
+"MetadataIncompleteBuffer") that names neither the file nor the cause. ComfyUI users mostly hit these with an
+interrupted download or a `.ckpt` renamed to `.safetensors`, so the header is parsed here first and every failure
+becomes a `CheckpointError` that says which file and what went wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterable, Iterator
+
+import torch
+
+from ..errors import CheckpointError
+
+# The reference implementation refuses headers above 100 MB; a "length" beyond that means the first 8 bytes are not a
+# safetensors length at all.
+MAX_HEADER_BYTES = 100_000_000
+
+DTYPE_SIZES = {
+    "F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U64": 8, "U32": 4, "U16": 2,
+    "U8": 1, "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+}
+
+TORCH_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "I64": torch.int64,
+    "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool,
+    "F8_E4M3": getattr(torch, "float8_e4m3fn", None), "F8_E5M2": getattr(torch, "float8_e5m2", None),
+}
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass
+class SafetensorsHeader:
+    """What a safetensors file declares, read without touching the tensor data."""
+
+    path: Path
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def shapes(self) -> dict[str, tuple[int, ...]]:
+        return {name: info.shape for name, info in self.tensors.items()}
+
+    def meta_state_dict(self) -> dict[str, torch.Tensor]:
+        """The file as `meta` tensors: key mappings and config inference run on these without reading any data."""
+        out = {}
+        for name, info in self.tensors.items():
+            dtype = TORCH_DTYPES.get(info.dtype) or torch.uint8
+            out[name] = torch.empty(info.shape, dtype=dtype, device="meta")
+        return out
+
+
+def _sniff_foreign_format(head: bytes) -> str | None:
+    if head.startswith(b"PK\x03\x04"):
+        return ("is a zip archive, which is how torch.save writes a PyTorch .pt/.ckpt/.bin checkpoint; it is not a "
+                "safetensors file (and loading pickled checkpoints can run arbitrary code, so it is not supported).")
+    if len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5:
+        return ("is a Python pickle (a legacy PyTorch .ckpt/.pt/.bin checkpoint), not a safetensors file; pickled "
+                "checkpoints can run arbitrary code and are not supported.")
+    if head.startswith(b"GGUF"):
+        return "is a GGUF file (llama.cpp / ComfyUI-GGUF quantized format), not a safetensors file."
+    return None
+
+
+def read_header(path: str | os.PathLike, expected: str | None = None) -> SafetensorsHeader:
+    """Parse and validate the header of `path`; raise CheckpointError for anything that is not a whole safetensors
+    file. `expected` is the component-specific sentence added to every error."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(path, "does not exist.", expected)
+    if path.is_dir():
+        raise CheckpointError(path, "is a folder, not a .safetensors file.", expected)
+    size = path.stat().st_size
+    with open(path, "rb") as f:
+        head = f.read(8)
+        foreign = _sniff_foreign_format(head)
+        if foreign:
+            raise CheckpointError(path, foreign, expected)
+        if len(head) < 8:
+            raise CheckpointError(path, f"is only {size} bytes long: empty or cut off, not a safetensors file.",
+                                  expected)
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len == 0 or header_len > MAX_HEADER_BYTES:
+            raise CheckpointError(path, "is not a safetensors file (its first 8 bytes are not a plausible header "
+                                        "length).", expected)
+        raw = f.read(header_len)
+    if len(raw) < header_len:
+        if raw[:1] == b"{":
+            raise CheckpointError(path, f"is truncated: its header should be {header_len} bytes but the file ends "
+                                        f"after {size} bytes (an interrupted download or copy?).", expected)
+        raise CheckpointError(path, "is not a safetensors file (its first 8 bytes are not a plausible header "
+                                    "length).", expected)
+    try:
+        parsed = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise CheckpointError(path, "has a header that is not valid JSON: it is not a safetensors file, or a "
+                                    "damaged one.", expected) from None
+    if not isinstance(parsed, dict):
+        raise CheckpointError(path, "has a header that is not a JSON object: not a safetensors file.", expected)
+
+    metadata = parsed.pop("__metadata__", None) or {}
+    tensors: dict[str, TensorInfo] = {}
+    data_end = 0
+    for name, entry in parsed.items():
+        try:
+            dtype, shape, (begin, end) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
+            begin, end = int(begin), int(end)
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(path, f"has a malformed header entry for tensor {name!r}: not a valid safetensors "
+                                        "file.", expected) from None
+        numel = 1
+        for s in shape:
+            numel *= s
+        if end < begin or (dtype in DTYPE_SIZES and end - begin != numel * DTYPE_SIZES[dtype]):
+            raise CheckpointError(path, f"has an inconsistent header entry for tensor {name!r} (its byte range does "
+                                        f"not fit shape {list(shape)} of {dtype}): a damaged file.", expected)
+        tensors[name] = TensorInfo(dtype, shape)
+        data_end = max(data_end, end)
+    available = size - 8 - header_len
+    if available < data_end:
+        raise CheckpointError(path, f"is truncated: its header describes {data_end} bytes of tensor data but only "
+                                    f"{available} bytes follow it (an interrupted download or copy?).", expected)
+    return SafetensorsHeader(path=path, tensors=tensors, metadata=dict(metadata))
+
+
+def read_headers(paths: Iterable[str | os.PathLike], expected: str | None = None) -> SafetensorsHeader:
+    """Validate every shard of a sharded checkpoint and merge their headers (path is the first shard)."""
+    paths = list(paths)
+    merged: dict[str, TensorInfo] = {}
+    metadata: dict[str, str] = {}
+    for p in paths:
+        header = read_header(p, expected)
+        merged.update(header.tensors)
+        metadata.update(header.metadata)
+    return SafetensorsHeader(path=Path(paths[0]), tensors=merged, metadata=metadata)
+
+
+def iter_tensors(paths: Iterable[str | os.PathLike], dtype: torch.dtype | None = None,
+                 device: str | torch.device = "cpu", names: Iterable[str] | None = None,
+                 ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) one at a time, cast right after reading, so a cast never holds two copies of the model.
+
+    Only floating-point tensors are cast: integer tensors (quantization scales, token ids) keep their type. On the
+    CPU with no cast, safetensors returns tensors backed by the file's memory map: the weights then sit in the page
+    cache rather than in process memory, and the file must stay in place while the model lives.
+    """
+    from safetensors import safe_open
+
+    wanted = None if names is None else set(names)
+    target = torch.device(device)
+    # Reading straight onto an accelerator skips a host copy of every tensor.
+    open_device = str(target) if target.type != "cpu" else "cpu"
+    for p in paths:
+        with safe_open(str(p), framework="pt", device=open_device) as f:
+            for name in f.keys():
+                if wanted is not None and name not in wanted:
+                    continue
+                tensor = f.get_tensor(name)
+                if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                    tensor = tensor.to(dtype)
+                yield name, tensor
+
+
+def read_small_tensor(path: str | os.PathLike, name: str) -> torch.Tensor:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt", device="cpu") as f:
+        return f.get_tensor(name)

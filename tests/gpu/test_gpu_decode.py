@@ -1,0 +1,193 @@
+"""CUDA-graph decode on a real GPU (run on the H200: `pytest -m gpu`).
+
+The tiny model runs in fp32 here so tolerances are about graph mechanics, not bf16 rounding. Replaying a captured
+step runs the same kernels on the same inputs as the eager body, so the expected difference is 0; the eager
+fallback concatenates the prefix instead of reading the static buffer, which can change SDPA's kernel choice, so
+graph-vs-eager comparisons allow 1e-5 (fp32 round-off on values ~1-5). Compiled blocks fuse elementwise work and
+reassociate, so compile+graph vs eager allows 1e-3.
+"""
+
+import gc
+
+import pytest
+import torch
+
+from graph_runtime.decode import eligibility as why
+from graph_runtime.decode.engine import DecodeEngine
+from graph_runtime.decode.graph_entry import CudaGraphBackend, DecodeGraphEntry
+from graph_runtime.decode.layout import TokenLayout
+from graph_runtime.generate import QwenImageGenerator
+from graph_runtime.sampling.sampler import initial_noise, pack
+from graph_runtime.sampling.schedule import build_schedule, euler_step
+
+pytestmark = pytest.mark.gpu
+GRAPH_ATOL = 1e-5
+COMPILE_ATOL = 1e-3
+
+
+@pytest.fixture(scope="module")
+def cuda_models(tiny_parts):
+    import copy
+    import types
+
+    parts = {k: (copy.deepcopy(v).to("cuda") if isinstance(v, torch.nn.Module) else v) for k, v in tiny_parts.items()}
+    return types.SimpleNamespace(transformer=parts["transformer"], vae=parts["vae"],
+                                 text_encoder=parts["text_encoder"], processor=parts["processor"],
+                                 scheduler_config=dict(parts["scheduler"].config))
+
+
+@pytest.fixture(scope="module")
+def cuda_generator(cuda_models):
+    return QwenImageGenerator(cuda_models)
+
+
+def _fresh_transformer(cuda_models):
+    from diffusers import QwenImage21Transformer2DModel
+    from graph_runtime.tiny import TINY_TRANSFORMER
+
+    t = QwenImage21Transformer2DModel(**TINY_TRANSFORMER).eval()
+    t.load_state_dict(cuda_models.transformer.state_dict())
+    return t.to("cuda")
+
+
+def _steps(engine, generator, prompt, seed, mode, steps=6, shape=(1, 8, 8)):
+    """A sampling loop as a generator of per-step states, so two requests can be interleaved step by step."""
+    embeds = generator.encoder.encode(prompt)
+    layout = TokenLayout.build(embeds.image_mask, [shape], "cuda")
+    latents = pack(initial_noise(seed, 1, 64, shape[1], shape[2], torch.float32)).cuda()
+    timesteps, sigmas = build_schedule(None, steps, shape[1] * shape[2], device="cuda")
+    prefix, outcomes = None, []
+    with torch.no_grad():
+        for i, t in enumerate(timesteps):
+            timestep = t.expand(1) / 1000
+            if i == 0:
+                pred, prefix = engine.prefill(layout, latents, embeds.embeds.cuda(), timestep, mode=mode)
+            else:
+                outcome = engine.decode(prefix, latents, timestep, mode)
+                outcomes.append(outcome)
+                pred = outcome.output
+            latents = euler_step(latents, pred, sigmas[i], sigmas[i + 1])
+            yield latents, outcomes
+    prefix.release()
+
+
+def _run(engine, generator, prompt, seed, mode, **kw):
+    for latents, outcomes in _steps(engine, generator, prompt, seed, mode, **kw):
+        pass
+    return latents, outcomes
+
+
+def test_replay_equals_eager_and_second_generation_captures_nothing(cuda_models, cuda_generator):
+    transformer = _fresh_transformer(cuda_models)  # the engine holds it weakly, like a loaded model's owner
+    engine = DecodeEngine(transformer)
+    eager, _ = _run(engine, cuda_generator, "a red cube", 1, "eager")
+    graph, outcomes = _run(engine, cuda_generator, "a red cube", 1, "graph")
+    assert [o.path for o in outcomes] == ["capture"] + ["replay"] * 4
+    diff = (graph - eager).abs().max().item()
+    print(f"graph vs eager latents after 6 steps: max abs diff {diff:.3e}")
+    assert diff <= GRAPH_ATOL
+    again, outcomes = _run(engine, cuda_generator, "a red cube", 2, "graph")  # equal shapes, new request
+    assert [o.path for o in outcomes] == ["replay"] * 5
+    assert engine.manager.stats.captures == 1
+
+
+def test_equal_token_counts_different_layouts_separate_entries(cuda_models, cuda_generator):
+    transformer = _fresh_transformer(cuda_models)  # the engine holds it weakly, like a loaded model's owner
+    engine = DecodeEngine(transformer)
+    _run(engine, cuda_generator, "a red cube", 1, "graph", shape=(1, 8, 8))
+    _, outcomes = _run(engine, cuda_generator, "a red cube", 1, "graph", shape=(1, 4, 16))
+    assert outcomes[0].path == "capture"
+    assert len(engine.manager.entries) == 2 and engine.manager.stats.captures == 2
+
+
+def test_compile_and_graph_match_eager(cuda_models, cuda_generator):
+    transformer = _fresh_transformer(cuda_models)  # the engine holds it weakly, like a loaded model's owner
+    engine = DecodeEngine(transformer)
+    eager, _ = _run(engine, cuda_generator, "a red cube", 4, "eager")
+    engine.enable_compile()
+    compiled, outcomes = _run(engine, cuda_generator, "a red cube", 4, "graph")
+    assert outcomes[0].path == "capture" and outcomes[-1].path == "replay"
+    diff = (compiled - eager).abs().max().item()
+    print(f"compile+graph vs eager latents: max abs diff {diff:.3e}")
+    assert diff <= COMPILE_ATOL
+
+
+def test_interleaved_generations_with_one_key(cuda_models, cuda_generator):
+    """The second live request with the owner's key runs eager; both equal their solo results."""
+    transformer = _fresh_transformer(cuda_models)  # the engine holds it weakly, like a loaded model's owner
+    engine = DecodeEngine(transformer)
+    solo_a, _ = _run(engine, cuda_generator, "a red cube", 1, "graph")
+    solo_b, _ = _run(engine, cuda_generator, "a red cube", 2, "graph")
+    a = _steps(engine, cuda_generator, "a red cube", 1, "graph")
+    b = _steps(engine, cuda_generator, "a red cube", 2, "graph")
+    for (latents_a, outcomes_a), (latents_b, outcomes_b) in zip(a, b):
+        pass
+    assert {o.path for o in outcomes_a} == {"replay"}
+    assert {o.reason for o in outcomes_b} == {why.OWNED}
+    assert (latents_a - solo_a).abs().max().item() <= GRAPH_ATOL
+    assert (latents_b - solo_b).abs().max().item() <= GRAPH_ATOL
+    del a, b
+    gc.collect()
+
+
+def test_injected_capture_failure_ends_eager_and_correct(cuda_models, cuda_generator, monkeypatch):
+    transformer = _fresh_transformer(cuda_models)  # the engine holds it weakly, like a loaded model's owner
+    engine = DecodeEngine(transformer)
+    eager, _ = _run(engine, cuda_generator, "a red cube", 3, "eager")
+
+    def broken_capture(self, entry, body):
+        raise RuntimeError("injected: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(CudaGraphBackend, "capture", broken_capture)
+    latents, outcomes = _run(engine, cuda_generator, "a red cube", 3, "auto")
+    assert {o.reason for o in outcomes} == {why.CAPTURE_FAILED}
+    assert (latents - eager).abs().max().item() <= GRAPH_ATOL
+
+
+def test_injected_allocation_failure_ends_eager_and_correct(cuda_models, cuda_generator, monkeypatch):
+    transformer = _fresh_transformer(cuda_models)  # the engine holds it weakly, like a loaded model's owner
+    engine = DecodeEngine(transformer)
+    eager, _ = _run(engine, cuda_generator, "a red cube", 3, "eager")
+    real_init = DecodeGraphEntry.__init__
+
+    def oom(self, *args, **kwargs):
+        raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+    monkeypatch.setattr(DecodeGraphEntry, "__init__", oom)
+    latents, outcomes = _run(engine, cuda_generator, "a red cube", 3, "auto")
+    monkeypatch.setattr(DecodeGraphEntry, "__init__", real_init)
+    assert {o.reason for o in outcomes} == {why.ALLOCATION_FAILED}
+    assert (latents - eager).abs().max().item() <= GRAPH_ATOL
+
+
+def test_weights_moved_after_capture_never_replay_stale(cuda_models, cuda_generator):
+    """Moving the weights (as an offload/reload does) drops the stale graph; that step is eager and correct."""
+    transformer = _fresh_transformer(cuda_models)
+    engine = DecodeEngine(transformer)
+    _run(engine, cuda_generator, "a red cube", 1, "graph")
+    transformer.to("cpu")
+    transformer.to("cuda")  # new allocations: every weight at a new address
+    eager, _ = _run(engine, cuda_generator, "a red cube", 5, "eager")
+    latents, outcomes = _run(engine, cuda_generator, "a red cube", 5, "auto")
+    assert outcomes[0].reason == why.WEIGHTS_MOVED
+    assert [o.path for o in outcomes[1:]] == ["capture", "replay", "replay", "replay"]
+    assert (latents - eager).abs().max().item() <= GRAPH_ATOL
+
+
+def test_offloaded_weights_decode_eager(cuda_models, cuda_generator):
+    transformer = _fresh_transformer(cuda_models)
+    engine = DecodeEngine(transformer)
+    transformer.transformer_blocks[1].img_mlp.to("cpu")
+    transformer.transformer_blocks[1].img_mlp.to("cuda")
+    transformer.transformer_blocks[0].attn.to_q.weight.data = transformer.transformer_blocks[0].attn.to_q.weight.data.cpu()
+    assert why.static_reason(transformer) == why.WEIGHTS_OFF_GPU
+
+
+def test_generate_cli_path_with_graph_decode(cuda_generator):
+    """The main job on the GPU: two generations, the second replays only; statistics reported."""
+    first = cuda_generator.generate("a red cube", width=128, height=128, steps=4, seed=0, decode_mode="graph")
+    second = cuda_generator.generate("a red cube", width=128, height=128, steps=4, seed=1, decode_mode="graph")
+    print("first:", first.stats, first.timings, "second:", second.stats, second.timings)
+    assert first.stats["captures"] == 1 and first.stats["replays"] == 3 and first.stats["compiled"]
+    assert second.stats["captures"] == 0 and second.stats["replays"] == 3 and second.stats["compiles"] == 0
+    assert first.images[0].size == (128, 128)

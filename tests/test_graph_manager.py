@@ -1,0 +1,244 @@
+"""Graph manager semantics that do not depend on CUDA, driven through a recording capture backend.
+
+The backend "captures" by keeping the decode body and "replays" by running it on the entry's static buffers, so
+everything the manager owns (keys, static buffers, prefix refresh, ownership, LRU, failure markers, fallbacks,
+statistics) runs for real on CPU; only `torch.cuda.CUDAGraph` itself is left to the GPU tests.
+"""
+
+import gc
+import logging
+
+import pytest
+import torch
+
+from graph_runtime.decode import eligibility as why
+from graph_runtime.decode.engine import DecodeEngine
+from graph_runtime.decode.layout import TokenLayout
+from graph_runtime.decode.graph_entry import DecodeGraphEntry, FailedEntry
+from graph_runtime.decode.graph_manager import make_key
+from graph_runtime.sampling.sampler import initial_noise, pack
+
+
+class RecordingBackend:
+    name = "recording"
+
+    def __init__(self, fail_capture=False):
+        self.fail_capture = fail_capture
+        self.capture_calls = 0
+
+    def unavailable_reason(self, transformer):
+        return None
+
+    def capture(self, entry, body):
+        self.capture_calls += 1
+        if self.fail_capture:
+            raise RuntimeError("injected capture failure")
+        entry.graph = body
+        entry.output = body(entry.inputs)
+        entry.captures += 1
+
+    def replay(self, entry):
+        entry.replays += 1
+        return entry.graph(entry.inputs).clone()
+
+
+@pytest.fixture()
+def engine(tiny_models):
+    return DecodeEngine(tiny_models.transformer, max_entries=2, backend=RecordingBackend())
+
+
+def _request(generator, prompt, shapes=((1, 8, 8),), seed=0, engine=None, branch="cond"):
+    embeds = generator.encoder.encode(prompt)
+    layout = TokenLayout.build(embeds.image_mask, shapes, "cpu")
+    h, w = shapes[-1][1:]
+    latents = pack(initial_noise(seed, 1, 64, h, w, torch.float32))
+    t = torch.full((1,), 0.8)
+    with torch.no_grad():
+        _, prefix = engine.prefill(layout, latents, embeds.embeds, t, branch=branch)
+    return prefix, latents
+
+
+def _eager(engine, prefix, latents, t):
+    return engine.decode(prefix, latents, t, mode="eager").output
+
+
+def test_replay_on_static_buffers_equals_eager_decode(engine, generator):
+    """The static [prefix | target] K/V path gives the eager concatenating path's output exactly (CPU fp32)."""
+    prefix, latents = _request(generator, "a red cube", engine=engine)
+    t = torch.full((1,), 0.6)
+    first = engine.decode(prefix, latents, t)
+    second = engine.decode(prefix, latents * 0.5, t)
+    assert (first.path, second.path) == ("capture", "replay")
+    assert torch.equal(first.output, _eager(engine, prefix, latents, t))
+    assert torch.equal(second.output, _eager(engine, prefix, latents * 0.5, t))
+    assert engine.manager.stats.captures == 1 and engine.manager.stats.replays == 2
+
+
+def test_claimed_prefill_writes_into_static_buffers(engine, generator):
+    """A request that claims its entry at prefill keeps a single copy of its prefix: views of the static buffers."""
+    prefix, latents = _request(generator, "a red cube", engine=engine)
+    entry = next(iter(engine.manager.entries.values()))
+    assert prefix.k[0].data_ptr() == entry.inputs.k[0].data_ptr()
+    assert prefix.k[0].shape[1] == prefix.layout.prefix_len < entry.inputs.k[0].shape[1]
+    engine.decode(prefix, latents, torch.full((1,), 0.6))
+    assert entry.refresh_prefix(prefix) is False
+
+
+def test_unclaimed_prefix_is_copied_once_when_it_changes(engine, generator):
+    """A prefix made without a claim (here: prefilled while the key was owned) is copied in at its first graph step
+    after the owner is gone, and consecutive steps copy nothing."""
+    owner, latents = _request(generator, "a red cube", engine=engine)
+    other, _ = _request(generator, "a red cube", engine=engine, seed=1)
+    entry = next(iter(engine.manager.entries.values()))
+    assert other.k[0].data_ptr() != entry.inputs.k[0].data_ptr()  # refused at prefill: its own tensors
+    owner.release()
+    gc.collect()
+    assert entry.refresh_prefix(other) is True
+    assert entry.refresh_prefix(other) is False
+
+
+def _key(engine, prefix, latents):
+    return make_key(engine.step, prefix.branch, prefix.batch, prefix.layout, latents.dtype, latents.device)
+
+
+def test_equal_token_counts_with_different_layouts_get_separate_entries(engine, generator):
+    """8x8 and 4x16 targets have 64 tokens each but different RoPE positions: two keys, two captures."""
+    a, la = _request(generator, "a red cube", shapes=((1, 8, 8),), engine=engine)
+    b, lb = _request(generator, "a red cube", shapes=((1, 4, 16),), engine=engine)
+    t = torch.full((1,), 0.6)
+    out_a = engine.decode(a, la, t)
+    out_b = engine.decode(b, lb, t)
+    assert out_a.path == out_b.path == "capture"
+    assert len(engine.manager.entries) == 2
+    assert torch.equal(out_b.output, _eager(engine, b, lb, t))
+
+
+def test_lru_eviction_bounds_entries(engine, generator):
+    """With max_entries=2 a third key evicts the least recently used one."""
+    t = torch.full((1,), 0.6)
+    keys = []
+    for shape in ((1, 8, 8), (1, 4, 16), (1, 16, 4)):
+        prefix, latents = _request(generator, "a cat", shapes=(shape,), engine=engine)
+        engine.decode(prefix, latents, t)
+        keys.append(_key(engine, prefix, latents))
+    assert list(engine.manager.entries) == keys[1:]
+    assert engine.manager.stats.evictions == 1
+
+
+def test_second_live_request_is_refused_until_owner_released(engine, generator):
+    """Two requests with one key: the second runs eager (correctly) while the first lives, then takes over."""
+    t = torch.full((1,), 0.6)
+    owner, latents = _request(generator, "a red cube", engine=engine)
+    other, latents_b = _request(generator, "a red cube", engine=engine, seed=3)
+    assert engine.decode(owner, latents, t).path == "capture"
+    refused = engine.decode(other, latents_b, t)
+    assert (refused.path, refused.reason) == ("eager", why.OWNED)
+    assert torch.equal(refused.output, _eager(engine, other, latents_b, t))
+    # The owner keeps replaying with its own prefix, untouched by the refused request.
+    assert torch.equal(engine.decode(owner, latents, t).output, _eager(engine, owner, latents, t))
+    owner.release()
+    gc.collect()
+    adopted = engine.decode(other, latents_b, t)
+    assert adopted.path == "replay" and torch.equal(adopted.output, _eager(engine, other, latents_b, t))
+    assert engine.manager.stats.eager_steps[why.OWNED] == 1
+
+
+def test_capture_failure_leaves_a_marker_and_stays_eager(tiny_models, generator, caplog):
+    """A failing capture ends eager and correct, logs once, and the key is not retried."""
+    backend = RecordingBackend(fail_capture=True)
+    engine = DecodeEngine(tiny_models.transformer, backend=backend)
+    prefix, latents = _request(generator, "a red cube", engine=engine)
+    t = torch.full((1,), 0.6)
+    with caplog.at_level(logging.INFO, logger="kvgraph"):
+        first = engine.decode(prefix, latents, t)
+        second = engine.decode(prefix, latents, t)
+    assert first.reason == second.reason == why.CAPTURE_FAILED
+    assert torch.equal(first.output, _eager(engine, prefix, latents, t))
+    assert backend.capture_calls == 1
+    assert isinstance(next(iter(engine.manager.entries.values())), FailedEntry)
+    assert sum(why.CAPTURE_FAILED in r.message for r in caplog.records) == 2  # the failure + one fallback line
+    assert engine.manager.stats.eager_steps[why.CAPTURE_FAILED] == 2
+
+
+def test_allocation_failure_leaves_a_marker(tiny_models, generator, monkeypatch):
+    """Out of memory while allocating static buffers: marker, eager, correct."""
+    engine = DecodeEngine(tiny_models.transformer, backend=RecordingBackend())
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("injected: CUDA out of memory")
+
+    monkeypatch.setattr(DecodeGraphEntry, "__init__", oom)
+    prefix, latents = _request(generator, "a red cube", engine=engine)
+    t = torch.full((1,), 0.6)
+    out = engine.decode(prefix, latents, t)
+    assert out.reason == why.ALLOCATION_FAILED
+    assert torch.equal(out.output, _eager(engine, prefix, latents, t))
+    assert engine.status()["entries"][0]["state"] == "failed"
+
+
+def test_lora_wrappers_drop_entries_and_force_eager(tiny_models, generator):
+    """When LoRA layers appear on the transformer the captured graphs are dropped and decode goes eager."""
+    from diffusers import QwenImage21Transformer2DModel
+    from graph_runtime.tiny import TINY_TRANSFORMER
+
+    transformer = QwenImage21Transformer2DModel(**TINY_TRANSFORMER).eval()
+    transformer.load_state_dict(tiny_models.transformer.state_dict())
+    engine = DecodeEngine(transformer, backend=RecordingBackend())
+    prefix, latents = _request(generator, "a red cube", engine=engine)
+    t = torch.full((1,), 0.6)
+    assert engine.decode(prefix, latents, t).path == "capture"
+    transformer.transformer_blocks[0].attn.to_q.lora_A = torch.nn.ModuleDict()  # what a LoRA wrapper exposes
+    out = engine.decode(prefix, latents, t)
+    assert out.reason == why.LORA and not engine.manager.entries
+
+
+def test_padded_text_mask_stays_eager(engine, generator):
+    """A padded text mask forces eager decode (with the mask applied), never a graph."""
+    embeds = generator.encoder.encode("a red cube")
+    mask = torch.ones_like(embeds.image_mask)
+    mask[:, :2] = False  # two padded positions
+    layout = TokenLayout.build(embeds.image_mask, [(1, 8, 8)], "cpu")
+    latents = pack(initial_noise(0, 1, 64, 8, 8, torch.float32))
+    t = torch.full((1,), 0.6)
+    with torch.no_grad():
+        _, prefix = engine.prefill(layout, latents, embeds.embeds, t, text_mask=mask)
+    out = engine.decode(prefix, latents, t)
+    assert out.reason == why.PADDED_TEXT and not engine.manager.entries
+    unmasked = generator.encoder.encode("a red cube")
+    with torch.no_grad():
+        _, plain = engine.prefill(layout, latents, unmasked.embeds, t)
+    assert not torch.allclose(out.output, _eager(engine, plain, latents, t))
+
+
+def test_statistics_and_status(engine, generator):
+    """Statistics count captures, replays and eager steps by reason; status reports bytes and owners."""
+    prefix, latents = _request(generator, "a red cube", engine=engine)
+    t = torch.full((1,), 0.6)
+    engine.decode(prefix, latents, t)
+    engine.decode(prefix, latents, t)
+    engine.decode(prefix, latents, t, mode="eager")
+    status = engine.status()
+    assert (status["captures"], status["replays"]) == (1, 2)
+    assert status["eager_steps"] == {why.MODE_EAGER: 1}
+    entry = status["entries"][0]
+    assert entry["owner_alive"] is True and entry["bytes"] > 0 and entry["key"]["target_tokens"] == 64
+    assert status["bytes_held"] == entry["bytes"]
+    held = engine.release()
+    assert held["entries"] == 1 and engine.status()["entries"] == []
+
+
+def test_cpu_only_machine_reports_no_cuda(tiny_models, generator):
+    """With the real CUDA backend on a machine without CUDA, every decode step is eager with reason 'no CUDA'."""
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA; the GPU tests cover the real backend")
+    engine = DecodeEngine(tiny_models.transformer)
+    prefix, latents = _request(generator, "a red cube", engine=engine)
+    out = engine.decode(prefix, latents, torch.full((1,), 0.6))
+    assert out.reason == why.NO_CUDA and engine.manager.stats.eager_steps[why.NO_CUDA] == 1
+
+
+def test_unknown_decode_mode_is_rejected(engine, generator):
+    prefix, latents = _request(generator, "a red cube", engine=engine)
+    with pytest.raises(ValueError, match="decode mode 'fast' is invalid"):
+        engine.decode(prefix, latents, torch.full((1,), 0.6), mode="fast")
+
