@@ -157,6 +157,11 @@ def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if not args.verbose:
+        # diffusers warns on every `.to(dtype)` of a model with no fp32-pinned modules; it is noise here.
+        from diffusers.utils import logging as diffusers_logging
+
+        diffusers_logging.set_verbosity_error()
     try:
         return args.func(args)
     except Exception as exc:  # noqa: BLE001 - the CLI reports input errors without a traceback

@@ -119,11 +119,16 @@ class DecodeStep(torch.nn.Module):
         return self._model()
 
     def compile_blocks(self) -> None:
-        """Regionally compile every block; inductor's own CUDA graphs stay off so graph layers never stack."""
+        """Regionally compile every block; inductor's own CUDA graphs stay off so graph layers never stack.
+
+        Shapes are left to dynamo's automatic dynamism rather than pinned: every new prompt length changes the
+        prefix K/V length, and pinned shapes would recompile for each one (and fall back to eager past dynamo's
+        recompile limit). The first size change recompiles once with symbolic sizes; later ones reuse it.
+        """
         if self.compiled:
             return
         for i, block in enumerate(self.blocks):
-            self.blocks[i] = torch.compile(block, dynamic=False, options={"triton.cudagraphs": False})
+            self.blocks[i] = torch.compile(block, options={"triton.cudagraphs": False})
         self.compiled = True
 
     def variant(self) -> str:

@@ -191,3 +191,23 @@ def test_generate_cli_path_with_graph_decode(cuda_generator):
     assert first.stats["captures"] == 1 and first.stats["replays"] == 3 and first.stats["compiled"]
     assert second.stats["captures"] == 0 and second.stats["replays"] == 3 and second.stats["compiles"] == 0
     assert first.images[0].size == (128, 128)
+
+
+def test_compiled_blocks_follow_new_prompt_lengths(cuda_models, cuda_generator):
+    """Each new prompt length changes the prefix K/V shape; compiled blocks must keep working (and stay correct)
+    across lengths instead of recompiling per length. Dynamo's unique-graph counter shows how many compiles ran."""
+    from torch._dynamo.utils import counters
+
+    transformer = _fresh_transformer(cuda_models)
+    engine = DecodeEngine(transformer)
+    engine.enable_compile()
+    before = counters["stats"]["unique_graphs"]
+    prompts = ["a cube", "a red cube on a table", "a red cube on a wooden table in a sunny kitchen, photo"]
+    for seed, prompt in enumerate(prompts):
+        eager, _ = _run(engine, cuda_generator, prompt, seed, "eager")
+        graph, outcomes = _run(engine, cuda_generator, prompt, seed, "graph")
+        assert outcomes[0].path == "capture"
+        assert (graph - eager).abs().max().item() <= COMPILE_ATOL
+    compiles = counters["stats"]["unique_graphs"] - before
+    print(f"dynamo graphs compiled for {len(prompts)} prompt lengths: {compiles}")
+    assert compiles <= 2 * 2  # static first, then one symbolic recompile, for the static- and the eager-KV body
