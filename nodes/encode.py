@@ -1,0 +1,111 @@
+"""KVGraphTextEncode: prompt (+ up to three reference images) -> positive / negative CONDITIONING and an empty LATENT.
+
+The CONDITIONING is in core ComfyUI's Qwen-Image-2.1 format (vision rows dropped, `image_slots`, raw
+`reference_latents`), so core's sampler can read it too; the KV-Graph sampler reads it back losslessly.
+"""
+
+from __future__ import annotations
+
+import comfy.model_management as mm
+from comfy_api.latest import io
+
+from ..graph_runtime.comfy_interop import comfy_image_to_pil, empty_latent, prompt_to_conditioning
+from ..graph_runtime.encoding.images import prepare_references
+from ..graph_runtime.errors import InputError
+from ..graph_runtime.generate import check_size
+from .types import CONDITIONING, TextEncoder, Vae
+from .vae import encode_raw
+
+MAX_SIZE = 8192
+
+
+def _to_intermediate(conditioning: list) -> list:
+    # Conditioning outlives this node (ComfyUI caches it); keep it off the GPU like core's encoders do.
+    device = mm.intermediate_device()
+    out = []
+    for cond, extras in conditioning:
+        extras = dict(extras)
+        if "attention_mask" in extras:
+            extras["attention_mask"] = extras["attention_mask"].to(device)
+        if "reference_latents" in extras:
+            extras["reference_latents"] = [r.to(device) for r in extras["reference_latents"]]
+        out.append([cond.to(device), extras])
+    return out
+
+
+class KVGraphTextEncode(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KVGraphTextEncode",
+            display_name="KV-Graph Text Encode (Qwen-Image-2.1)",
+            category=CONDITIONING,
+            description=(
+                "Encodes the prompt (and the negative prompt) with Qwen3-VL exactly as the Qwen-Image-2.1 pipeline "
+                "does. Connect reference images (and the VAE) to edit them. Also outputs an empty latent of the "
+                "image size to sample."
+            ),
+            inputs=[
+                TextEncoder.Input("text_encoder", tooltip="From a KV-Graph text encoder or diffusers loader."),
+                io.String.Input("prompt", multiline=True, default="",
+                                tooltip="What to generate, or for an edit, what to change in the reference images "
+                                        "(refer to them as image 1, image 2...)."),
+                io.String.Input("negative_prompt", multiline=True, default="",
+                                tooltip="What to steer away from; leave empty for none. Used only when the sampler's "
+                                        "cfg is above 1."),
+                io.Int.Input("width", default=1024, min=16, max=MAX_SIZE, step=16,
+                             tooltip="Output width in pixels, a multiple of 16 (the VAE works on a 16 px grid)."),
+                io.Int.Input("height", default=1024, min=16, max=MAX_SIZE, step=16,
+                             tooltip="Output height in pixels, a multiple of 16."),
+                io.Boolean.Input("size_from_reference", default=True,
+                                 tooltip="With reference images connected, size the output like the last reference "
+                                         "(at reference_resolution), as the Qwen-Image-2.1 pipeline does; other "
+                                         "sizes shift the edit. Off: always use width and height."),
+                io.Int.Input("reference_resolution", default=1024, min=64, max=4096, step=32,
+                             tooltip="Reference images are resized to about this many pixels squared, keeping "
+                                     "their aspect ratio, in multiples of 32."),
+                Vae.Input("vae", optional=True,
+                          tooltip="The KV-Graph VAE; needed when reference images are connected (they enter the "
+                                  "transformer as latents)."),
+                io.Image.Input("image1", optional=True, tooltip="First reference image (image 1 in the prompt)."),
+                io.Image.Input("image2", optional=True, tooltip="Second reference image (image 2)."),
+                io.Image.Input("image3", optional=True, tooltip="Third reference image (image 3)."),
+            ],
+            outputs=[
+                io.Conditioning.Output(display_name="positive"),
+                io.Conditioning.Output(display_name="negative"),
+                io.Latent.Output(display_name="latent",
+                                 tooltip="An empty latent of the output size (connect it to the sampler)."),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, text_encoder, prompt, negative_prompt, width, height, size_from_reference, reference_resolution,
+                vae=None, image1=None, image2=None, image3=None) -> io.NodeOutput:
+        width, height = check_size("width", width), check_size("height", height)
+        if not isinstance(reference_resolution, int) or reference_resolution < 32:
+            raise InputError("reference_resolution", reference_resolution, "an integer of at least 32 pixels")
+        images = [img for img in (image1, image2, image3) if img is not None]
+        if images and vae is None:
+            raise InputError("vae", None, "a KV-Graph VAE connected: reference images enter the transformer as "
+                                          "VAE latents")
+        references = prepare_references([comfy_image_to_pil(img) for img in images], reference_resolution)
+        vision_images = [r.vision_image for r in references]
+
+        text_encoder.before_encode()
+        try:
+            encoder = text_encoder.encoder
+            positive = encoder.encode(prompt, vision_images, device=encoder.device)
+            negative = encoder.encode(negative_prompt or "", vision_images, device=encoder.device)
+        finally:
+            text_encoder.after_encode()
+
+        raw_refs = []
+        if references:
+            raw_refs = [encode_raw(vae, r.vae_pixels) for r in references]
+        if references and size_from_reference:
+            width, height = references[-1].width, references[-1].height
+        latent = empty_latent(width, height)
+        latent["samples"] = latent["samples"].to(mm.intermediate_device())
+        return io.NodeOutput(_to_intermediate(prompt_to_conditioning(positive, raw_refs)),
+                             _to_intermediate(prompt_to_conditioning(negative, raw_refs)), latent)

@@ -1,0 +1,203 @@
+"""Loader nodes: a diffusers pipeline folder, or ComfyUI's three single files.
+
+Weights load to the offload device (normally the CPU); ComfyUI's model management moves them to the GPU when a node
+first needs them. Loaded models are cached by file identity for the life of the process (see model_cache).
+"""
+
+from __future__ import annotations
+
+import comfy.model_management as mm
+from comfy_api.latest import io
+
+from ..graph_runtime.comfy_interop import file_identity
+from ..graph_runtime.loading import (
+    default_scheduler_config, load_pipeline_folder, load_text_encoder, load_transformer, load_vae,
+)
+from . import model_cache, model_files
+from .model_handles import TE_OFFLOAD, TE_PLACEMENTS, TextEncoderHandle, TransformerHandle, VAEHandle
+from .types import DTYPE_TOOLTIP, DTYPES, LOADERS, TextEncoder, Transformer, Vae
+
+TRANSFORMER_FILE = "qwen_image_2.1_bf16.safetensors"
+TEXT_ENCODER_FILE = "qwen3vl_8b_bf16.safetensors"
+VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
+
+PLACEMENT_TOOLTIP = (
+    "Where the Qwen3-VL text encoder (16 GB in bf16) lives. 'gpu while encoding, then offload' moves it to the GPU "
+    "for each prompt and back right after, so it never competes with the transformer; 'always gpu' keeps it there "
+    "(faster re-encoding, ComfyUI still unloads it when another model needs the room); 'cpu' encodes on the CPU."
+)
+
+
+def _dtype_input():
+    return io.Combo.Input("dtype", options=list(DTYPES), default="bf16", tooltip=DTYPE_TOOLTIP)
+
+
+def _placement_input():
+    return io.Combo.Input("text_encoder_placement", options=list(TE_PLACEMENTS), default=TE_OFFLOAD,
+                          tooltip=PLACEMENT_TOOLTIP)
+
+
+def _fingerprint(folder: str, name: str, *rest):
+    # Re-run the loader when the file changes on disk, not only when the widget changes.
+    try:
+        return (file_identity(model_files.full_path(folder, name, "")), *rest)
+    except Exception:  # noqa: BLE001 - a missing file is reported by execute, with a proper message
+        return (name, *rest)
+
+
+def transformer_handle(path: str, dtype_name: str, scheduler_config: dict | None = None) -> TransformerHandle:
+    def load():
+        module = load_transformer(path, dtype=DTYPES[dtype_name], device=mm.unet_offload_device())
+        return TransformerHandle.create(
+            "transformer", module, path, dtype_name, mm.get_torch_device(), mm.unet_offload_device(),
+            scheduler_config=scheduler_config or default_scheduler_config())
+
+    return model_cache.get_or_load(model_cache.cache_key("transformer", path, dtype_name), load)
+
+
+def text_encoder_handle(path: str, dtype_name: str, placement: str, tokenizer_dir: str | None):
+    if placement not in TE_PLACEMENTS:
+        from ..graph_runtime.errors import InputError
+
+        raise InputError("text_encoder_placement", placement, f"one of {', '.join(TE_PLACEMENTS)}")
+
+    def load():
+        load_device = "cpu" if placement == "cpu" else mm.text_encoder_device()
+        offload_device = "cpu" if placement == "cpu" else mm.text_encoder_offload_device()
+        module, processor = load_text_encoder(path, dtype=DTYPES[dtype_name], device=offload_device,
+                                              tokenizer_dir=tokenizer_dir)
+        return TextEncoderHandle.create("text_encoder", module, path, dtype_name, load_device, offload_device,
+                                        processor=processor, placement=placement, info={"placement": placement})
+
+    return model_cache.get_or_load(model_cache.cache_key("text_encoder", path, dtype_name, placement), load)
+
+
+def vae_handle(path: str, dtype_name: str) -> VAEHandle:
+    def load():
+        module = load_vae(path, dtype=DTYPES[dtype_name], device=mm.vae_offload_device())
+        return VAEHandle.create("vae", module, path, dtype_name, mm.vae_device(), mm.vae_offload_device())
+
+    return model_cache.get_or_load(model_cache.cache_key("vae", path, dtype_name), load)
+
+
+class KVGraphLoadTransformer(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KVGraphLoadTransformer",
+            display_name="KV-Graph Load Transformer",
+            category=LOADERS,
+            description=("Loads the Qwen-Image-2.1 transformer from models/diffusion_models (ComfyUI's "
+                         f"{TRANSFORMER_FILE}). The loaded model, and the decode graphs captured for it, stay cached "
+                         "across prompts and workflows until released."),
+            inputs=[
+                io.Combo.Input("transformer_name", options=model_files.file_choices("diffusion_models",
+                                                                                    TRANSFORMER_FILE),
+                               default=TRANSFORMER_FILE,
+                               tooltip="The transformer file in models/diffusion_models (bf16; the int8 variant is "
+                                       "not supported)."),
+                _dtype_input(),
+            ],
+            outputs=[Transformer.Output(display_name="transformer")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, transformer_name, dtype):
+        return _fingerprint("diffusion_models", transformer_name, dtype)
+
+    @classmethod
+    def execute(cls, transformer_name, dtype) -> io.NodeOutput:
+        path = model_files.full_path("diffusion_models", transformer_name, "transformer_name")
+        return io.NodeOutput(transformer_handle(path, dtype))
+
+
+class KVGraphLoadTextEncoder(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KVGraphLoadTextEncoder",
+            display_name="KV-Graph Load Text Encoder",
+            category=LOADERS,
+            description=("Loads the Qwen3-VL-8B text encoder from models/text_encoders (ComfyUI's "
+                         f"{TEXT_ENCODER_FILE}), with ComfyUI's bundled Qwen tokenizer."),
+            inputs=[
+                io.Combo.Input("text_encoder_name", options=model_files.file_choices("text_encoders",
+                                                                                     TEXT_ENCODER_FILE),
+                               default=TEXT_ENCODER_FILE,
+                               tooltip="The Qwen3-VL-8B file in models/text_encoders."),
+                _dtype_input(),
+                _placement_input(),
+            ],
+            outputs=[TextEncoder.Output(display_name="text_encoder")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, text_encoder_name, dtype, text_encoder_placement):
+        return _fingerprint("text_encoders", text_encoder_name, dtype, text_encoder_placement)
+
+    @classmethod
+    def execute(cls, text_encoder_name, dtype, text_encoder_placement) -> io.NodeOutput:
+        path = model_files.full_path("text_encoders", text_encoder_name, "text_encoder_name")
+        handle = text_encoder_handle(path, dtype, text_encoder_placement, model_files.bundled_tokenizer_dir())
+        return io.NodeOutput(handle)
+
+
+class KVGraphLoadVAE(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KVGraphLoadVAE",
+            display_name="KV-Graph Load VAE",
+            category=LOADERS,
+            description=f"Loads the Qwen-Image-2.1 VAE (RGBA, 16x) from models/vae (ComfyUI's {VAE_FILE}).",
+            inputs=[
+                io.Combo.Input("vae_name", options=model_files.file_choices("vae", VAE_FILE), default=VAE_FILE,
+                               tooltip="The Qwen-Image-2.1 VAE file in models/vae (not the Qwen-Image 1.x VAE)."),
+                _dtype_input(),
+            ],
+            outputs=[Vae.Output(display_name="vae")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, vae_name, dtype):
+        return _fingerprint("vae", vae_name, dtype)
+
+    @classmethod
+    def execute(cls, vae_name, dtype) -> io.NodeOutput:
+        path = model_files.full_path("vae", vae_name, "vae_name")
+        return io.NodeOutput(vae_handle(path, dtype))
+
+
+class KVGraphLoadDiffusers(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KVGraphLoadDiffusers",
+            display_name="KV-Graph Load Diffusers Folder",
+            category=LOADERS,
+            description=("Loads a Qwen-Image-2.1 pipeline in the Hugging Face diffusers layout from models/diffusers "
+                         "(transformer/, text_encoder/, vae/, processor/, scheduler/)."),
+            inputs=[
+                io.Combo.Input("folder", options=model_files.diffusers_choices(),
+                               tooltip="A pipeline folder under models/diffusers (one holding model_index.json)."),
+                _dtype_input(),
+                _placement_input(),
+            ],
+            outputs=[
+                Transformer.Output(display_name="transformer"),
+                TextEncoder.Output(display_name="text_encoder"),
+                Vae.Output(display_name="vae"),
+            ],
+        )
+
+    @classmethod
+    def execute(cls, folder, dtype, text_encoder_placement) -> io.NodeOutput:
+        root = model_files.diffusers_path(folder)
+        scheduler = load_pipeline_folder(root, dtype=DTYPES[dtype], device="meta", components=()).scheduler_config
+        transformer = transformer_handle(root, dtype, scheduler)
+        text_encoder = text_encoder_handle(root, dtype, text_encoder_placement, tokenizer_dir=None)
+        vae = vae_handle(root, dtype)
+        return io.NodeOutput(transformer, text_encoder, vae)
+
+
+LOADER_NODES = [KVGraphLoadTransformer, KVGraphLoadTextEncoder, KVGraphLoadVAE, KVGraphLoadDiffusers]

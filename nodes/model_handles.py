@@ -1,0 +1,228 @@
+"""Loaded models wrapped so that ComfyUI's model management sees them, sizes them and can unload them.
+
+Each model (transformer, text encoder, VAE) gets a ComfyUI `ModelPatcher`; `ensure_loaded` asks ComfyUI to put
+it on its compute device (`comfy.model_management.load_models_gpu`), which first unloads whatever else is needed to
+make room, and ComfyUI can later unload ours the same way when another model wants the VRAM.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+import comfy.model_management as mm
+import comfy.model_patcher
+
+from ..graph_runtime.encoding.prompt import PromptEncoder
+from ..graph_runtime.registry import engine_for
+
+logger = logging.getLogger("kvgraph")
+
+TE_OFFLOAD = "gpu while encoding, then offload"
+TE_GPU = "always gpu"
+TE_CPU = "cpu"
+TE_PLACEMENTS = (TE_OFFLOAD, TE_GPU, TE_CPU)
+
+
+class ModuleHost(torch.nn.Module):
+    """Holds a diffusers / transformers model for a ModelPatcher.
+
+    ModelPatcher keeps its bookkeeping in plain attributes of the module it manages (`device`,
+    `model_loaded_weight_memory`, ...). diffusers and transformers models expose `device` as a read-only property,
+    so they cannot be handed over directly; this host takes the attributes and owns the model as a submodule.
+    """
+
+    def __init__(self, inner: torch.nn.Module, device: torch.device):
+        super().__init__()
+        self.inner = inner
+        self.device = device
+
+    def get_dtype(self):
+        return next(self.inner.parameters()).dtype
+
+
+def unique_nbytes(module: torch.nn.Module) -> int:
+    """Bytes of the module's weights, counting shared storage once (the text encoder ties its head to its
+    embedding table; state_dict-based sizing would count that 1.2 GB twice)."""
+    seen, total = set(), 0
+    for t in (*module.parameters(), *module.buffers()):
+        key = t.data_ptr() if t.device.type != "meta" else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _same_device(a, b) -> bool:
+    a, b = torch.device(a), torch.device(b)
+    if a.type != b.type:
+        return False
+    return a.type == "cpu" or (a.index or 0) == (b.index or 0)
+
+
+class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
+    """A ModelPatcher that loads the whole model or none of it.
+
+    ComfyUI's lowvram mode streams weights through its own cast-on-use layers; diffusers' layers cannot stream, so a
+    partial load would leave some weights on the CPU while the rest computes on the GPU. When ComfyUI asks for part
+    of the model, it gets all of it; when it frees part, it frees all of it. Moving weights also invalidates captured
+    decode graphs (they read weights at fixed addresses), so unloading tells the owner through `on_unload`.
+    """
+
+    on_unload = None  # callable(patcher), set by the handle
+
+    def _resident_on(self, device) -> bool:
+        params = list(self.model.parameters())
+        return bool(params) and all(_same_device(p.device, device) for p in params) and self.loaded_size() > 0
+
+    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
+        if self._resident_on(device_to):
+            return 0
+        before = self.loaded_size()
+        try:
+            self.patch_model(device_to, lowvram_model_memory=0, load_weights=True,
+                             force_patch_weights=force_patch_weights)
+        except BaseException:
+            # An out-of-memory halfway through would leave the model split between devices: put it all back.
+            self.detach(unpatch_all=True)
+            raise
+        return self.loaded_size() - before
+
+    def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
+        freed = self.loaded_size()
+        self.detach(unpatch_all=True)
+        return freed
+
+    def detach(self, unpatch_all=True):
+        if unpatch_all and self.on_unload is not None:
+            self.on_unload(self)
+        return super().detach(unpatch_all)
+
+
+@dataclass(eq=False)  # handles are compared and hashed by identity, like the models they hold
+class ModelHandle:
+    """One loaded model as the pack's nodes pass it around (the KVGRAPH_* socket types)."""
+
+    kind: str
+    module: torch.nn.Module
+    patcher: FullLoadPatcher
+    source: str
+    dtype_name: str
+    key: tuple = ()
+    info: dict = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, kind: str, module: torch.nn.Module, source: str, dtype_name: str, load_device, offload_device,
+               **extra):
+        module = module.to(offload_device)
+        host = ModuleHost(module, torch.device(offload_device))
+        patcher = FullLoadPatcher(host, load_device=torch.device(load_device),
+                                  offload_device=torch.device(offload_device), size=unique_nbytes(module))
+        handle = cls(kind=kind, module=module, patcher=patcher, source=source, dtype_name=dtype_name, **extra)
+        patcher.on_unload = handle._weights_leaving
+        return handle
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.module.parameters()).device
+
+    @property
+    def size_bytes(self) -> int:
+        return self.patcher.model_size()
+
+    def ensure_loaded(self, memory_required: int = 0) -> None:
+        """Have ComfyUI put the whole model on its compute device, making room first; fail clearly otherwise."""
+        from . import model_cache
+
+        model_cache.adopt(self)
+        try:
+            mm.load_models_gpu([self.patcher], memory_required=memory_required, force_full_load=True)
+        except torch.OutOfMemoryError as exc:
+            raise RuntimeError(
+                f"KV-Graph: not enough free memory on {self.patcher.load_device} to load the {self.kind} "
+                f"({self.size_bytes / 2**30:.1f} GiB, {self.source}). KV-Graph keeps a model whole on the GPU while "
+                "it runs (no lowvram streaming); close other models or use a smaller dtype."
+            ) from exc
+        devices = {p.device for p in self.module.parameters()}
+        if len(devices) != 1 or not _same_device(next(iter(devices)), self.patcher.load_device):
+            # Never compute with weights split between devices: put everything back on the offload device.
+            self.patcher.detach(unpatch_all=True)
+            raise RuntimeError(
+                f"KV-Graph: ComfyUI left the {self.kind} on {sorted(str(d) for d in devices)} instead of "
+                f"{self.patcher.load_device} ({self.source}); it was moved back whole. Try again after freeing "
+                "memory."
+            )
+
+    def offload(self) -> None:
+        """Move the weights back to the offload device now (not waiting for ComfyUI to need the memory)."""
+        if self.patcher.loaded_size() > 0 and not _same_device(self.patcher.load_device,
+                                                                self.patcher.offload_device):
+            self.patcher.detach(unpatch_all=True)
+            mm.soft_empty_cache()
+
+    def _weights_leaving(self, patcher) -> None:
+        """Called before ComfyUI (or `offload`) moves the weights away."""
+
+    def describe(self) -> dict:
+        return {
+            "kind": self.kind,
+            "source": self.source,
+            "dtype": self.dtype_name,
+            "device": str(self.device),
+            "bytes": self.size_bytes,
+            "loaded_bytes": int(self.patcher.loaded_size()),
+            **{k: v for k, v in self.info.items() if isinstance(v, (str, int, float, bool))},
+        }
+
+
+@dataclass(eq=False)
+class TransformerHandle(ModelHandle):
+    scheduler_config: dict | None = None
+
+    @property
+    def engine(self):
+        return engine_for(self.module)
+
+    def _weights_leaving(self, patcher) -> None:
+        # Captured graphs and their static buffers are worthless once the weights move; free the buffers with
+        # the model (a sampler in flight keeps its entries until it finishes).
+        from . import in_flight
+
+        in_flight.release_graphs(self.engine, reason=f"{self.kind} unloaded by ComfyUI")
+
+
+@dataclass(eq=False)
+class TextEncoderHandle(ModelHandle):
+    processor: object = None
+    placement: str = TE_OFFLOAD
+    _encoder: PromptEncoder | None = None
+
+    @property
+    def encoder(self) -> PromptEncoder:
+        if self._encoder is None:
+            self._encoder = PromptEncoder(self.module, self.processor)
+        return self._encoder
+
+    def before_encode(self) -> None:
+        self.ensure_loaded()
+
+    def after_encode(self) -> None:
+        # The 8B text encoder is 16 GB in bf16: by default it leaves the GPU as soon as the prompt is encoded, so
+        # the transformer and its graphs never have to compete with it.
+        if self.placement == TE_OFFLOAD:
+            self.offload()
+
+
+@dataclass(eq=False)
+class VAEHandle(ModelHandle):
+    _preview = None
+
+    def preview_projection(self):
+        """The latent -> RGB projection for live previews, fitted once to these weights."""
+        if self._preview is None:
+            from ..graph_runtime.comfy_interop import fit_preview_projection
+
+            self._preview = fit_preview_projection(self.module)
+        return self._preview

@@ -1,0 +1,180 @@
+"""KVGraphSampler: the prefix-K/V prefill + CUDA-graph decode sampler for Qwen-Image-2.1.
+
+Reads CONDITIONING and LATENT from this pack's encode node or from core ComfyUI's TextEncodeQwenImage21, and returns
+raw VAE latents, so it drops into core workflows in place of KSampler.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import comfy.model_management as mm
+from comfy_api.latest import io
+
+from ..graph_runtime.comfy_interop import (
+    conditioning_to_prompt, latent_samples, latent_stats, normalized_to_raw, raw_to_normalized,
+)
+from ..graph_runtime.decode.graph_manager import DECODE_MODES
+from ..graph_runtime.errors import InputError
+from ..graph_runtime.sampling.sampler import Cancelled, SamplingRequest, sample
+from ..graph_runtime.sampling.schedule import SIGMA_PRESETS, TURBO_SIGMAS
+from . import events, in_flight
+from .progress import SamplerProgress
+from .types import SAMPLING, Transformer
+
+logger = logging.getLogger("kvgraph")
+
+COMPILE_OPTIONS = ("off", "blocks")
+MAX_SEED = 0xFFFFFFFFFFFFFFFF
+
+
+def _check_choice(name: str, value, options) -> None:
+    if value not in options:
+        raise InputError(name, value, f"one of {', '.join(options)}")
+
+
+def _same_references(positive, negative) -> bool:
+    shapes = [tuple(r.shape) for r in positive.reference_latents]
+    return shapes == [tuple(r.shape) for r in negative.reference_latents]
+
+
+def inference_memory(transformer, tokens: int, batch: int, branches: int) -> int:
+    """What sampling needs beyond the weights, for ComfyUI's memory planning: the prefix K/V (once for the request,
+    once more in a graph entry's static buffers) plus the prefill's activations."""
+    config = transformer.config
+    inner = config.num_attention_heads * config.attention_head_dim
+    item = next(transformer.parameters()).element_size()
+    kv = 2 * config.num_layers * batch * branches * tokens * inner * item
+    return int(2 * kv + tokens * batch * branches * inner * item * 24)
+
+
+def summary_line(width: int, height: int, batch: int, result, preset: str, cfg: float) -> str:
+    stats, timings = result.stats, result.timings
+    eager = stats.get("eager_steps", {})
+    reasons = ", ".join(f"{reason}: {n}" for reason, n in eager.items())
+    return (f"KV-Graph: {batch}x {width}x{height}, {timings.get('steps')} steps ({preset}, cfg {cfg:g}): "
+            f"prefill {timings.get('prefill_ms', 0.0):.1f} ms, decode {timings.get('decode_ms_per_step', 0.0):.2f} "
+            f"ms/step, captures {stats.get('captures', 0)}, replays {stats.get('replays', 0)}, eager steps "
+            f"{sum(eager.values())}" + (f" ({reasons})" if reasons else ""))
+
+
+class KVGraphSampler(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KVGraphSampler",
+            display_name="KV-Graph Sampler (Qwen-Image-2.1)",
+            category=SAMPLING,
+            description=(
+                "Samples Qwen-Image-2.1 with flow-matching Euler. Step 1 runs the whole sequence once and keeps the "
+                "text and reference-image K/V; every later step recomputes only the image tokens and replays a "
+                "captured CUDA graph. Graphs stay cached across prompts for the loaded model. Accepts conditioning "
+                "from the KV-Graph encode node or core's Text Encode Qwen Image 2.1."
+            ),
+            inputs=[
+                Transformer.Input("model", tooltip="From a KV-Graph transformer or diffusers loader."),
+                io.Conditioning.Input("positive", tooltip="The prompt's conditioning (KV-Graph or core Qwen-Image-2.1 "
+                                                          "encode node)."),
+                io.Conditioning.Input("negative", optional=True,
+                                      tooltip="Negative conditioning; used only when cfg is above 1 (true CFG, which "
+                                              "runs the model twice per step)."),
+                io.Latent.Input("latent", tooltip="Sets the output size and batch; with denoise below 1 it is also "
+                                                  "the image to start from."),
+                io.Int.Input("seed", default=0, min=0, max=MAX_SEED, control_after_generate=True,
+                             tooltip="Noise seed; the same seed gives the same image as the diffusers pipeline."),
+                io.Int.Input("steps", default=40, min=1, max=1000,
+                             tooltip="Denoising steps for the dynamic schedule (40 is the model's default). The "
+                                     "turbo preset always runs its fixed 8 steps."),
+                io.Float.Input("cfg", default=1.0, min=1.0, max=20.0, step=0.1,
+                               tooltip="Guidance scale. 1 disables CFG (the model's default). Above 1 with a "
+                                       "negative connected, runs true CFG at twice the cost."),
+                io.Combo.Input("sigma_preset", options=list(SIGMA_PRESETS), default="dynamic",
+                               tooltip="dynamic: the model's resolution-dependent shifted schedule over 'steps'. "
+                                       f"turbo: the Turbo variant's fixed {len(TURBO_SIGMAS)}-step grid."),
+                io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01,
+                               tooltip="1 samples from pure noise. Below 1, starts from the input latent and runs the "
+                                       "last part of a longer schedule (image-to-image)."),
+                io.Combo.Input("decode_mode", options=list(DECODE_MODES), default="auto",
+                               tooltip="auto: replay CUDA graphs where possible, else decode eagerly (always "
+                                       "correct). graph: same, but warns when a step cannot replay. eager: never "
+                                       "capture (for debugging)."),
+                io.Combo.Input("compile", options=list(COMPILE_OPTIONS), default="blocks",
+                               tooltip="blocks (default, the fastest path in our benchmark): torch.compile the "
+                                       "transformer blocks on CUDA once per loaded model (a few seconds on the first "
+                                       "run); graphs then record the compiled kernels. off: plain PyTorch kernels."),
+            ],
+            outputs=[io.Latent.Output(display_name="latent", tooltip="Raw VAE latents, for a VAE decode node.")],
+        )
+
+    @classmethod
+    def execute(cls, model, positive, latent, seed, steps, cfg, sigma_preset, denoise, decode_mode, compile,
+                negative=None) -> io.NodeOutput:
+        request, stats, tokens = build_request(model, positive, negative, latent, seed, steps, cfg, sigma_preset,
+                                               denoise, decode_mode, compile)
+        branches = 2 if request.negative is not None else 1
+        model.ensure_loaded(inference_memory(model.module, tokens, request.batch_size, branches))
+        engine = model.engine
+        prompt_id, node_id = events.executing_ids()
+        total = len(TURBO_SIGMAS) if sigma_preset == "turbo" else int(steps)
+
+        with in_flight.sampling(engine, prompt_id, node_id, total) as record:
+            progress = SamplerProgress(total, record)
+            try:
+                result = sample(engine, request, on_step=progress.on_step, should_stop=progress.should_stop,
+                                on_event=lambda phase, data: events.send(phase, data, prompt_id, node_id))
+            except Cancelled:
+                # The sampler stopped between steps (its caches are released): end the node the way ComfyUI
+                # expects an interrupted node to end.
+                mm.throw_exception_if_processing_interrupted()
+                raise
+        logger.info(summary_line(request.latent_width * 16, request.latent_height * 16, request.batch_size, result,
+                                 sigma_preset, cfg))
+        out = normalized_to_raw(result.latents.float(), stats).to(mm.intermediate_device())
+        return io.NodeOutput({"samples": out})
+
+
+def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_preset, denoise, decode_mode,
+                  compile) -> tuple[SamplingRequest, object, int]:
+    """Validate the node's inputs and turn ComfyUI's CONDITIONING / LATENT into the runtime's request.
+
+    Returns the request, the latent statistics used to normalize, and the joint sequence length (for memory
+    planning).
+    """
+    _check_choice("sigma_preset", sigma_preset, SIGMA_PRESETS)
+    _check_choice("decode_mode", decode_mode, DECODE_MODES)
+    _check_choice("compile", compile, COMPILE_OPTIONS)
+    if not 0 <= int(seed) <= MAX_SEED:
+        raise InputError("seed", seed, f"an integer in [0, {MAX_SEED}]")
+    channels = model.module.config.in_channels
+    samples = latent_samples(latent, "latent", channels)
+    if latent.get("noise_mask") is not None:
+        logger.warning("KV-Graph: the latent's noise_mask is ignored (masked sampling is not supported); the whole "
+                       "image is sampled.")
+    batch, _, height, width = samples.shape
+    stats = latent_stats()
+
+    pos = conditioning_to_prompt(positive, "positive", channels)
+    neg = None
+    if cfg > 1.0 and negative is None:
+        logger.warning("KV-Graph: cfg %.2f has no effect without a negative conditioning; sampling without CFG.", cfg)
+    if cfg > 1.0 and negative is not None:
+        neg = conditioning_to_prompt(negative, "negative", channels)
+        if not _same_references(pos, neg):
+            raise InputError("negative", "conditioning encoded with other reference images",
+                             "the same reference images as the positive conditioning")
+    for name, parsed in (("positive", pos), ("negative", neg)):
+        if parsed is not None and parsed.embeds.embeds.shape[0] not in (1, batch):
+            raise InputError(name, f"{parsed.embeds.embeds.shape[0]} prompts",
+                             f"1 prompt, or one per latent in the batch ({batch})")
+
+    request = SamplingRequest(
+        positive=pos.embeds, negative=neg.embeds if neg is not None else None, cfg=float(cfg),
+        reference_latents=[raw_to_normalized(r, stats) for r in pos.reference_latents],
+        latent_height=height, latent_width=width, batch_size=batch, seed=int(seed), steps=int(steps),
+        sigma_preset=sigma_preset, denoise=float(denoise),
+        init_latents=raw_to_normalized(samples, stats) if denoise < 1.0 else None,
+        decode_mode=decode_mode, compile=compile == "blocks", scheduler_config=model.scheduler_config,
+    )
+    tokens = pos.embeds.embeds.shape[1] + sum(r.shape[-2] * r.shape[-1] for r in pos.reference_latents) + \
+        height * width
+    return request, stats, tokens

@@ -1,0 +1,173 @@
+"""Start a real ComfyUI with the pack installed and tiny model files, and talk to it over HTTP.
+
+Everything lives in a temporary `--base-directory` (custom_nodes/ with a link to this repository, models/, input/,
+output/), so the ComfyUI checkout named by COMFYUI_DIR is never modified.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import signal
+import socket
+import subprocess
+import time
+import uuid
+from pathlib import Path
+
+import requests
+
+REPO = Path(__file__).resolve().parents[2]
+PACK_FOLDER = "kv_graph_e2e"  # any folder name works; ComfyUI imports the pack under its path
+REFERENCE_IMAGES = ("kvgraph_example_reference_1.png", "kvgraph_example_reference_2.png")
+REFERENCE_SIZES = ((200, 150, "RGB"), (120, 180, "RGBA"))  # width, height, mode
+SMALL = 128  # output / reference resolution for end-to-end runs
+
+
+def prepare_base(base: Path) -> Path:
+    """Tiny model files in ComfyUI's layout, a tiny diffusers folder, reference images, the pack linked in."""
+    import numpy as np
+    from PIL import Image
+
+    from graph_runtime.tiny import write_comfyui_files, write_diffusers_folder
+
+    (base / "custom_nodes").mkdir(parents=True, exist_ok=True)
+    (base / "custom_nodes" / PACK_FOLDER).symlink_to(REPO, target_is_directory=True)
+    write_comfyui_files(base / "models")
+    write_diffusers_folder(base / "models" / "diffusers" / "qwen-image-2.1-tiny")
+    (base / "models" / "diffusion_models" / "kvgraph_broken.safetensors").write_bytes(b"\x00" * 128)
+    (base / "input").mkdir(exist_ok=True)
+    rng = np.random.RandomState(0)
+    for name, (width, height, mode) in zip(REFERENCE_IMAGES, REFERENCE_SIZES):
+        channels = 4 if mode == "RGBA" else 3
+        Image.fromarray((rng.rand(height, width, channels) * 255).astype("uint8"), mode=mode).save(base / "input" /
+                                                                                                   name)
+    return base
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class ComfyServer:
+    def __init__(self, comfyui_dir: str, python: str, base: Path, extra_args=(), log_path: Path | None = None):
+        self.dir, self.python, self.base = Path(comfyui_dir), python, base
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.client_id = f"kvgraph-e2e-{uuid.uuid4().hex[:8]}"
+        self.log_path = log_path or base / f"comfyui-{self.port}.log"
+        self.args = [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+                     "--base-directory", str(base), "--disable-auto-launch", "--database-url", "sqlite:///:memory:",
+                     *extra_args]
+        self.process = None
+
+    def start(self, timeout: float = 120.0) -> "ComfyServer":
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(self.args, cwd=self.dir, env=env, stdout=self._log, stderr=subprocess.STDOUT,
+                                        start_new_session=True)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"ComfyUI exited with {self.process.returncode}:\n{self.log_tail()}")
+            try:
+                if requests.get(f"{self.url}/object_info/KVGraphSampler", timeout=2).ok:
+                    return self
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"ComfyUI did not answer on {self.url} within {timeout:.0f} s:\n{self.log_tail()}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            os.killpg(self.process.pid, signal.SIGTERM)  # the session we started, and only it
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.process.pid, signal.SIGKILL)
+                self.process.wait()
+        if getattr(self, "_log", None):
+            self._log.close()
+
+    def log_tail(self, lines: int = 60) -> str:
+        try:
+            return "\n".join(self.log_path.read_text().splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    # -- HTTP ----------------------------------------------------------------------------------------------------
+
+    def get(self, path: str):
+        response = requests.get(f"{self.url}{path}", timeout=30)
+        response.raise_for_status()
+        return response.json()
+
+    def post(self, path: str, body=None) -> requests.Response:
+        return requests.post(f"{self.url}{path}", json=body, timeout=30)
+
+    def queue(self, prompt: dict) -> requests.Response:
+        return self.post("/prompt", {"prompt": prompt, "client_id": self.client_id})
+
+    def queue_ok(self, prompt: dict) -> str:
+        response = self.queue(prompt)
+        assert response.status_code == 200, f"prompt rejected: {response.text}\n{self.log_tail()}"
+        return response.json()["prompt_id"]
+
+    def wait(self, prompt_id: str, timeout: float = 120.0) -> dict:
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            history = self.get(f"/history/{prompt_id}")
+            if prompt_id in history and history[prompt_id].get("status", {}).get("completed") is not None:
+                entry = history[prompt_id]
+                if entry["status"].get("status_str") in ("success", "error"):
+                    return entry
+            time.sleep(0.2)
+        raise TimeoutError(f"prompt {prompt_id} did not finish in {timeout:.0f} s:\n{self.log_tail()}")
+
+    def run(self, prompt: dict, timeout: float = 120.0) -> dict:
+        entry = self.wait(self.queue_ok(prompt), timeout)
+        assert entry["status"]["status_str"] == "success", f"{error_message(entry)}\n{self.log_tail()}"
+        return entry
+
+    def status(self) -> dict:
+        return self.get("/kvgraph/status")
+
+    def output_images(self, entry: dict) -> list[Path]:
+        paths = []
+        for output in entry["outputs"].values():
+            for item in output.get("images", []):
+                paths.append(self.base / "output" / item.get("subfolder", "") / item["filename"])
+        return paths
+
+
+def start_server(comfyui_install, base: Path, *extra_args) -> ComfyServer:
+    comfyui_dir, python = comfyui_install
+    return ComfyServer(comfyui_dir, python, base, extra_args).start()
+
+
+def error_message(entry: dict) -> str:
+    for kind, data in entry["status"].get("messages", []):
+        if kind == "execution_error":
+            return f"{data.get('exception_type')}: {data.get('exception_message')}"
+    return json.dumps(entry["status"])
+
+
+def load_api_workflow(name: str, seed: int | None = None, **encode_overrides) -> dict:
+    """An example API workflow shrunk for a CPU run: small sizes (the steps stay as the example has them)."""
+    prompt = json.loads((REPO / "example_workflows" / "api" / f"{name}.json").read_text())
+    prompt = copy.deepcopy(prompt)
+    for node in prompt.values():
+        if node["class_type"] == "KVGraphTextEncode":
+            node["inputs"].update(width=SMALL, height=SMALL * 3 // 4, reference_resolution=SMALL)
+            node["inputs"].update(encode_overrides)
+        if node["class_type"] == "KVGraphSampler" and seed is not None:
+            node["inputs"]["seed"] = seed
+    return prompt
+
+
+def node_of(prompt: dict, class_type: str) -> dict:
+    return next(n for n in prompt.values() if n["class_type"] == class_type)
+

@@ -1,0 +1,156 @@
+"""Writes example_workflows/*.json (ComfyUI UI format) and example_workflows/api/*.json (API format) from one graph
+description each, so the two stay the same graph. Run from the repository root:
+
+    python tests/e2e/make_workflows.py
+
+tests/test_workflows.py checks the written files against the node schemas, independently of this script.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+OUT = ROOT / "example_workflows"
+
+TRANSFORMER_FILE = "qwen_image_2.1_bf16.safetensors"
+TEXT_ENCODER_FILE = "qwen3vl_8b_bf16.safetensors"
+VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
+# The edit workflows load these from ComfyUI's input folder (the end-to-end test puts them there).
+REFERENCE_IMAGES = ("kvgraph_example_reference_1.png", "kvgraph_example_reference_2.png")
+
+# Per node type: (widget name, value) in the order the frontend lays the widgets out, the socket inputs
+# (name, type) in schema order, and the outputs (name, type). The seed widget is followed by its
+# control_after_generate value in the UI format only.
+OUTPUTS = {
+    "KVGraphLoadTransformer": [("transformer", "KVGRAPH_TRANSFORMER")],
+    "KVGraphLoadTextEncoder": [("text_encoder", "KVGRAPH_TEXT_ENCODER")],
+    "KVGraphLoadVAE": [("vae", "KVGRAPH_VAE")],
+    "KVGraphTextEncode": [("positive", "CONDITIONING"), ("negative", "CONDITIONING"), ("latent", "LATENT")],
+    "KVGraphSampler": [("latent", "LATENT")],
+    "KVGraphVAEDecode": [("image", "IMAGE")],
+    "LoadImage": [("IMAGE", "IMAGE"), ("MASK", "MASK")],
+    "SaveImage": [],
+}
+SOCKETS = {
+    "KVGraphTextEncode": [("text_encoder", "KVGRAPH_TEXT_ENCODER"), ("vae", "KVGRAPH_VAE"), ("image1", "IMAGE"),
+                          ("image2", "IMAGE"), ("image3", "IMAGE")],
+    "KVGraphSampler": [("model", "KVGRAPH_TRANSFORMER"), ("positive", "CONDITIONING"),
+                       ("negative", "CONDITIONING"), ("latent", "LATENT")],
+    "KVGraphVAEDecode": [("vae", "KVGRAPH_VAE"), ("latent", "LATENT")],
+    "SaveImage": [("images", "IMAGE")],
+}
+TITLES = {
+    "KVGraphLoadTransformer": "KV-Graph Load Transformer", "KVGraphLoadTextEncoder": "KV-Graph Load Text Encoder",
+    "KVGraphLoadVAE": "KV-Graph Load VAE", "KVGraphTextEncode": "KV-Graph Text Encode (Qwen-Image-2.1)",
+    "KVGraphSampler": "KV-Graph Sampler (Qwen-Image-2.1)", "KVGraphVAEDecode": "KV-Graph VAE Decode",
+    "LoadImage": "Load Image", "SaveImage": "Save Image",
+}
+
+
+def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="dynamic", references=0, seed=42):
+    """Nodes as (id, type, widgets [(name, value)], links {input: (source id, slot)}, position)."""
+    nodes = [
+        (1, "KVGraphLoadTransformer", [("transformer_name", TRANSFORMER_FILE), ("dtype", "bf16")], {}, (40, 80)),
+        (2, "KVGraphLoadTextEncoder", [("text_encoder_name", TEXT_ENCODER_FILE), ("dtype", "bf16"),
+                                       ("text_encoder_placement", "gpu while encoding, then offload")], {},
+         (40, 240)),
+        (3, "KVGraphLoadVAE", [("vae_name", VAE_FILE), ("dtype", "bf16")], {}, (40, 420)),
+    ]
+    encode_links = {"text_encoder": (2, 0)}
+    for i in range(references):
+        node_id = 10 + i
+        nodes.append((node_id, "LoadImage", [("image", REFERENCE_IMAGES[i])], {}, (40, 560 + 340 * i)))
+        encode_links[f"image{i + 1}"] = (node_id, 0)
+    if references:
+        encode_links["vae"] = (3, 0)
+    nodes.append((4, "KVGraphTextEncode", [
+        ("prompt", prompt), ("negative_prompt", negative), ("width", 1024), ("height", 1024),
+        ("size_from_reference", True), ("reference_resolution", 1024)], encode_links, (420, 200)))
+    sampler_links = {"model": (1, 0), "positive": (4, 0), "latent": (4, 2)}
+    if cfg > 1.0:
+        sampler_links["negative"] = (4, 1)
+    nodes.append((5, "KVGraphSampler", [
+        ("seed", seed), ("steps", steps), ("cfg", cfg), ("sigma_preset", preset), ("denoise", 1.0),
+        ("decode_mode", "auto"), ("compile", "blocks")], sampler_links, (860, 120)))
+    nodes.append((6, "KVGraphVAEDecode", [], {"vae": (3, 0), "latent": (5, 0)}, (1240, 120)))
+    nodes.append((7, "SaveImage", [("filename_prefix", f"KVGraph/{name}")], {"images": (6, 0)}, (1480, 120)))
+    return nodes
+
+
+WORKFLOWS = {
+    "qwen_image_2.1_text_to_image": graph(
+        "text_to_image", "A capybara wearing a wizard hat, reading a spell book by candlelight, oil painting."),
+    "qwen_image_2.1_turbo_8_steps": graph(
+        "turbo", "A red vintage bicycle leaning against a sunlit brick wall, 35mm photo.", steps=8,
+        preset="turbo"),
+    "qwen_image_2.1_edit_one_reference": graph(
+        "edit_one_reference", "Make the sky in image 1 a deep purple sunset and add a small sailing boat.",
+        references=1),
+    "qwen_image_2.1_edit_two_references": graph(
+        "edit_two_references", "Place the object from image 2 on the table in image 1, matching its lighting.",
+        references=2),
+    "qwen_image_2.1_cfg_negative_prompt": graph(
+        "cfg_negative", "A cozy reading nook with a large window, soft morning light, watercolor.",
+        negative="blurry, low quality, distorted, text, watermark", cfg=4.0),
+}
+
+
+def ui_workflow(nodes) -> dict:
+    links, ui_nodes, link_id = [], [], 0
+    outgoing = {}
+    for node_id, node_type, _, node_links, _ in nodes:
+        sockets = SOCKETS.get(node_type, [])
+        for input_name, (source, slot) in node_links.items():
+            link_id += 1
+            input_slot = [n for n, _ in sockets].index(input_name)
+            source_type = next(t for i, t, *_ in nodes if i == source)
+            link_type = OUTPUTS[source_type][slot][1]
+            links.append([link_id, source, slot, node_id, input_slot, link_type])
+            outgoing.setdefault((source, slot), []).append(link_id)
+    order = {node_id: i for i, (node_id, *_) in enumerate(sorted(nodes, key=lambda n: n[0] not in (1, 2, 3, 10, 11)))}
+    for node_id, node_type, widgets, _, pos in nodes:
+        inputs = []
+        for slot, (input_name, input_type) in enumerate(SOCKETS.get(node_type, [])):
+            link = next((lk[0] for lk in links if lk[3] == node_id and lk[4] == slot), None)
+            inputs.append({"name": input_name, "type": input_type, "link": link})
+        outputs = [{"name": out_name, "type": out_type, "links": outgoing.get((node_id, slot), []),
+                    "slot_index": slot} for slot, (out_name, out_type) in enumerate(OUTPUTS[node_type])]
+        values = []
+        for widget_name, value in widgets:
+            values.append(value)
+            if widget_name == "seed":
+                values.append("fixed")
+            if node_type == "LoadImage" and widget_name == "image":
+                values.append("image")  # the upload button's widget value
+        ui_nodes.append({
+            "id": node_id, "type": node_type, "pos": list(pos),
+            "size": [400, 200] if node_type == "KVGraphTextEncode" else [320, 130],
+            "flags": {}, "order": order[node_id], "mode": 0, "inputs": inputs, "outputs": outputs,
+            "title": TITLES[node_type], "properties": {"Node name for S&R": node_type},
+            "widgets_values": values,
+        })
+    return {"last_node_id": max(n[0] for n in nodes), "last_link_id": link_id, "nodes": ui_nodes, "links": links,
+            "groups": [], "config": {}, "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}}, "version": 0.4}
+
+
+def api_workflow(nodes) -> dict:
+    api = {}
+    for node_id, node_type, widgets, node_links, _ in nodes:
+        inputs = dict(widgets)
+        inputs.update({name: [str(source), slot] for name, (source, slot) in node_links.items()})
+        api[str(node_id)] = {"class_type": node_type, "inputs": inputs, "_meta": {"title": TITLES[node_type]}}
+    return api
+
+
+def main() -> None:
+    (OUT / "api").mkdir(parents=True, exist_ok=True)
+    for name, nodes in WORKFLOWS.items():
+        (OUT / f"{name}.json").write_text(json.dumps(ui_workflow(nodes), indent=1) + "\n")
+        (OUT / "api" / f"{name}.json").write_text(json.dumps(api_workflow(nodes), indent=1) + "\n")
+        print(f"wrote {name}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""The pack inside a real ComfyUI (CPU, tiny models, ComfyUI's default classic cache), driven over HTTP.
+
+Every example workflow runs; the same loaded model and graph manager answer later prompts (also after another
+workflow ran); interrupts and bad inputs fail only their own prompt; the status and release routes work.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from comfy_server import (  # noqa: E402
+    REFERENCE_IMAGES, SMALL, error_message, load_api_workflow, node_of,
+)
+
+pytestmark = pytest.mark.comfyui
+
+EXAMPLES = ["qwen_image_2.1_text_to_image", "qwen_image_2.1_turbo_8_steps", "qwen_image_2.1_edit_one_reference",
+            "qwen_image_2.1_edit_two_references", "qwen_image_2.1_cfg_negative_prompt"]
+T_FILE = "qwen_image_2.1_bf16.safetensors"
+WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
+
+
+@pytest.fixture(scope="module")
+def server(classic_server):
+    return classic_server
+
+
+def transformer_status(server) -> dict:
+    models = [m for m in server.status()["models"] if (m["source"] or "").endswith(T_FILE)]
+    assert len(models) == 1, server.status()
+    return models[0]
+
+
+def expected_size(name: str, base: Path) -> tuple[int, int]:
+    from graph_runtime.encoding.images import reference_size
+
+    if "edit_two" in name:
+        return reference_size(Image.open(base / "input" / REFERENCE_IMAGES[1]), SMALL)
+    if "edit_one" in name:
+        return reference_size(Image.open(base / "input" / REFERENCE_IMAGES[0]), SMALL)
+    return SMALL, SMALL * 3 // 4
+
+
+def test_real_server_schema_matches_the_examples(server):
+    """The widget order ComfyUI reports (required, then optional) maps each UI example onto its API twin."""
+    import json
+
+    from comfy_server import REPO
+
+    info = server.get("/object_info")
+    ours = {k for k, v in info.items() if v["category"].startswith("KV-Graph")}
+    assert {"KVGraphSampler", "KVGraphTextEncode", "KVGraphLoadTransformer", "KVGraphLoadTextEncoder",
+            "KVGraphLoadVAE", "KVGraphLoadDiffusers", "KVGraphVAEDecode", "KVGraphVAEEncode",
+            "KVGraphCacheStatus", "KVGraphReleaseCaches"} == ours
+    sampler = info["KVGraphSampler"]["input"]
+    assert sampler["required"]["steps"][1]["default"] == 40 and sampler["required"]["cfg"][1]["default"] == 1.0
+    for name in EXAMPLES:
+        ui = json.loads((REPO / "example_workflows" / f"{name}.json").read_text())
+        api = json.loads((REPO / "example_workflows" / "api" / f"{name}.json").read_text())
+        for node in ui["nodes"]:
+            spec = info[node["type"]]
+            widgets = []
+            for section in ("required", "optional"):
+                for input_name in spec["input_order"].get(section, []):
+                    kind, options = spec["input"][section][input_name][0], spec["input"][section][input_name][1:]
+                    if isinstance(kind, list) or kind in WIDGET_TYPES:
+                        widgets.append(input_name)
+                        opts = options[0] if options else {}
+                        if opts.get("control_after_generate"):
+                            widgets.append(None)
+                        if opts.get("image_upload"):
+                            widgets.append(None)
+            values = dict((w, v) for w, v in zip(widgets, node["widgets_values"]) if w is not None)
+            assert len(widgets) == len(node["widgets_values"]), (name, node["type"])
+            twin = {k: v for k, v in api[str(node["id"])]["inputs"].items() if not isinstance(v, list)}
+            assert values == twin, (name, node["type"])
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_example_workflow_runs(server, comfy_base, name):
+    entry = server.run(load_api_workflow(name, seed=11))
+    images = server.output_images(entry)
+    assert len(images) == 1 and images[0].is_file()
+    assert Image.open(images[0]).size == expected_size(name, comfy_base)
+
+
+def test_queueing_again_reuses_the_loaded_model_and_its_manager(server):
+    server.run(load_api_workflow(EXAMPLES[0], seed=101))
+    first = transformer_status(server)
+    steps = node_of(load_api_workflow(EXAMPLES[0]), "KVGraphSampler")["inputs"]["steps"]
+    server.run(load_api_workflow(EXAMPLES[2], seed=102))  # another workflow, same files, in between
+    server.run(load_api_workflow(EXAMPLES[0], seed=103))
+    again = transformer_status(server)
+    assert again["engine_id"] == first["engine_id"]  # the same graph manager answered
+    assert again["loads"] == first["loads"] == 1  # the file was read once for the whole session
+    # On CPU every decode step is eager, counted under its reason; nothing is captured.
+    assert again["captures"] == 0 and again["entries"] == []
+    assert again["eager_steps"]["no CUDA"] >= first["eager_steps"]["no CUDA"] + (steps - 1)
+    loaded = {item["kind"]: item["loads"] for item in server.status()["loaded"] if "diffusers" not in item["source"]}
+    assert loaded == {"transformer": 1, "text_encoder": 1, "vae": 1}
+
+
+def test_interrupt_during_sampling_then_the_next_prompt_runs(server):
+    prompt = load_api_workflow(EXAMPLES[0], seed=201)
+    node_of(prompt, "KVGraphSampler")["inputs"]["steps"] = 1000
+    prompt_id = server.queue_ok(prompt)
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        running = server.status()["running"]
+        if running and running[0]["step"] >= 2:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail(f"the sampler never reported progress:\n{server.log_tail()}")
+    assert running[0]["prompt_id"] == prompt_id and running[0]["total"] == 1000
+    assert server.post("/interrupt").ok
+    entry = server.wait(prompt_id)
+    assert entry["status"]["status_str"] == "error"
+    assert "execution_interrupted" in [kind for kind, _ in entry["status"]["messages"]]
+    status = server.status()
+    assert status["running"] == [] and not transformer_status(server)["busy"]
+    server.run(load_api_workflow(EXAMPLES[0], seed=202))
+
+
+def test_width_off_the_grid_fails_that_prompt_only(server):
+    bad = load_api_workflow(EXAMPLES[0], seed=301, width=100)
+    entry = server.wait(server.queue_ok(bad))
+    assert entry["status"]["status_str"] == "error"
+    message = error_message(entry)
+    assert "width=100" in message and "multiple of 16" in message
+    server.run(load_api_workflow(EXAMPLES[0], seed=302))
+
+
+def test_unknown_model_file_is_rejected_with_its_name(server):
+    bad = load_api_workflow(EXAMPLES[0], seed=401)
+    node_of(bad, "KVGraphLoadTransformer")["inputs"]["transformer_name"] = "qwen_image_2.1_missing.safetensors"
+    response = server.queue(bad)
+    # ComfyUI validates combo values before running: the prompt is refused, naming the input and the value.
+    assert response.status_code == 400
+    assert "transformer_name" in response.text and "qwen_image_2.1_missing.safetensors" in response.text
+    server.run(load_api_workflow(EXAMPLES[0], seed=402))
+
+
+def test_broken_model_file_fails_with_a_message_naming_it(server):
+    bad = load_api_workflow(EXAMPLES[0], seed=501)
+    node_of(bad, "KVGraphLoadTransformer")["inputs"]["transformer_name"] = "kvgraph_broken.safetensors"
+    entry = server.wait(server.queue_ok(bad))
+    assert entry["status"]["status_str"] == "error"
+    message = error_message(entry)
+    assert "kvgraph_broken.safetensors" in message and "Expected" in message
+    server.run(load_api_workflow(EXAMPLES[0], seed=502))
+
+
+def test_diffusers_folder_workflow(server):
+    prompt = load_api_workflow(EXAMPLES[0], seed=601)
+    prompt["1"] = {"class_type": "KVGraphLoadDiffusers",
+                   "inputs": {"folder": "qwen-image-2.1-tiny", "dtype": "bf16",
+                              "text_encoder_placement": "gpu while encoding, then offload"}}
+    for node in prompt.values():
+        for key, value in node["inputs"].items():
+            if value == ["2", 0]:
+                node["inputs"][key] = ["1", 1]
+            elif value == ["3", 0]:
+                node["inputs"][key] = ["1", 2]
+    del prompt["2"], prompt["3"]
+    entry = server.run(prompt)
+    assert Image.open(server.output_images(entry)[0]).size == (SMALL, SMALL * 3 // 4)
+
+
+def test_cache_status_node_and_release_route(server):
+    prompt = {"1": {"class_type": "KVGraphCacheStatus", "inputs": {}}}
+    entry = server.run(prompt)
+    report = entry["outputs"]["1"]["text"][0]
+    assert T_FILE in report and "no CUDA" in report
+
+    assert server.post("/kvgraph/release", {"models": "yes"}).status_code == 400
+    response = server.post("/kvgraph/release", {"models": False})
+    assert response.ok and all(g["result"] == "released" for g in response.json()["graphs"])
+    response = server.post("/kvgraph/release", {"models": True})
+    assert response.ok and {m["kind"] for m in response.json()["models"]} >= {"transformer", "text_encoder", "vae"}
+    assert server.status()["loaded"] == []
+    server.run(load_api_workflow(EXAMPLES[0], seed=701))
+    assert transformer_status(server)["loads"] == 2  # released, so read from disk once more

@@ -1,0 +1,156 @@
+"""The example workflows: the UI-format JSON matches the pack's node schemas (widget order, types, ranges, combo
+options, sockets and link types), and each API-format twin in example_workflows/api is the same graph.
+
+The schemas come from the pack itself, loaded with the small ComfyUI fake (no ComfyUI needed). Core nodes used by
+the examples (LoadImage, SaveImage) are described here by their widget names only.
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from comfy_fake.fixtures import comfy_env  # noqa: E402,F401
+
+ROOT = Path(__file__).resolve().parents[1]
+UI_FILES = sorted((ROOT / "example_workflows").glob("*.json"))
+EXPECTED = {"qwen_image_2.1_text_to_image", "qwen_image_2.1_turbo_8_steps", "qwen_image_2.1_edit_one_reference",
+            "qwen_image_2.1_edit_two_references", "qwen_image_2.1_cfg_negative_prompt"}
+REAL_FILES = {"qwen_image_2.1_bf16.safetensors", "qwen3vl_8b_bf16.safetensors", "qwen_image_2.1_vae_bf16.safetensors"}
+WIDGETS = ("BOOLEAN", "INT", "FLOAT", "STRING", "COMBO")
+CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
+# Core nodes: widget names as the UI stores them (LoadImage adds the upload button's value), and socket types.
+CORE = {
+    "LoadImage": {"widgets": ["image", None], "inputs": {}, "outputs": ["IMAGE", "MASK"]},
+    "SaveImage": {"widgets": ["filename_prefix"], "inputs": {"images": "IMAGE"}, "outputs": []},
+}
+
+
+def load(path):
+    return json.loads(path.read_text())
+
+
+def ui_widgets(schema):
+    """(input, consumes a control value after it) in the frontend's order: required widgets, then optional ones."""
+    ordered = [i for i in schema.inputs if not i.optional] + [i for i in schema.inputs if i.optional]
+    return [(i, bool(getattr(i, "control_after_generate", False))) for i in ordered if i.io_type in WIDGETS]
+
+
+def check_widget(where, item, value):
+    if item.io_type == "COMBO":
+        assert value in item.options, f"{where}: {value!r} is not one of {item.options}"
+    elif item.io_type == "BOOLEAN":
+        assert isinstance(value, bool), where
+    elif item.io_type == "STRING":
+        assert isinstance(value, str), where
+    else:
+        kind = int if item.io_type == "INT" else (int, float)
+        assert isinstance(value, kind) and not isinstance(value, bool), f"{where}: {value!r}"
+        assert item.min is None or value >= item.min, f"{where}: {value} < {item.min}"
+        assert item.max is None or value <= item.max, f"{where}: {value} > {item.max}"
+        if item.io_type == "INT" and item.step and item.min is not None and item.step > 1:
+            assert value % item.step == 0, f"{where}: {value} is not a multiple of {item.step}"
+
+
+def named_widgets(env, node):
+    """{widget name: value} of a UI node, checked against its schema."""
+    node_type, values = node["type"], list(node["widgets_values"])
+    where = f"{node_type} #{node['id']}"
+    if node_type in CORE:
+        names = CORE[node_type]["widgets"]
+        assert len(values) == len(names), where
+        return {n: v for n, v in zip(names, values) if n is not None}
+    schema = env.nodes[node_type].define_schema()
+    named = {}
+    for item, has_control in ui_widgets(schema):
+        assert values, f"{where}: missing widget value for {item.id}"
+        value = values.pop(0)
+        check_widget(f"{where}.{item.id}", item, value)
+        named[item.id] = value
+        if has_control:
+            assert values and values.pop(0) in CONTROL_VALUES, f"{where}.{item.id}: no control_after_generate value"
+    assert not values, f"{where}: extra widget values {values}"
+    return named
+
+
+def socket_types(env, node_type):
+    """(socket inputs {name: type}, output types) from the schema or the core table."""
+    if node_type in CORE:
+        return CORE[node_type]["inputs"], CORE[node_type]["outputs"]
+    schema = env.nodes[node_type].define_schema()
+    inputs = {i.id: i.io_type for i in schema.inputs if i.io_type not in WIDGETS}
+    return inputs, [o.io_type for o in schema.outputs]
+
+
+def test_the_five_examples_exist_with_api_twins():
+    assert {p.stem for p in UI_FILES} == EXPECTED
+    for path in UI_FILES:
+        assert (ROOT / "example_workflows" / "api" / path.name).is_file()
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_ui_workflow_matches_node_schemas(comfy_env, path):
+    workflow = load(path)
+    nodes = {n["id"]: n for n in workflow["nodes"]}
+    assert len(nodes) == len(workflow["nodes"]) and workflow["last_node_id"] >= max(nodes)
+    files = set()
+    for node in nodes.values():
+        assert node["type"] in comfy_env.nodes or node["type"] in CORE, node["type"]
+        widgets = named_widgets(comfy_env, node)
+        files |= {v for k, v in widgets.items() if k.endswith("_name")}
+        inputs, outputs = socket_types(comfy_env, node["type"])
+        assert [(i["name"], i["type"]) for i in node["inputs"]] == [
+            (i["name"], inputs[i["name"]]) for i in node["inputs"]], node["type"]
+        assert [o["type"] for o in node["outputs"]] == outputs, node["type"]
+    assert files == REAL_FILES
+    link_ids = set()
+    for link_id, src, src_slot, dst, dst_slot, link_type in workflow["links"]:
+        link_ids.add(link_id)
+        out_type = socket_types(comfy_env, nodes[src]["type"])[1][src_slot]
+        target = nodes[dst]["inputs"][dst_slot]
+        assert link_type == out_type == target["type"], f"link {link_id}"
+        assert target["link"] == link_id and link_id in nodes[src]["outputs"][src_slot]["links"]
+    assert workflow["last_link_id"] == max(link_ids)
+    for node in nodes.values():  # every connected socket points at a real link; required sockets are connected
+        schema_inputs = {} if node["type"] in CORE else {
+            i.id: i for i in comfy_env.nodes[node["type"]].define_schema().inputs}
+        for socket in node["inputs"]:
+            assert socket["link"] is None or socket["link"] in link_ids
+            if socket["link"] is None and socket["name"] in schema_inputs:
+                assert schema_inputs[socket["name"]].optional, f"{node['type']}.{socket['name']} unconnected"
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_api_twin_is_the_same_graph(comfy_env, path):
+    ui = load(path)
+    api = load(ROOT / "example_workflows" / "api" / path.name)
+    assert set(api) == {str(n["id"]) for n in ui["nodes"]}
+    for node in ui["nodes"]:
+        twin = api[str(node["id"])]
+        assert twin["class_type"] == node["type"]
+        expected = dict(named_widgets(comfy_env, node))
+        for _, src, src_slot, dst, dst_slot, _ in ui["links"]:
+            if dst == node["id"]:
+                expected[node["inputs"][dst_slot]["name"]] = [str(src), src_slot]
+        assert twin["inputs"] == expected, node["type"]
+
+
+def test_examples_cover_the_documented_cases(comfy_env):
+    by_name = {p.stem: {n["type"]: named_widgets(comfy_env, n) for n in load(p)["nodes"]} for p in UI_FILES}
+    assert by_name["qwen_image_2.1_text_to_image"]["KVGraphSampler"]["steps"] == 40
+    turbo = by_name["qwen_image_2.1_turbo_8_steps"]["KVGraphSampler"]
+    assert turbo["sigma_preset"] == "turbo" and turbo["steps"] == 8
+    cfg = load(ROOT / "example_workflows" / "api" / "qwen_image_2.1_cfg_negative_prompt.json")
+    sampler = next(n for n in cfg.values() if n["class_type"] == "KVGraphSampler")
+    encode = next(n for n in cfg.values() if n["class_type"] == "KVGraphTextEncode")
+    assert sampler["inputs"]["cfg"] > 1 and "negative" in sampler["inputs"] and encode["inputs"]["negative_prompt"]
+    for name, count in (("qwen_image_2.1_edit_one_reference", 1), ("qwen_image_2.1_edit_two_references", 2)):
+        api = load(ROOT / "example_workflows" / "api" / f"{name}.json")
+        encode = next(n for n in api.values() if n["class_type"] == "KVGraphTextEncode")
+        assert sorted(k for k in encode["inputs"] if k.startswith("image")) == [f"image{i + 1}" for i in
+                                                                                range(count)]
+        assert "vae" in encode["inputs"]
+        assert sum(n["class_type"] == "LoadImage" for n in api.values()) == count
