@@ -1,0 +1,341 @@
+"""The KV-Graph web extension in ComfyUI's real frontend, in headless Chromium against a real ComfyUI on CPU.
+
+The tests share one page and run in file order (the run test feeds the panel the later ones look at): the extension
+registers its tab, commands, setting and badge; every example workflow loads with all node types known; the panel
+shows what GET /kvgraph/status says, before and after a real tiny prompt, with the websocket phases of that run; the
+release command posts from the panel and from the menu; the fallback-toast setting silences toasts.
+
+A screenshot of the text-to-image workflow with the panel open is saved to tests/artifacts/; with
+KVGRAPH_DOCS_SCREENSHOT=1 it is also written, resized, to docs/sampler-workflow.png for the README.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.browser
+
+REPO = Path(__file__).resolve().parents[2]
+
+EXAMPLES = sorted((REPO / "example_workflows").glob("*.json"))
+TEXT_TO_IMAGE = REPO / "example_workflows" / "qwen_image_2.1_text_to_image.json"
+TRANSFORMER_FILE = "qwen_image_2.1_bf16.safetensors"
+DOCS_SCREENSHOT = REPO / "docs" / "sampler-workflow.png"
+
+
+def open_panel(page):
+    """Open the KV-Graph sidebar tab (its button toggles, so only click when the panel is not showing)."""
+    if not page.locator(".kvgraph-panel").is_visible():
+        page.click(".kvgraph-status-tab-button")
+    page.wait_for_selector(".kvgraph-panel .kvgraph-totals", timeout=15_000)
+
+
+def wait_refreshed(page):
+    page.wait_for_function("""() => {
+        const el = document.querySelector('.kvgraph-updated');
+        return el && el.textContent.startsWith('updated');
+    }""", timeout=15_000)
+
+
+def stat(page, name: str) -> str:
+    return page.inner_text(f".kvgraph-stat[data-stat={name}] .kvgraph-value").strip()
+
+
+def toasts(page) -> list[str]:
+    return page.evaluate("Array.from(document.querySelectorAll('.p-toast-message')).map(e => e.innerText)")
+
+
+def clear_toasts(page):
+    page.evaluate("window.app.extensionManager.toast.removeAll()")
+    page.wait_for_function("document.querySelectorAll('.p-toast-message').length === 0", timeout=10_000)
+
+
+def close_dialogs(page):
+    page.keyboard.press("Escape")
+    page.wait_for_function("document.querySelectorAll('.p-dialog').length === 0", timeout=10_000)
+
+
+def test_extension_registers_tab_commands_setting_and_badge(page):
+    info = page.evaluate("""() => {
+        const app = window.app, m = app.extensionManager;
+        const ext = app.extensions.find(e => e.name === 'kvgraph.panel');
+        return {
+            names: app.extensions.map(e => e.name),
+            tabs: m.getSidebarTabs().map(t => t.id),
+            commands: m.command.commands.map(c => c.id),
+            setting: m.setting.get('KVGraph.FallbackToasts'),
+            badges: ext ? ext.aboutPageBadges : null,
+            menu: ext ? ext.menuCommands : null,
+        };
+    }""")
+    assert "kvgraph.panel" in info["names"]
+    assert "kvgraph-status" in info["tabs"]
+    assert {"KVGraph.ReleaseCaches", "KVGraph.ShowPanel"} <= set(info["commands"])
+    assert info["setting"] is True  # default on
+    assert info["menu"] == [{"path": ["Extensions", "KV-Graph"],
+                             "commands": ["KVGraph.ShowPanel", "KVGraph.ReleaseCaches"]}]
+    version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), re.M).group(1)
+    assert info["badges"][0]["label"] == f"KV-Graph v{version}"
+    assert page.errors == []
+
+
+def test_show_panel_command_toggles_the_tab(page):
+    page.evaluate("window.app.extensionManager.command.execute('KVGraph.ShowPanel')")
+    page.wait_for_selector(".kvgraph-panel", state="visible", timeout=10_000)
+    page.evaluate("window.app.extensionManager.command.execute('KVGraph.ShowPanel')")
+    page.wait_for_selector(".kvgraph-panel", state="detached", timeout=10_000)
+
+
+def test_about_page_shows_the_badge(page):
+    page.evaluate("window.app.extensionManager.command.execute('Comfy.Help.AboutComfyUI')")
+    page.wait_for_selector(".about-container", timeout=15_000)
+    assert "KV-Graph v" in page.inner_text(".about-container")
+    close_dialogs(page)
+
+
+def test_panel_shows_route_status_and_a_real_run(page, comfy, artifacts):
+    from comfy_server import load_api_workflow
+
+    # The user's view: the example workflow open (named as its file), then the panel. Before any prompt the real
+    # route holds nothing and the panel says so.
+    page.evaluate("async ([w, name]) => { await window.app.loadGraphData(w, true, true, name); }",
+                  [json.loads(TEXT_TO_IMAGE.read_text()), TEXT_TO_IMAGE.stem])
+    assert comfy.status()["models"] == []
+    open_panel(page)
+    wait_refreshed(page)
+    assert page.locator(".kvgraph-models .kvgraph-empty").is_visible()
+    assert stat(page, "entries") == "0" and stat(page, "models") == "0" and stat(page, "bytes") == "0 B"
+
+    # One tiny prompt through the HTTP API: the page hears its kvgraph.status events over the websocket.
+    clear_toasts(page)
+    prompt = load_api_workflow("qwen_image_2.1_text_to_image", seed=int(time.time()) % 100_000)
+    prompt_id = comfy.queue_ok(prompt)
+    page.wait_for_selector(".kvgraph-phases li[data-phase=done]", timeout=120_000)
+    comfy.wait(prompt_id)
+    status = comfy.status()
+    model = next(m for m in status["models"] if (m["source"] or "").endswith(TRANSFORMER_FILE))
+    eager_total = sum(m["eager_total"] for m in status["models"])
+    # The panel fetches the route again when the run's `done` event arrives; wait for that fetch to land.
+    page.wait_for_function("""(n) => document.querySelector(
+        '.kvgraph-stat[data-stat=eager] .kvgraph-value')?.textContent === String(n)""", arg=eager_total,
+                           timeout=15_000)
+
+    # Totals and the model card match the route.
+    assert stat(page, "models") == str(len(status["models"]))
+    assert stat(page, "captures") == str(model["captures"])
+    assert stat(page, "replays") == str(model["replays"])
+    assert page.inner_text(".kvgraph-model .kvgraph-card-title") == TRANSFORMER_FILE
+    card = page.inner_text(".kvgraph-model")
+    assert f"{model['eager_total']} eager" in card and f"/{model['max_entries']} entries" in card
+    if model["entries"]:  # on CPU nothing is captured, so the card says so instead
+        assert page.locator(".kvgraph-model .kvgraph-entry").count() == len(model["entries"])
+    else:
+        assert page.locator(".kvgraph-model .kvgraph-no-entries").is_visible()
+    for reason, steps in model["eager_steps"].items():
+        assert f"{reason}: {steps}" in card
+    assert TRANSFORMER_FILE in page.inner_text(".kvgraph-loaded")
+
+    # The last run: this prompt's phases, in order, ending with its summary.
+    run = page.inner_text(".kvgraph-last-run")
+    assert f"prompt {prompt_id.split('-')[0]}" in run
+    phases = page.evaluate("Array.from(document.querySelectorAll('.kvgraph-phases li')).map(li => li.dataset.phase)")
+    assert phases[0] == "prefill" and phases[-1] == "done"
+    if "no CUDA" in model["eager_steps"]:
+        assert "fallback" in phases and "no CUDA" in run
+        # ...and the fallback toast names the reason (the setting is on by default).
+        page.wait_for_function("""() => Array.from(document.querySelectorAll('.p-toast-message'))
+            .some(t => t.innerText.includes('decoding eagerly') && t.innerText.includes('no CUDA'))""",
+                               timeout=10_000)
+    page.screenshot(path=str(artifacts / "browser-panel-after-run.png"))
+    assert page.errors == []
+
+
+def test_screenshot_of_the_sampler_workflow(page, artifacts):
+    """The README's picture: the text-to-image example (loaded by the run test) with the KV-Graph sampler in view and
+    the panel open, showing that run."""
+    open_panel(page)
+    assert page.evaluate("window.app.graph.nodes.some(n => n.type === 'KVGraphSampler')")
+    page.evaluate("""async () => {
+        const app = window.app, m = app.extensionManager;
+        await m.setting.set('Comfy.Minimap.Visible', false);
+        m.toast.removeAll();
+        // Fit the graph into the part of the canvas the sidebar panel and the top bar leave visible (the core
+        // fit-view command would centre it under the panel).
+        const nodes = app.graph.nodes, title = window.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
+        const x0 = Math.min(...nodes.map(n => n.pos[0])), x1 = Math.max(...nodes.map(n => n.pos[0] + n.size[0]));
+        const y0 = Math.min(...nodes.map(n => n.pos[1] - title)), y1 = Math.max(...nodes.map(n => n.pos[1] + n.size[1]));
+        const canvas = app.canvas.canvas.getBoundingClientRect();
+        const panel = document.querySelector('.kvgraph-panel').getBoundingClientRect();
+        const left = panel.right - canvas.left + 24, right = canvas.width - 24, top = 110, bottom = canvas.height - 60;
+        const ds = app.canvas.ds;
+        ds.scale = Math.min((right - left) / (x1 - x0), (bottom - top) / (y1 - y0));
+        ds.offset[0] = (left + (right - left - (x1 - x0) * ds.scale) / 2) / ds.scale - x0;
+        ds.offset[1] = (top + (bottom - top - (y1 - y0) * ds.scale) / 2) / ds.scale - y0;
+        app.canvas.setDirty(true, true);
+    }""")
+    page.wait_for_function("document.querySelectorAll('.p-toast-message').length === 0", timeout=10_000)
+    page.wait_for_timeout(500)  # let the canvas redraw
+    path = artifacts / "sampler-workflow.png"
+    page.screenshot(path=str(path))
+    if os.environ.get("KVGRAPH_DOCS_SCREENSHOT") == "1":
+        write_docs_screenshot(path)
+
+
+def write_docs_screenshot(source):
+    """Copy the screenshot to docs/, as a palette PNG (the flat UI colours survive 256 colours, at a fraction of the
+    size), halving it only if it is still over the README's 400 KB budget."""
+    from PIL import Image
+
+    DOCS_SCREENSHOT.parent.mkdir(exist_ok=True)
+    image = Image.open(source).convert("RGB")
+    while True:
+        image.quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(DOCS_SCREENSHOT, optimize=True)
+        if DOCS_SCREENSHOT.stat().st_size < 400_000:
+            break
+        image = image.resize((image.width * 3 // 4, image.height * 3 // 4), Image.LANCZOS)
+
+
+def test_release_from_the_panel_button(page, comfy):
+    open_panel(page)
+    clear_toasts(page)
+    with page.expect_request(lambda r: r.url.endswith("/kvgraph/release") and r.method == "POST") as request:
+        page.click(".kvgraph-release")
+    assert json.loads(request.value.post_data) == {"models": False}
+    page.wait_for_function("""() => Array.from(document.querySelectorAll('.p-toast-message'))
+        .some(t => t.innerText.includes('KV-Graph caches released'))""", timeout=10_000)
+    released = " ".join(toasts(page))
+    assert f"{TRANSFORMER_FILE}: released" in released
+    status = comfy.status()
+    assert status["models"] and all(m["entries"] == [] for m in status["models"])
+    wait_refreshed(page)
+    assert stat(page, "entries") == "0" and stat(page, "bytes") == "0 B"
+
+
+def test_release_command_from_the_menu(page, comfy):
+    clear_toasts(page)
+    page.click(".comfy-menu-button-wrapper")
+    page.get_by_role("menuitem", name="Extensions", exact=True).hover()
+    page.get_by_role("menuitem", name="KV-Graph", exact=True).hover()
+    with page.expect_request(lambda r: r.url.endswith("/kvgraph/release") and r.method == "POST") as request:
+        page.get_by_role("menuitem", name="Release KV-Graph caches").click()
+    assert json.loads(request.value.post_data) == {"models": False}
+    page.wait_for_function("""() => Array.from(document.querySelectorAll('.p-toast-message'))
+        .some(t => t.innerText.includes('KV-Graph caches released'))""", timeout=10_000)
+    assert all(m["entries"] == [] for m in comfy.status()["models"])
+    assert page.errors == []
+
+
+def test_fallback_toast_setting_silences_toasts(page):
+    """Synthetic fallback events (the real one was seen in the run test): off means no toast, on means one."""
+    def fallback(reason):
+        page.evaluate("""(reason) => window.comfyAPI.api.api.dispatchEvent(new CustomEvent('kvgraph.status', {detail:
+            {phase: 'fallback', prompt_id: 'synthetic-prompt', node: '99', branch: 'cond', reason}}))""", reason)
+
+    clear_toasts(page)
+    page.evaluate("window.app.extensionManager.setting.set('KVGraph.FallbackToasts', false)")
+    fallback("silenced reason")
+    page.wait_for_timeout(700)
+    assert not any("silenced reason" in t for t in toasts(page))
+    page.evaluate("window.app.extensionManager.setting.set('KVGraph.FallbackToasts', true)")
+    fallback("shown reason")
+    page.wait_for_function("""() => Array.from(document.querySelectorAll('.p-toast-message'))
+        .some(t => t.innerText.includes('shown reason'))""", timeout=10_000)
+    # Both events still reach the panel's last-run list, toast or not.
+    run = page.inner_text(".kvgraph-last-run")
+    assert "silenced reason" in run and "shown reason" in run
+
+
+def test_panel_renders_graph_entries(page, pack_folder):
+    """Graph entries only exist on CUDA; render a payload shaped like the route's (a captured and a failed entry)
+    with the panel's own modules, on a stub api, to check what the CPU run cannot show."""
+    text = page.evaluate("""async (pack) => {
+        const { StatusStore } = await import(`/extensions/${pack}/status_store.js`);
+        const { StatusPanel } = await import(`/extensions/${pack}/status_panel.js`);
+        const key = { branch: 'cond', batch: 1, prefix_tokens: 1100, target_tokens: 4096,
+                      image_shapes: [[1, 32, 32], [1, 64, 64]], dtype: 'torch.bfloat16', device: 'cuda:0',
+                      backend: 'sdpa' };
+        const payload = { models: [{ engine_id: 'abc', model: 'QwenImage21Transformer2DModel',
+            source: '/m/diffusion_models/qwen_image_2.1_bf16.safetensors', dtype: 'bf16', device: 'cuda:0',
+            loads: 1, busy: true, captures: 1, replays: 38, eager_steps: { 'owned by another request': 39 },
+            eager_total: 39, evictions: 0, bytes_held: 3 * 2 ** 30, max_entries: 4, compiled: false,
+            entries: [
+                { key, state: 'captured', captures: 1, replays: 38, bytes: 3 * 2 ** 30, owner_alive: true },
+                { key: { ...key, branch: 'uncond' }, state: 'failed', reason: 'allocation failed',
+                  detail: 'CUDA out of memory' },
+            ] }],
+            loaded: [], running: [{ prompt_id: 'a1b2c3d4-0000', node: '5', step: 7, total: 40 }] };
+        let fetches = 0;
+        const api = { fetchApi: async () => { fetches += 1; return { ok: true, json: async () => payload }; } };
+        const store = new StatusStore(api);
+        const panel = new StatusPanel(store, async () => {});
+        const div = document.createElement('div');
+        document.body.appendChild(div);
+        panel.mount(div);
+        panel.mount(div);  // the frontend may call render() again with the same element
+        await store.refresh();
+        const out = { text: div.innerText, panels: div.querySelectorAll('.kvgraph-panel').length,
+                      states: Array.from(div.querySelectorAll('.kvgraph-entry')).map(e => e.dataset.state) };
+        // A run is listed, so the open panel polls the route; once unmounted it stops.
+        const before = fetches;
+        await new Promise(r => setTimeout(r, 1800));
+        out.polled = fetches - before;
+        panel.unmount();
+        div.remove();
+        const after = fetches;
+        await new Promise(r => setTimeout(r, 1800));
+        out.afterUnmount = fetches - after;
+        return out;
+    }""", pack_folder)
+    assert text["panels"] == 1
+    assert text["polled"] >= 1 and text["afterUnmount"] == 0
+    assert text["states"] == ["captured", "failed"]
+    body = text["text"]
+    assert "cond · batch 1 · 1100 prefix + 4096 target tokens" in body
+    assert "cond 32×32; target 64×64 · torch.bfloat16 · cuda:0 · sdpa" in body
+    assert "1 captures · 38 replays · 3.0 GiB · owner alive (in use)" in body
+    assert "failed: allocation failed (CUDA out of memory)" in body
+    assert "owned by another request: 39" in body
+    assert "prompt a1b2c3d4 · node 5 · step 7/40" in body
+    assert re.search(r"Held\s+3\.0 GiB", body)
+    assert page.errors == []
+    assert not [m for m in page.kv_console if m.startswith("error")], page.kv_console
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.stem)
+def test_example_workflow_loads_without_missing_nodes(page, path):
+    result = page.evaluate("""async (workflow) => {
+        const app = window.app;
+        const LiteGraph = window.LiteGraph ?? window.comfyAPI?.litegraph?.LiteGraph;
+        // Spy on the frontend's own missing-node / missing-model reporting (it opens a dialog when they fire).
+        const calls = [];
+        const saved = [app.showMissingNodesError, app.showMissingModelsError];
+        app.showMissingNodesError = (...a) => { calls.push(['nodes', a]); return saved[0].apply(app, a); };
+        app.showMissingModelsError = (...a) => { calls.push(['models', a]); return saved[1].apply(app, a); };
+        try {
+            await app.loadGraphData(workflow);
+        } finally {
+            [app.showMissingNodesError, app.showMissingModelsError] = saved;
+        }
+        await new Promise(r => setTimeout(r, 300));  // a dialog opens asynchronously
+        const nodes = app.graph.nodes;
+        return {
+            count: nodes.length,
+            unknown: nodes.filter(n => !(n.type in LiteGraph.registered_node_types)).map(n => n.type),
+            errored: nodes.filter(n => n.has_errors).map(n => n.type),
+            calls: calls.map(c => c[0]),
+            dialogs: Array.from(document.querySelectorAll('.p-dialog')).map(d => d.innerText.slice(0, 200)),
+            samplers: nodes.filter(n => n.type === 'KVGraphSampler').length,
+        };
+    }""", json.loads(path.read_text()))
+    assert result["count"] == len(json.loads(path.read_text())["nodes"])
+    assert result["unknown"] == [] and result["errored"] == []
+    assert result["calls"] == [], f"the frontend reported missing nodes or models: {result['calls']}"
+    assert result["dialogs"] == []
+    assert result["samplers"] == 1
+    assert page.errors == []
