@@ -69,3 +69,13 @@ def test_different_seeds_differ(generator):
     a = generator.generate("a red cube", width=128, height=128, steps=2, seed=1, decode_mode="eager").latents
     b = generator.generate("a red cube", width=128, height=128, steps=2, seed=2, decode_mode="eager").latents
     assert _max_diff(a, b) > 1e-2
+
+
+def test_batch_of_two_matches_pipeline_images_per_prompt(reference_pipeline, generator):
+    """batch_size=2 draws the same [2, ...] noise and repeats the prompt as `num_images_per_prompt=2` does."""
+    ref = reference_pipeline("a red cube", height=128, width=128, num_inference_steps=3, num_images_per_prompt=2,
+                             generator=torch.Generator("cpu").manual_seed(9), output_type="latent").images
+    ours = generator.generate("a red cube", width=128, height=128, steps=3, seed=9, batch_size=2,
+                              decode_mode="eager")
+    assert ours.latents.shape[0] == 2
+    assert _max_diff(ref, _ours(ours)) <= ATOL
