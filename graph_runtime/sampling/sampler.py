@@ -126,10 +126,7 @@ def sample(
             layout = TokenLayout.build(embeds.image_mask, img_shapes, device)
             inputs[name] = (layout, *embeds.for_batch(batch, device, dtype))
 
-        if req.compile:
-            compile_started = engine.enable_compile()
-        else:
-            compile_started = False
+        compile_started = req.compile and engine.enable_compile()
         stats_before = engine.manager.stats.snapshot()
         prefixes = {}
         paths: list[str] = []
