@@ -125,6 +125,37 @@ def test_lru_eviction_bounds_entries(engine, generator):
     assert engine.manager.stats.evictions == 1
 
 
+def test_idle_entries_make_room_when_the_card_is_short(tiny_models, generator):
+    """A new entry that would leave less than MEMORY_HEADROOM free evicts idle entries (LRU first), never the
+    entry of a request still generating; with room to spare nothing is evicted."""
+    import graph_runtime.decode.graph_manager as gm
+
+    backend = RecordingBackend()
+    engine = DecodeEngine(tiny_models.transformer, max_entries=4, backend=backend)
+    t = torch.full((1,), 0.6)
+    backend.free_bytes = lambda device: gm.MEMORY_HEADROOM * 10
+    live, live_latents = _request(generator, "a cat", shapes=((1, 8, 8),), engine=engine)
+    idle, idle_latents = _request(generator, "a cat", shapes=((1, 4, 16),), engine=engine)
+    for prefix, latents in ((live, live_latents), (idle, idle_latents)):
+        engine.decode(prefix, latents, t)
+    live_key, idle_key = _key(engine, live, live_latents), _key(engine, idle, idle_latents)
+    idle.release()
+    del idle
+    gc.collect()
+    third, third_latents = _request(generator, "a cat", shapes=((1, 16, 4),), engine=engine)
+    assert len(engine.manager.entries) == 3 and engine.manager.stats.evictions == 0
+
+    backend.free_bytes = lambda device: 0  # the card is full: only idle entries may go
+    third.release()
+    del third
+    gc.collect()
+    fourth, fourth_latents = _request(generator, "a dog", shapes=((1, 2, 32),), engine=engine)
+    assert idle_key not in engine.manager.entries and live_key in engine.manager.entries
+    assert engine.manager.stats.evictions == 2  # the idle 4x16 and 16x4 entries, not the live 8x8 one
+    assert torch.equal(engine.decode(live, live_latents, t).output, _eager(engine, live, live_latents, t))
+    assert engine.decode(fourth, fourth_latents, t).path == "capture"
+
+
 def test_second_live_request_is_refused_until_owner_released(engine, generator):
     """Two requests with one key: the second runs eager (correctly) while the first lives, then takes over."""
     t = torch.full((1,), 0.6)

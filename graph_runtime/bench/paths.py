@@ -1,9 +1,10 @@
 """The decode paths the benchmark measures, all over the same weights, inputs and prefix caches.
 
 `diffusers` is the reference: the transformer's own `kv_cache_mode="cached"` forward, eager, host syncs included.
-The others are this project's decode step: eager, captured, and captured with compiled blocks. (Fused q/k/v and
-gate/up GEMMs, a pinned cuDNN attention backend, max-autotune GEMMs and FP8 GEMMs were measured too and not kept:
-see bench/results/levers-20261202T113910.md and the README's performance section.)
+The others are this project's decode step: eager, captured, and captured with compiled blocks; `--paths all` adds
+the compiled path without our kernels, to measure them. (Fused q/k/v and gate/up GEMMs, a pinned cuDNN attention
+backend, max-autotune GEMMs and FP8 GEMMs were measured too and not kept: see
+bench/results/levers-20261202T113910.md and the README's performance section.)
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
 from ..decode.engine import DecodeEngine
+from ..decode.step import DecodeStep
 
 
 @dataclass(frozen=True)
@@ -22,6 +24,7 @@ class PathSpec:
     mode: str = "graph"  # our decode mode; unused by the reference
     compile: bool = False
     reference: bool = False
+    kernels: bool = True  # the hand-written kernels of graph_runtime/kernels (off: inductor's own code)
 
 
 ALL_PATHS = [
@@ -29,7 +32,10 @@ ALL_PATHS = [
     PathSpec("eager", mode="eager"),
     PathSpec("graph"),
     PathSpec("compile+graph", compile=True),
+    # Not in the default set: the same path with inductor's own code where our kernels would run, to measure them.
+    PathSpec("compile+graph-inductor-only", compile=True, kernels=False),
 ]
+DEFAULT_PATHS = ["diffusers", "eager", "graph", "compile+graph"]
 CPU_PATHS = ["diffusers", "eager"]
 
 
@@ -79,6 +85,8 @@ class OursPath:
     def __init__(self, spec: PathSpec, transformer):
         self.spec = spec
         self.engine = DecodeEngine(transformer, max_entries=4)
+        if not spec.kernels:
+            self.engine.step = DecodeStep(transformer, kernels=False)
         if spec.compile:
             self.engine.enable_compile()
 

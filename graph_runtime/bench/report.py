@@ -10,9 +10,11 @@ COLUMNS = [
     ("speedup_vs_diffusers", "x diffusers", "{:.2f}"), ("x_roofline", "/ roofline", "{:.2f}"),
     ("dit_40_steps_ms", "DiT 40 steps s", "{:.2f}", 1e-3), ("dit_8_steps_ms", "DiT 8 steps s", "{:.3f}", 1e-3),
     ("host_ms", "host ms/step", "{:.2f}"), ("capture_s", "capture s", "{:.2f}"), ("warmup_s", "warm-up+compile s", "{:.1f}"),
-    ("peak_gb", "peak GB", "{:.1f}"), ("graph_bytes", "graph GB", "{:.2f}", 2**-30),
+    ("peak_gb", "peak GiB", "{:.1f}"), ("graph_bytes", "graph GiB", "{:.2f}", 2**-30),
     ("psnr_vs_fp32_db", "PSNR vs fp32 dB", "{:.1f}"), ("err_ratio_vs_diffusers", "err / diffusers err", "{:.3f}"),
-    ("quality_ok", "guard", "{}"), ("vs_own_eager_maxabs", "vs own eager", "{:.2e}"),
+    ("quality_ok", "guard", "{}"), ("vs_own_eager_maxabs", "vs eager path", "{:.2e}"),
+    ("replay_vs_body_maxabs", "replay vs own body", "{:.1e}"), ("sm_clock_mhz", "SM MHz", "{:.0f}"),
+    ("power_w", "power W", "{:.0f}"),
 ]
 
 
@@ -53,7 +55,7 @@ def markdown(meta, results, amortization) -> str:
         lines.append("")
     lines += ["## Back-to-back sampler runs (process-wide engine, like two queued prompts)", "",
               "| run | steps | DiT total s | prefill ms | decode ms/step | captures | replays | compiles | "
-              "eager steps | peak GB | graph GB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+              "eager steps | peak GiB | graph GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in amortization:
         lines.append(f"| {r['run']} | {r['steps']} | {r['dit_total_ms'] / 1e3:.3f} | {r['prefill_ms']:.1f} | "
                      f"{r['decode_ms_per_step']:.2f} | {r['captures']} | {r['replays']} | {r['compiles']} | "

@@ -24,10 +24,11 @@ import torch
 from ..decode.prefill import run_prefill
 from . import quality
 from .model import build_transformer, fp32_copy
-from .paths import ALL_PATHS, CPU_PATHS, OursPath, reference_caches, reference_prefill, reference_step
+from .paths import ALL_PATHS, CPU_PATHS, DEFAULT_PATHS, OursPath, reference_caches, reference_prefill, reference_step
 from .report import write_reports
 from .scenarios import (DEFAULT_SCENARIOS, QUICK_SCENARIOS, TINY_SCENARIOS, build_inputs, decode_flops,
                         describe, prefill_flops)
+from .clocks import ClockSampler
 from .timing import device_ms, host_ms, wall_s
 
 PEAK_TFLOPS = float(os.environ.get("PEAK_TFLOPS", "790"))
@@ -46,7 +47,9 @@ def _select_scenarios(spec: str, tiny: bool):
 
 def _select_paths(spec: str, device):
     specs = ALL_PATHS
-    if spec != "all":
+    if spec == "default":
+        specs = [p for p in ALL_PATHS if p.name in DEFAULT_PATHS]
+    elif spec != "all":
         wanted = spec.split(",")
         specs = [p for p in ALL_PATHS if p.name in wanted or p.reference]
     if torch.device(device).type != "cuda":
@@ -136,7 +139,9 @@ def run_scenario(transformer, scenario, path_specs, engines, refs, device, iters
                                       for e in path.engine.manager.entries.values())
                 row["compile_s"] = row["warmup_s"] if spec.compile else 0.0
                 row["eager_steps"] = delta["eager_steps"]
-            row["decode_ms"] = device_ms(step, device, iters=iters)
+            with ClockSampler(device) as clocks:
+                row["decode_ms"] = device_ms(step, device, iters=iters)
+            row.update(clocks.summary())
             row["host_ms"] = host_ms(step, device, iters=iters)
             row["peak_gb"] = _peak_gb(device)
             if not spec.reference:
@@ -148,6 +153,8 @@ def run_scenario(transformer, scenario, path_specs, engines, refs, device, iters
                 eager_outputs = outputs
             elif eager_outputs is not None and not spec.reference:
                 row["vs_own_eager_maxabs"] = quality.max_abs(outputs, eager_outputs)
+            if not spec.reference and spec.mode == "graph":
+                row["replay_vs_body_maxabs"] = _replay_vs_body(path, inputs, prefixes)
             if reference_outputs is not None and not spec.reference:
                 row["vs_diffusers_maxabs"] = quality.max_abs(outputs, reference_outputs)
             if scenario.name in refs:
@@ -176,6 +183,18 @@ def run_scenario(transformer, scenario, path_specs, engines, refs, device, iters
             "prefill_flop": prefill_flops(config, scenario, inputs.branches), "rows": rows}
 
 
+def _replay_vs_body(path, inputs, prefixes) -> float:
+    """Max abs difference between each branch's graph replay and the same body run eagerly on the same static
+    buffers: the graph's own correctness, apart from any difference between decode bodies."""
+    worst = 0.0
+    for branch in inputs.branches:
+        prefix = prefixes[branch.name]
+        replayed = path.engine.decode(prefix, inputs.latents, inputs.timestep, "graph").output
+        entry = path.engine.manager.entries[prefix.graph_key]
+        worst = max(worst, (path.engine.step(entry.inputs) - replayed).abs().max().item())
+    return worst
+
+
 def amortization(transformer, device, context, channels):
     """Two sampler runs back to back, equal shapes, through the process-wide engine (like two queued prompts),
     with the product's default settings (decode "auto", compiled blocks)."""
@@ -189,7 +208,10 @@ def amortization(transformer, device, context, channels):
     size = 1024 if device != "cpu" else 128
     for label, steps, preset, refs in [("t2i-40", 40, "dynamic", 0), ("t2i-40", 40, "dynamic", 0),
                                        ("turbo-8", 8, "turbo", 0), ("turbo-8", 8, "turbo", 0),
-                                       ("edit1-40", 40, "dynamic", 1)]:
+                                       ("edit1-40", 40, "dynamic", 1), ("edit1-40 alone", 40, "dynamic", 1)]:
+        if label.endswith("alone"):
+            # What a card with no other entry held sees (a short card evicts idle entries; see _make_room).
+            engine.release()
         inputs = build_inputs(Scenario(label, size, references=refs), context, channels, device,
                               next(transformer.parameters()).dtype)
         branch = inputs.branches[0]

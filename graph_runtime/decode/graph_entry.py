@@ -72,6 +72,13 @@ class EntrySpec:
                    num_blocks=len(transformer.transformer_blocks), in_channels=config.in_channels,
                    dtype=param.dtype, device=param.device)
 
+    @property
+    def static_bytes(self) -> int:
+        """What the entry's static buffers take (K/V for every block dominate: 0.5 MiB per token per branch)."""
+        kv = self.batch * (self.prefix_len + self.target_tokens) * self.heads * self.head_dim * self.num_blocks * 2
+        hidden = self.batch * self.target_tokens * self.in_channels
+        return (kv + hidden) * self.dtype.itemsize
+
 
 class DecodeGraphEntry:
     """Static buffers for one key, and the graph once captured.
@@ -170,6 +177,13 @@ class CudaGraphBackend:
         """Forget the pool once no captured graph uses it: the allocator frees a private pool with its last graph,
         and capturing into the stale handle afterwards trips an internal assert."""
         self._pool = None
+
+    def free_bytes(self, device: torch.device) -> int | None:
+        """Memory a new entry can use without the allocator asking the driver for more than the card has left."""
+        if device.type != "cuda":
+            return None
+        free, _total = torch.cuda.mem_get_info(device)
+        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
     def unavailable_reason(self, transformer) -> str | None:
         from .eligibility import static_reason

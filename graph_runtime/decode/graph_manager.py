@@ -32,6 +32,9 @@ from .step import DecodeInputs, DecodeStep
 logger = logging.getLogger("kvgraph")
 
 DECODE_MODES = ("auto", "graph", "eager")
+# Left free after a new entry's buffers: the prefill's activations at 1024x1024 with a reference (~1.3 GiB) and the
+# VAE decode that follows must still fit, or a 24 GB card trades an idle graph for an out-of-memory prompt.
+MEMORY_HEADROOM = 2 << 30
 
 
 class DecodeOutcome(NamedTuple):
@@ -199,8 +202,10 @@ class DecodeGraphManager:
             return entry
         while len(self.entries) >= self.max_entries:
             self._evict_one()
+        spec = make_spec()
+        self._make_room(spec)
         try:
-            entry = DecodeGraphEntry(key, make_spec())
+            entry = DecodeGraphEntry(key, spec)
         except torch.OutOfMemoryError as exc:
             return self._mark_failed(key, why.ALLOCATION_FAILED, exc)
         self.entries[key] = entry
@@ -212,6 +217,32 @@ class DecodeGraphManager:
         self._remove(victims[:1])
         self.stats.evictions += 1
         logger.debug("KV-Graph: evicted decode graph %s (max_entries=%d)", victims[0], self.max_entries)
+
+    def _make_room(self, spec: EntrySpec) -> None:
+        """Evict idle entries (least recently used first) while the card lacks room for `spec` plus headroom.
+
+        Idle graphs are a speed-up for a later prompt; they must never be why this prompt runs out of memory.
+        """
+        free_bytes = getattr(self.backend, "free_bytes", None)
+        free = free_bytes(spec.device) if free_bytes is not None else None
+        if free is None:
+            return
+        need = spec.static_bytes + MEMORY_HEADROOM
+        idle = [k for k, e in self.entries.items() if isinstance(e, DecodeGraphEntry) and not self._owner_alive(k)]
+        evicted = []
+        for key in idle:
+            if free >= need:
+                break
+            free += self.entries[key].nbytes
+            evicted.append(key)
+        if not evicted:
+            return
+        self._remove(evicted)
+        self.stats.evictions += len(evicted)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        logger.info("KV-Graph: evicted %d idle decode graph(s) to leave room for a new one (%.1f GiB needed "
+                    "with headroom).", len(evicted), need / 2**30)
 
     def _owner_alive(self, key) -> bool:
         owner = self._owners.get(key)

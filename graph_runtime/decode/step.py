@@ -9,6 +9,9 @@ layers and weight swaps are seen), with the per-step host work hoisted out:
   `torch.where(target_mask, real, zero)` would only materialize a full-size copy of the same values.
 - K/V of the target are written into a static `[prefix | target]` buffer when one is given, so a captured step
   does not allocate and concatenate the prefix every block; the eager fallback concatenates as diffusers does.
+- Our own kernels (`graph_runtime/kernels`) run each residual + LayerNorm + modulation and, on that static path,
+  q/k norm + RoPE + the K/V write, when the block's modules are diffusers' own; `kernels=False` (or a replaced
+  module) keeps the modules' own code. The benchmark's `compile+graph-inductor-only` path measures the difference.
 """
 
 from __future__ import annotations
@@ -18,6 +21,10 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from diffusers.models.normalization import RMSNorm
+
+from ..kernels.norm_modulate import norm_modulate, residual_norm_modulate
+from ..kernels.qk_norm_rope import qk_norm_rope_write
 
 
 @dataclass
@@ -68,34 +75,61 @@ class TargetDecodeBlock(torch.nn.Module):
     own: a shared compiled function would guard on the block's identity and recompile past dynamo's cache limit.
     """
 
-    def __init__(self, block: torch.nn.Module):
+    def __init__(self, block: torch.nn.Module, kernels: bool = True):
         super().__init__()
         self.block = block
+        # The hand-written kernels of `graph_runtime/kernels` (off: inductor's or PyTorch's own code throughout).
+        self.fuse_qk = kernels
+        self.fuse_norms = kernels
+
+    def _can_fuse_qk(self) -> bool:
+        # Only diffusers' own modules are fused; a replaced module (a patch, an adapter) runs as itself.
+        norm_q, norm_k = self.block.attn.norm_q, self.block.attn.norm_k
+        return (self.fuse_qk and type(norm_q) is RMSNorm and type(norm_k) is RMSNorm
+                and norm_q.weight is not None and norm_k.weight is not None and norm_k.bias is None
+                and norm_q.bias is None and norm_q.eps == norm_k.eps)
+
+    def _can_fuse_norms(self) -> bool:
+        norms = (self.block.img_norm1, self.block.img_norm2)
+        return (self.fuse_norms and all(type(n) is torch.nn.LayerNorm and not n.elementwise_affine for n in norms)
+                and norms[0].eps == norms[1].eps and norms[0].normalized_shape == norms[1].normalized_shape)
 
     def forward(self, x, modulation, cos, sin, k_cache, v_cache, prefix_len: int, static_kv: bool, attn_mask):
         block, attn = self.block, self.block.attn
+        fuse_norms = self._can_fuse_norms()
         scale1, gate1, scale2, gate2 = modulation[:, None].chunk(4, dim=-1)
 
-        h = block.img_norm1(x) * (1 + scale1)
+        if fuse_norms:
+            h = norm_modulate(x, scale1[:, 0], block.img_norm1.eps)
+        else:
+            h = block.img_norm1(x) * (1 + scale1)
         head_dim = attn.inner_dim // attn.heads
         q = attn.to_q(h).unflatten(-1, (-1, head_dim))
         k = attn.to_k(h).unflatten(-1, (-1, head_dim))
         v = attn.to_v(h).unflatten(-1, (-1, head_dim))
-        q = apply_rope(attn.norm_q(q).to(v.dtype), cos, sin)
-        k = apply_rope(attn.norm_k(k).to(v.dtype), cos, sin)
-        if static_kv:
+        if static_kv and self._can_fuse_qk():
+            q = qk_norm_rope_write(q, k, v, attn.norm_q.weight, attn.norm_k.weight, cos, sin, k_cache, v_cache,
+                                   prefix_len, attn.norm_q.eps)
+            keys, values = k_cache, v_cache
+        elif static_kv:
+            q = apply_rope(attn.norm_q(q).to(v.dtype), cos, sin)
+            k = apply_rope(attn.norm_k(k).to(v.dtype), cos, sin)
             k_cache[:, prefix_len:].copy_(k)
             v_cache[:, prefix_len:].copy_(v)
             keys, values = k_cache, v_cache
         else:
+            q = apply_rope(attn.norm_q(q).to(v.dtype), cos, sin)
+            k = apply_rope(attn.norm_k(k).to(v.dtype), cos, sin)
             keys, values = torch.cat([k_cache, k], dim=1), torch.cat([v_cache, v], dim=1)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attn_mask
         )
         out = attn.to_out[0](out.transpose(1, 2).flatten(2).type_as(q))
-        x = x + gate1.tanh() * out
-
-        h = block.img_norm2(x) * (1 + scale2)
+        if fuse_norms:
+            x, h = residual_norm_modulate(x, out, gate1[:, 0], scale2[:, 0], block.img_norm2.eps)
+        else:
+            x = x + gate1.tanh() * out
+            h = block.img_norm2(x) * (1 + scale2)
         mlp_out = block.img_mlp(h)
         x = x + gate2.tanh() * mlp_out
         if x.dtype == torch.float16:
@@ -106,12 +140,13 @@ class TargetDecodeBlock(torch.nn.Module):
 class DecodeStep(torch.nn.Module):
     """The whole decode step over a transformer's blocks: `forward(inputs) -> [B, T, out_channels]`."""
 
-    def __init__(self, transformer: torch.nn.Module):
+    def __init__(self, transformer: torch.nn.Module, kernels: bool = True):
         super().__init__()
         # A weak reference: the transformer holds this step (through its engine), and the weights must not be
         # registered twice under this module.
         self._model = weakref.ref(transformer)
-        self.blocks = torch.nn.ModuleList(TargetDecodeBlock(b) for b in transformer.transformer_blocks)
+        self.blocks = torch.nn.ModuleList(TargetDecodeBlock(b, kernels) for b in transformer.transformer_blocks)
+        self.kernels = kernels
         self.compiled = False
 
     @property
@@ -133,7 +168,8 @@ class DecodeStep(torch.nn.Module):
 
     def variant(self) -> str:
         """Names what a captured graph of this step recorded (graph keys include it)."""
-        return "sdpa+compiled-blocks" if self.compiled else "sdpa"
+        name = "sdpa+compiled-blocks" if self.compiled else "sdpa"
+        return name + ("+kernels" if self.kernels else "")
 
     def forward(self, inputs: DecodeInputs) -> torch.Tensor:
         model = self.model

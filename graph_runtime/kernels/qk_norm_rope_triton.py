@@ -1,0 +1,41 @@
+"""The Triton side of `qk_norm_rope.py` (imported on first CUDA use; see that file for what and why)."""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def norm_rope_heads(src, dst, w_ptr, cols, d, mask, cos, sin, eps, HEAD_DIM: tl.constexpr,
+                    BLOCK_H: tl.constexpr):
+    x = tl.load(src + cols, mask=mask).to(tl.float32)
+    rrms = tl.rsqrt(tl.sum(x * x, axis=1) / HEAD_DIM + eps)
+    weight_dtype = w_ptr.dtype.element_ty
+    w = tl.load(w_ptr + d).to(tl.float32)[None, :]
+    normed = (x * rrms[:, None]).to(weight_dtype).to(tl.float32) * w
+    normed = normed.to(weight_dtype).to(tl.float32)
+    real, imag = tl.split(tl.reshape(normed, (BLOCK_H, HEAD_DIM // 2, 2)))
+    out = tl.interleave(real * cos - imag * sin, real * sin + imag * cos)
+    tl.store(dst + cols, out.to(dst.dtype.element_ty), mask=mask)
+
+@triton.jit
+def qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr,
+                        v_cache_ptr, tokens, heads, q_sb, q_st, k_sb, k_st, v_sb, v_st, kc_sb, kc_st, vc_sb,
+                        vc_st, prefix_len, eps, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):
+    row = tl.program_id(0)
+    b = row // tokens
+    t = row % tokens
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    d = tl.arange(0, HEAD_DIM)
+    mask = (h < heads)[:, None]
+    cols = h[:, None] * HEAD_DIM + d[None, :]
+    half = tl.arange(0, HEAD_DIM // 2)
+    cos = tl.load(cos_ptr + t * (HEAD_DIM // 2) + half)[None, :]
+    sin = tl.load(sin_ptr + t * (HEAD_DIM // 2) + half)[None, :]
+    cache_row = prefix_len + t
+
+    v = tl.load(v_ptr + b * v_sb + t * v_st + cols, mask=mask)
+    tl.store(v_cache_ptr + b * vc_sb + cache_row * vc_st + cols, v, mask=mask)
+    norm_rope_heads(q_ptr + b * q_sb + t * q_st, q_out_ptr + row * heads * HEAD_DIM, qw_ptr, cols, d, mask,
+                    cos, sin, eps, HEAD_DIM, BLOCK_H)
+    norm_rope_heads(k_ptr + b * k_sb + t * k_st, k_cache_ptr + b * kc_sb + cache_row * kc_st, kw_ptr, cols, d,
+                    mask, cos, sin, eps, HEAD_DIM, BLOCK_H)

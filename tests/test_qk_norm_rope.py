@@ -1,0 +1,162 @@
+"""The fused q/k norm + RoPE + K/V write (`kernels/qk_norm_rope.py`) against the eager body's own modules.
+
+On CPU the op runs its PyTorch math; the Triton kernel itself is run here through Triton's interpreter (fp32, so
+the comparison is about indexing: which head, which channel pair, which cache row), and on the GPU in bf16 by
+tests/gpu. fp32 tolerance 1e-5: the two sides differ only in summation order of a 16-128 term mean; a wrong
+pair, head or row is off by O(1).
+"""
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from diffusers.models.normalization import RMSNorm
+
+from graph_runtime.decode.step import TargetDecodeBlock, apply_rope, rope_tables
+from graph_runtime.kernels.qk_norm_rope import qk_norm_rope_write
+
+ATOL = 1e-5
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _inputs(batch=2, tokens=5, heads=3, head_dim=16, prefix=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(batch, tokens, heads * head_dim, generator=g).unflatten(-1, (-1, head_dim))
+               for _ in range(3))
+    angles = torch.randn(tokens, head_dim // 2, generator=g)
+    cos, sin = rope_tables(torch.polar(torch.ones_like(angles), angles))
+    norm_q, norm_k = RMSNorm(head_dim, eps=1e-6), RMSNorm(head_dim, eps=1e-6)
+    with torch.no_grad():
+        norm_q.weight.normal_(1.0, 0.2, generator=g)
+        norm_k.weight.normal_(1.0, 0.2, generator=g)
+    k_cache = torch.randn(batch, prefix + tokens, heads, head_dim, generator=g)
+    v_cache = torch.randn(batch, prefix + tokens, heads, head_dim, generator=g)
+    return q, k, v, norm_q, norm_k, cos, sin, k_cache, v_cache, prefix
+
+
+def test_op_equals_eager_modules_and_writes_only_target_rows():
+    """q out == RoPE(norm_q(q)); cache rows P: == RoPE(norm_k(k)) and v; prefix rows 0:P unchanged."""
+    q, k, v, norm_q, norm_k, cos, sin, k_cache, v_cache, prefix = _inputs()
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    with torch.no_grad():
+        q_out = qk_norm_rope_write(q, k, v, norm_q.weight, norm_k.weight, cos, sin, k_cache, v_cache, prefix, 1e-6)
+        expected_q = apply_rope(norm_q(q), cos, sin)
+        expected_k = apply_rope(norm_k(k), cos, sin)
+    torch.testing.assert_close(q_out, expected_q, atol=ATOL, rtol=0)
+    torch.testing.assert_close(k_cache[:, prefix:], expected_k, atol=ATOL, rtol=0)
+    torch.testing.assert_close(v_cache[:, prefix:], v, atol=0, rtol=0)
+    assert torch.equal(k_cache[:, :prefix], k_before[:, :prefix])
+    assert torch.equal(v_cache[:, :prefix], v_before[:, :prefix])
+
+
+def test_triton_kernel_through_interpreter():
+    """The Triton kernel's indexing (heads, channel pairs, batch and cache rows) equals the PyTorch math."""
+    pytest.importorskip("triton", reason="triton is not installed with this torch build")
+    script = textwrap.dedent("""
+        import torch
+        from graph_runtime.kernels import qk_norm_rope as m
+        from tests.test_qk_norm_rope import _inputs
+        for head_dim, heads in [(16, 3), (128, 9)]:
+            q, k, v, nq, nk, cos, sin, kc, vc, p = _inputs(heads=heads, head_dim=head_dim, seed=head_dim)
+            kc2, vc2 = kc.clone(), vc.clone()
+            with torch.no_grad():
+                got = m._triton_qk_norm_rope_write(q, k, v, nq.weight, nk.weight, cos, sin, kc, vc, p, 1e-6)
+                want = m.qk_norm_rope_write(q, k, v, nq.weight, nk.weight, cos, sin, kc2, vc2, p, 1e-6)
+            for a, b in [(got, want), (kc, kc2), (vc, vc2)]:
+                torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_norm_modulate_kernel_through_interpreter():
+    """The residual + LayerNorm + modulation kernel (rows, batch-strided gate/scale, a non-power-of-two width)
+    equals its PyTorch math, with and without the residual."""
+    pytest.importorskip("triton", reason="triton is not installed with this torch build")
+    script = textwrap.dedent("""
+        import torch
+        from graph_runtime.kernels import norm_modulate as m
+        g = torch.Generator().manual_seed(0)
+        for dim in (32, 100):
+            x, d = torch.randn(2, 5, dim, generator=g), torch.randn(2, 5, dim, generator=g)
+            mod = torch.randn(2, 4 * dim, generator=g)
+            gate, scale = mod[:, dim:2 * dim], mod[:, 2 * dim:3 * dim]
+            for got, want in zip(m._triton_norm_modulate(x, d, gate, scale, 1e-6),
+                                 m.reference_norm_modulate(x, d, gate, scale, 1e-6)):
+                torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+            got = m._triton_norm_modulate(x, None, None, scale, 1e-6)[1]
+            torch.testing.assert_close(got, m.reference_norm_modulate(x, None, None, scale, 1e-6)[1], atol=1e-5,
+                                       rtol=0)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def _block_inputs(block, batch, seed, tokens=4, prefix=3):
+    """x, modulation, RoPE tables and prefix K/V for one block call of `tokens` targets after `prefix` keys."""
+    heads, head_dim = block.attn.heads, block.attn.inner_dim // block.attn.heads
+    dim = block.attn.inner_dim
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, tokens, dim, generator=g)
+    modulation = torch.randn(batch, 4 * dim, generator=g) * 0.3
+    angles = torch.randn(tokens, head_dim // 2, generator=g)
+    cos, sin = rope_tables(torch.polar(torch.ones_like(angles), angles))
+    prefix_k = torch.randn(batch, prefix, heads, head_dim, generator=g)
+    prefix_v = torch.randn(batch, prefix, heads, head_dim, generator=g)
+    return x, modulation, cos, sin, prefix_k, prefix_v
+
+
+def test_block_norms_equal_the_modules(tiny_models):
+    """The block's fused residual + norm path (the CPU op) equals running diffusers' LayerNorm modules."""
+    import copy
+
+    block = copy.deepcopy(tiny_models.transformer.transformer_blocks[0])
+    fused, plain = TargetDecodeBlock(block), TargetDecodeBlock(block, kernels=False)
+    assert fused._can_fuse_norms() and not plain._can_fuse_norms()
+    x, modulation, cos, sin, prefix_k, prefix_v = _block_inputs(block, batch=2, seed=2)
+    with torch.no_grad():
+        a = fused(x, modulation, cos, sin, prefix_k, prefix_v, 3, False, None)
+        b = plain(x, modulation, cos, sin, prefix_k, prefix_v, 3, False, None)
+    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+
+
+class _ScaledNorm(torch.nn.Module):
+    """A stand-in for a patched norm: not diffusers' RMSNorm, so the block must call it rather than fuse."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 2.0
+
+
+def test_block_calls_a_replaced_norm_instead_of_fusing(tiny_models):
+    """A block whose norm_q was replaced by another module runs that module (its x2 shows in the output)."""
+    import copy
+
+    block = copy.deepcopy(tiny_models.transformer.transformer_blocks[0])
+    wrapped = TargetDecodeBlock(block)
+    assert wrapped._can_fuse_qk()
+    block.attn.norm_q = _ScaledNorm(block.attn.norm_q)
+    assert not wrapped._can_fuse_qk()
+    x, modulation, cos, sin, prefix_k, prefix_v = _block_inputs(block, batch=1, seed=1)
+    with torch.no_grad():
+        target_rows = torch.zeros_like(prefix_k[:, :1]).expand(-1, x.shape[1], -1, -1)
+        k_cache, v_cache = torch.cat([prefix_k, target_rows], dim=1), torch.cat([prefix_v, target_rows], dim=1)
+        static = wrapped(x, modulation, cos, sin, k_cache, v_cache, 3, True, None)
+        concat = wrapped(x, modulation, cos, sin, prefix_k, prefix_v, 3, False, None)
+        block.attn.norm_q = block.attn.norm_q.inner
+        unpatched = wrapped(x, modulation, cos, sin, prefix_k, prefix_v, 3, False, None)
+    torch.testing.assert_close(static, concat, atol=ATOL, rtol=0)
+    assert (static - unpatched).abs().max() > 1e-3
