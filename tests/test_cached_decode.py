@@ -78,3 +78,28 @@ def test_wrong_prefix_would_be_detected(tiny_models, generator):
         wrong = engine.decode(prefix, latents, t, mode="eager").output
     assert (right - full).abs().max().item() <= ATOL
     assert (wrong - full).abs().max().item() > 10 * ATOL
+
+
+@pytest.mark.parametrize("with_reference", [False, True], ids=["text-to-image", "edit"])
+def test_prefix_only_prefill_gives_the_same_cache(tiny_models, generator, reference_image, with_reference):
+    """The sampler's prefill runs the prefix rows alone (`with_target=False`) and predicts step 1 with a decode step.
+    Invariant: its prefix K/V equal those of the joint forward, and that decode equals the joint forward's target
+    rows (fp32, 1e-4 as above: the two differ only in how attention is split into calls)."""
+    transformer = tiny_models.transformer
+    engine = DecodeEngine(transformer)
+    refs = prepare_references([reference_image] if with_reference else [], 256)
+    embeds = generator.encoder.encode("a lamp", [r.vision_image for r in refs])
+    cond_latents = [encode_pixels(tiny_models.vae, r.vae_pixels) for r in refs]
+    img_shapes = [(1, c.shape[2], c.shape[3]) for c in cond_latents] + [(1, 8, 6)]
+    layout = TokenLayout.build(embeds.image_mask, img_shapes, "cpu")
+    latents = pack(initial_noise(3, 1, 64, 8, 6, torch.float32))
+    hidden = torch.cat([*(pack(c) for c in cond_latents), latents], 1)
+    t = torch.full((1,), 0.9)
+    with torch.no_grad():
+        joint_pred, joint = engine.prefill(layout, hidden, embeds.embeds, t)
+        none, alone = engine.prefill(layout, hidden, embeds.embeds, t, with_target=False)
+        decoded = engine.decode(alone, latents, t, mode="eager").output
+    assert none is None
+    for a, b in zip(joint.k + joint.v, alone.k + alone.v):
+        assert (a - b).abs().max().item() <= ATOL
+    assert (decoded - joint_pred).abs().max().item() <= ATOL

@@ -170,7 +170,7 @@ def test_sampler_equals_the_runtime_and_reports_progress_and_events(comfy_env, m
     summary = [r.getMessage() for r in caplog.records if "ms/step" in r.getMessage()]
     assert len(summary) == 1  # one summary line per run
     assert all(part in summary[0] for part in ("prefill", "decode", "captures 0", "replays 0",
-                                               "eager steps 2 (no CUDA: 2)", "128x96", "3 steps"))
+                                               "eager steps 3 (no CUDA: 3)", "128x96", "3 steps"))
     assert out["samples"].shape == (1, 64, 6, 8) and out["samples"].dtype == torch.float32
 
     parsed = ci.conditioning_to_prompt(positive)
@@ -186,7 +186,7 @@ def test_sampler_equals_the_runtime_and_reports_progress_and_events(comfy_env, m
     assert all(e["prompt_id"] == "prompt-A" and e["node"] == "42" for e in fake.events())
     assert fake.events("fallback")[0]["reason"] == "no CUDA"
     done = fake.events("done")[-1]
-    assert done["captures"] == 0 and done["eager_steps"] == {"no CUDA": 2}
+    assert done["captures"] == 0 and done["eager_steps"] == {"no CUDA": 3}  # every step, step 1 included
 
 
 def test_sampler_reads_core_conditioning_without_slots(comfy_env, models):

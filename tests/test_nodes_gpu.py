@@ -61,11 +61,11 @@ def test_second_execute_only_replays(gpu_env, prepared):
     transformer, text_encoder, positive, latent = prepared
     _, first = sample(gpu_env, transformer, positive, latent, seed=1)
     assert next(transformer.module.parameters()).is_cuda
-    assert first["captures"] == 1 and first["replays"] == STEPS - 1 and first["eager_steps"] == {}
+    assert first["captures"] == 1 and first["replays"] == STEPS and first["eager_steps"] == {}
     _, second = sample(gpu_env, transformer, positive, latent, seed=2)
-    assert second["captures"] == 0 and second["replays"] == STEPS - 1 and second["eager_steps"] == {}
+    assert second["captures"] == 0 and second["replays"] == STEPS and second["eager_steps"] == {}
     status = transformer.engine.status()
-    assert len(status["entries"]) == 1 and status["entries"][0]["replays"] >= 2 * (STEPS - 1)
+    assert len(status["entries"]) == 1 and status["entries"][0]["replays"] >= 2 * STEPS
     # The default placement sends the text encoder back to the CPU once the prompt is encoded.
     assert not next(text_encoder.module.parameters()).is_cuda
 
@@ -74,7 +74,7 @@ def test_graph_replay_matches_eager_decode(gpu_env, prepared):
     transformer, _, positive, latent = prepared
     graph, _ = sample(gpu_env, transformer, positive, latent, seed=5)
     eager, done = sample(gpu_env, transformer, positive, latent, seed=5, decode_mode="eager")
-    assert done["eager_steps"] == {"decode mode is eager": STEPS - 1}
+    assert done["eager_steps"] == {"decode mode is eager": STEPS}
     assert torch.allclose(graph, eager, atol=GRAPH_ATOL, rtol=0)
 
 
@@ -88,7 +88,7 @@ def test_comfyui_unloading_the_model_releases_its_graphs(gpu_env, prepared):
     assert transformer.engine.status()["entries"] == []
     _, done = sample(gpu_env, transformer, positive, latent, seed=4)  # loads back whole, captures afresh
     assert next(transformer.module.parameters()).is_cuda
-    assert done["captures"] == 1 and done["replays"] == STEPS - 1 and done["eager_steps"] == {}
+    assert done["captures"] == 1 and done["replays"] == STEPS and done["eager_steps"] == {}
 
 
 def test_comfyui_model_management_tracks_and_unloads_the_model(gpu_env, prepared):
@@ -106,6 +106,6 @@ def test_comfyui_model_management_tracks_and_unloads_the_model(gpu_env, prepared
     assert not next(transformer.module.parameters()).is_cuda and transformer.engine.status()["entries"] == []
     _, done = sample(gpu_env, transformer, positive, latent, seed=7)
     assert next(transformer.module.parameters()).is_cuda
-    assert done["captures"] == 1 and done["replays"] == STEPS - 1 and done["eager_steps"] == {}
+    assert done["captures"] == 1 and done["replays"] == STEPS and done["eager_steps"] == {}
     _, done = sample(gpu_env, transformer, positive, latent, seed=8)  # stays loaded between prompts: replays only
-    assert done["captures"] == 0 and done["replays"] == STEPS - 1
+    assert done["captures"] == 0 and done["replays"] == STEPS

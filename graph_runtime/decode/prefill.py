@@ -98,10 +98,16 @@ def run_prefill(
     text_mask: torch.Tensor | None = None,
     branch: str = "cond",
     static_kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
-) -> tuple[torch.Tensor, PrefixCache]:
+    with_target: bool = True,
+) -> tuple[torch.Tensor | None, PrefixCache]:
     """Run step 1. `latents` is `[B, cond_tokens + T, C]` (condition images first); returns the target rows'
     prediction `[B, T, C]` and the branch's prefix cache. `static_kv` are per-block `[B, P + T, H, D]` buffers to
-    write the prefix into (a claimed graph entry's)."""
+    write the prefix into (a claimed graph entry's).
+
+    `with_target=False` runs the prefix rows alone and returns no prediction: with `causal_condition` no prefix row
+    attends to a target row, so the prefix K/V are the same, and the target's step-1 prediction is then exactly a
+    decode step over them (the property tests/test_cached_decode.py checks), which can replay a graph.
+    """
     _check_processors(transformer)
     model = transformer
     device = latents.device
@@ -125,6 +131,13 @@ def run_prefill(
     modulation = model.modulation(temb)
     key_valid = layout.joint_key_valid(text_mask)
 
+    cos, sin = rope_tables(rotary[layout.prefix_len:])
+    block_key_valid = key_valid
+    if not with_target:
+        prefix_len = layout.prefix_len
+        joint, rotary, target_mask = joint[:, :prefix_len], rotary[:prefix_len], target_mask[:prefix_len]
+        block_key_valid = None if key_valid is None else key_valid[:, :prefix_len]
+
     blocks = model.transformer_blocks
     if static_kv is None:
         layers = [QwenImage21KVLayerCache() for _ in blocks]
@@ -142,12 +155,13 @@ def run_prefill(
             kv_cache_mode="extract",
             cache_write_slice=slice(0, layout.prefix_len),
             segments=segments,
-            key_valid=key_valid,
+            key_valid=block_key_valid,
         )
-    joint = model.norm_out(joint, temb, target_mask)
-    out = model.proj_out(joint)[:, layout.prefix_len:]
+    out = None
+    if with_target:
+        joint = model.norm_out(joint, temb, target_mask)
+        out = model.proj_out(joint)[:, layout.prefix_len:]
 
-    cos, sin = rope_tables(rotary[layout.prefix_len:])
     prefix = PrefixCache(
         branch=branch,
         layout=layout,

@@ -1,4 +1,4 @@
-"""The sampling loop: prefill on step 1, decode (graph replay or eager) on every later step, flow-match Euler.
+"""The sampling loop: the prefix's prefill once, then a decode step (graph replay or eager) per step, flow-match Euler.
 
 Numerically it is `QwenImage21Pipeline`'s loop (same noise from a CPU generator, same sigmas, same timestep
 rounding, same CFG combination, same Euler update), so its latents can be compared with the reference.
@@ -139,30 +139,30 @@ def sample(
                 if should_stop is not None and should_stop():
                     raise Cancelled(f"stopped before step {i + 1} of {total}")
                 timestep = t.expand(batch).to(dtype) / 1000
-                preds = {}
-                for name, _ in branches:
-                    layout, embeds, text_mask = inputs[name]
-                    if i == 0:
-                        hidden = latents if cond_tokens is None else torch.cat([cond_tokens, latents], dim=1)
-                        preds[name], prefixes[name] = engine.prefill(layout, hidden, embeds, timestep, text_mask,
-                                                                     branch=name, mode=req.decode_mode)
-                        paths.append("prefill")
-                    else:
-                        outcome = engine.decode(prefixes[name], latents, timestep, req.decode_mode)
-                        preds[name] = outcome.output
-                        paths.append(outcome.path)
-                        if outcome.path == "capture":
-                            emit("capture", {"branch": name, "step": i + 1})
-                        elif outcome.reason is not None and i == 1:
-                            emit("fallback", {"branch": name, "reason": outcome.reason})
                 if i == 0:
+                    # The prefix rows alone: step 1's prediction is a decode step like every other (same math,
+                    # and it replays the graph; see DecodeEngine.prefill).
+                    for name, _ in branches:
+                        layout, embeds, text_mask = inputs[name]
+                        hidden = latents if cond_tokens is None else torch.cat([cond_tokens, latents], dim=1)
+                        _, prefixes[name] = engine.prefill(layout, hidden, embeds, timestep, text_mask, branch=name,
+                                                           mode=req.decode_mode, with_target=False)
                     # One sync after the prefill and one at the end: per-step syncs would stall eager launches.
                     decode_start = _now(device)
                     timings["prefill_ms"] = decode_start - loop_start
                     emit("prefill", {"ms": round(timings["prefill_ms"], 2),
                                      "prefix_tokens": inputs["cond"][0].prefix_len,
                                      "target_tokens": inputs["cond"][0].target_tokens})
-                elif i == 1 and paths[-1] in ("replay", "capture"):
+                preds = {}
+                for name, _ in branches:
+                    outcome = engine.decode(prefixes[name], latents, timestep, req.decode_mode)
+                    preds[name] = outcome.output
+                    paths.append(outcome.path)
+                    if outcome.path == "capture":
+                        emit("capture", {"branch": name, "step": i + 1})
+                    elif outcome.reason is not None and i == 0:
+                        emit("fallback", {"branch": name, "reason": outcome.reason})
+                if "replay" in paths[-len(branches):] and "replay" not in paths[:-len(branches)]:
                     emit("replay", {"step": i + 1})
                 noise_pred = preds["cond"]
                 if "uncond" in preds:
@@ -174,8 +174,8 @@ def sample(
             for prefix in prefixes.values():
                 prefix.release()
             prefixes.clear()
-        decode_ms = _now(device) - decode_start if total > 1 else 0.0
-        timings["decode_ms_per_step"] = decode_ms / max(1, total - 1)
+        decode_ms = _now(device) - decode_start
+        timings["decode_ms_per_step"] = decode_ms / total
         timings["decode_ms_total"] = decode_ms
         stats = engine.manager.stats.delta(stats_before)
         stats["compiled"] = engine.step.compiled
