@@ -80,11 +80,13 @@ def test_wrong_prefix_would_be_detected(tiny_models, generator):
     assert (wrong - full).abs().max().item() > 10 * ATOL
 
 
-@pytest.mark.parametrize("with_reference", [False, True], ids=["text-to-image", "edit"])
-def test_prefix_only_prefill_gives_the_same_cache(tiny_models, generator, reference_image, with_reference):
+@pytest.mark.parametrize("with_reference,padded", [(False, False), (True, False), (True, True)],
+                         ids=["text-to-image", "edit", "edit-padded-text"])
+def test_prefix_only_prefill_gives_the_same_cache(tiny_models, generator, reference_image, with_reference, padded):
     """The sampler's prefill runs the prefix rows alone (`with_target=False`) and predicts step 1 with a decode step.
     Invariant: its prefix K/V equal those of the joint forward, and that decode equals the joint forward's target
-    rows (fp32, 1e-4 as above: the two differ only in how attention is split into calls)."""
+    rows (fp32, 1e-4 as above: the two differ only in how attention is split into calls), also with padded text
+    (the last two text positions masked out, as a shorter prompt of a batch is)."""
     transformer = tiny_models.transformer
     engine = DecodeEngine(transformer)
     refs = prepare_references([reference_image] if with_reference else [], 256)
@@ -95,9 +97,13 @@ def test_prefix_only_prefill_gives_the_same_cache(tiny_models, generator, refere
     latents = pack(initial_noise(3, 1, 64, 8, 6, torch.float32))
     hidden = torch.cat([*(pack(c) for c in cond_latents), latents], 1)
     t = torch.full((1,), 0.9)
+    text_mask = None
+    if padded:
+        text_mask = torch.ones_like(embeds.image_mask)
+        text_mask[:, -2:] = False
     with torch.no_grad():
-        joint_pred, joint = engine.prefill(layout, hidden, embeds.embeds, t)
-        none, alone = engine.prefill(layout, hidden, embeds.embeds, t, with_target=False)
+        joint_pred, joint = engine.prefill(layout, hidden, embeds.embeds, t, text_mask=text_mask)
+        none, alone = engine.prefill(layout, hidden, embeds.embeds, t, text_mask=text_mask, with_target=False)
         decoded = engine.decode(alone, latents, t, mode="eager").output
     assert none is None
     for a, b in zip(joint.k + joint.v, alone.k + alone.v):

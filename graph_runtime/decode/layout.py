@@ -102,6 +102,17 @@ class TokenLayout:
         mask[self.prefix_len:] = True
         return mask
 
+    def prefix_attention_mask(self, device) -> torch.Tensor:
+        """`[P, P]` bool, True where prefix row i may attend to prefix key j: every key before its segment, and
+        within its segment all keys (an image) or those up to itself (text). Diffusers' processor applies the same
+        rule one segment at a time."""
+        allowed = torch.zeros(self.prefix_len, self.prefix_len, dtype=torch.bool, device=device)
+        for start, end, is_text in self.segments:
+            allowed[start:end, :start] = True
+            own = torch.ones(end - start, end - start, dtype=torch.bool, device=device)
+            allowed[start:end, start:end] = own.tril() if is_text else own
+        return allowed
+
     def joint_key_valid(self, text_mask: torch.Tensor | None) -> torch.Tensor | None:
         """Expand a text padding mask over the encoder sequence to the joint sequence (None when nothing is padded)."""
         if text_mask is None:

@@ -17,7 +17,7 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVLayerCache
 
 from .layout import TokenLayout
-from .step import rope_tables
+from .step import TargetDecodeBlock, rope_tables
 
 
 class OwnerToken:
@@ -106,7 +106,8 @@ def run_prefill(
 
     `with_target=False` runs the prefix rows alone and returns no prediction: with `causal_condition` no prefix row
     attends to a target row, so the prefix K/V are the same, and the target's step-1 prediction is then exactly a
-    decode step over them (the property tests/test_cached_decode.py checks), which can replay a graph.
+    decode step over them (the property tests/test_cached_decode.py checks), which can replay a graph. The prefix
+    rows then go through the decode step's own block code (`_prefix_pass`) rather than diffusers' blocks.
     """
     _check_processors(transformer)
     model = transformer
@@ -132,12 +133,28 @@ def run_prefill(
     key_valid = layout.joint_key_valid(text_mask)
 
     cos, sin = rope_tables(rotary[layout.prefix_len:])
-    block_key_valid = key_valid
-    if not with_target:
-        prefix_len = layout.prefix_len
-        joint, rotary, target_mask = joint[:, :prefix_len], rotary[:prefix_len], target_mask[:prefix_len]
-        block_key_valid = None if key_valid is None else key_valid[:, :prefix_len]
+    if with_target:
+        out, layers = _joint_pass(model, layout, joint, modulation, rotary, target_mask, key_valid, temb, static_kv)
+        k, v = [layer.k for layer in layers], [layer.v for layer in layers]
+    else:
+        out = None
+        k, v = _prefix_pass(model, layout, joint[:, :layout.prefix_len].contiguous(), modulation[-1:].expand(batch, -1),
+                            rotary[:layout.prefix_len], key_valid, static_kv)
 
+    prefix = PrefixCache(
+        branch=branch,
+        layout=layout,
+        k=k,
+        v=v,
+        cos=cos,
+        sin=sin,
+        key_valid=key_valid,
+    )
+    return out, prefix
+
+
+def _joint_pass(model, layout, joint, modulation, rotary, target_mask, key_valid, temb, static_kv):
+    """diffusers' extract forward over the whole joint sequence: the target's prediction and every layer's cache."""
     blocks = model.transformer_blocks
     if static_kv is None:
         layers = [QwenImage21KVLayerCache() for _ in blocks]
@@ -145,30 +162,30 @@ def run_prefill(
         layers = [_StaticPrefixLayer(k, v, layout.prefix_len) for k, v in zip(*static_kv)]
     segments = list(layout.segments)
     for block, layer in zip(blocks, layers):
-        joint = block(
-            hidden_states=joint,
-            modulation=modulation,
-            rotary_emb=rotary,
-            attention_mask=None,
-            target_token_mask=target_mask,
-            layer_cache=layer,
-            kv_cache_mode="extract",
-            cache_write_slice=slice(0, layout.prefix_len),
-            segments=segments,
-            key_valid=block_key_valid,
-        )
-    out = None
-    if with_target:
-        joint = model.norm_out(joint, temb, target_mask)
-        out = model.proj_out(joint)[:, layout.prefix_len:]
+        joint = block(hidden_states=joint, modulation=modulation, rotary_emb=rotary, attention_mask=None,
+                      target_token_mask=target_mask, layer_cache=layer, kv_cache_mode="extract",
+                      cache_write_slice=slice(0, layout.prefix_len), segments=segments, key_valid=key_valid)
+    joint = model.norm_out(joint, temb, target_mask)
+    return model.proj_out(joint)[:, layout.prefix_len:], layers
 
-    prefix = PrefixCache(
-        branch=branch,
-        layout=layout,
-        k=[layer.k for layer in layers],
-        v=[layer.v for layer in layers],
-        cos=cos,
-        sin=sin,
-        key_valid=key_valid,
-    )
-    return out, prefix
+
+def _prefix_pass(model, layout, x, zero_modulation, rotary, key_valid, static_kv):
+    """The prefix rows alone through every block, with the decode step's block code: each prefix row is modulated
+    from t = 0 (diffusers' trailing modulation row), attends under the prefix's block-causal mask, and its block's
+    K/V land in rows `0:P` of the given buffers. A few launches per block instead of diffusers' per-segment masks
+    and complex RoPE, which made a 128-token prefill ~50 ms of host time."""
+    prefix_len, batch = layout.prefix_len, x.shape[0]
+    cos, sin = rope_tables(rotary)
+    mask = layout.prefix_attention_mask(x.device)[None, None]
+    if key_valid is not None:
+        mask = mask & key_valid[:, None, None, :prefix_len]
+    blocks = model.transformer_blocks
+    if static_kv is None:
+        attn = blocks[0].attn
+        shape = (batch, prefix_len, attn.heads, attn.inner_dim // attn.heads)
+        static_kv = ([x.new_empty(shape) for _ in blocks], [x.new_empty(shape) for _ in blocks])
+    k = [buffer[:, :prefix_len] for buffer in static_kv[0]]
+    v = [buffer[:, :prefix_len] for buffer in static_kv[1]]
+    for block, k_rows, v_rows in zip(blocks, k, v):
+        x = TargetDecodeBlock(block)(x, zero_modulation, cos, sin, k_rows, v_rows, 0, True, mask)
+    return k, v
