@@ -211,3 +211,28 @@ def test_compiled_blocks_follow_new_prompt_lengths(cuda_models, cuda_generator):
     compiles = counters["stats"]["unique_graphs"] - before
     print(f"dynamo graphs compiled for {len(prompts)} prompt lengths: {compiles}")
     assert compiles <= 2 * 2  # static first, then one symbolic recompile, for the static- and the eager-KV body
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_prefix_pass_into_static_buffers_equals_joint_forward(cuda_models, cuda_generator, batch):
+    """On the GPU (our Triton kernels, a block-causal bool mask, a claimed entry's static buffers): the sampler's
+    prefix-only prefill leaves the joint forward's prefix K/V in the buffers, and step 1 decoded from them (a graph
+    capture) equals the joint forward's prediction. fp32, 1e-4 as in tests/test_cached_decode.py: the two split
+    attention into different calls."""
+    transformer = cuda_models.transformer
+    embeds = cuda_generator.encoder.encode("a red cube on a table")
+    layout = TokenLayout.build(embeds.image_mask, [(1, 8, 6)], "cuda")
+    latents = pack(initial_noise(4, batch, 64, 8, 6, torch.float32)).cuda()
+    text = embeds.embeds.cuda().expand(batch, -1, -1)
+    t = torch.full((batch,), 0.8, device="cuda")
+    engine = DecodeEngine(transformer)
+    with torch.no_grad():
+        pred, joint = DecodeEngine(transformer).prefill(layout, latents, text, t, mode="eager")
+        _, alone = engine.prefill(layout, latents, text, t, with_target=False)
+        entry = next(iter(engine.manager.entries.values()))
+        assert alone.k[0].data_ptr() == entry.inputs.k[0].data_ptr()  # written into the static buffers
+        outcome = engine.decode(alone, latents, t)
+    assert outcome.path == "capture"
+    for a, b in zip(alone.k + alone.v, joint.k + joint.v):
+        assert (a - b).abs().max().item() <= GRAPH_ATOL * 10
+    assert (outcome.output - pred).abs().max().item() <= GRAPH_ATOL * 10

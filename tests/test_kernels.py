@@ -1,4 +1,4 @@
-"""The fused q/k norm + RoPE + K/V write (`kernels/qk_norm_rope.py`) against the eager body's own modules.
+"""Our kernels (`graph_runtime/kernels`) against the eager body's own modules.
 
 On CPU the op runs its PyTorch math; the Triton kernel itself is run here through Triton's interpreter (fp32, so
 the comparison is about indexing: which head, which channel pair, which cache row), and on the GPU in bf16 by
@@ -59,7 +59,7 @@ def test_triton_kernel_through_interpreter():
     script = textwrap.dedent("""
         import torch
         from graph_runtime.kernels import qk_norm_rope as m
-        from tests.test_qk_norm_rope import _inputs
+        from tests.test_kernels import _inputs
         for head_dim, heads in [(16, 3), (128, 9)]:
             q, k, v, nq, nk, cos, sin, kc, vc, p = _inputs(heads=heads, head_dim=head_dim, seed=head_dim)
             kc2, vc2 = kc.clone(), vc.clone()
@@ -160,3 +160,61 @@ def test_block_calls_a_replaced_norm_instead_of_fusing(tiny_models):
         unpatched = wrapped(x, modulation, cos, sin, prefix_k, prefix_v, 3, False, None)
     torch.testing.assert_close(static, concat, atol=ATOL, rtol=0)
     assert (static - unpatched).abs().max() > 1e-3
+
+
+_FORCED_KERNELS_SCRIPT = textwrap.dedent("""
+    import torch
+    from graph_runtime.kernels import norm_modulate as nm, qk_norm_rope as qm
+    from graph_runtime.decode.engine import DecodeEngine
+    from graph_runtime.decode.layout import TokenLayout
+    from graph_runtime.sampling.sampler import initial_noise, pack
+    from graph_runtime.tiny import build_tiny_components
+    from tests.test_graph_manager import RecordingBackend
+
+    calls = []
+    def qk(q, k, v, qw, kw, cos, sin, kc, vc, p, eps):
+        calls.append("qk")
+        assert qm._triton_ok(q, k, v, kc, vc)
+        return qm._triton_qk_norm_rope_write(q, k, v, qw, kw, cos, sin, kc, vc, p, eps)
+    def norm(x, scale, eps):
+        calls.append("norm")
+        return nm._triton_norm_modulate(x, None, None, scale, eps)[1]
+    def residual(x, delta, gate, scale, eps):
+        calls.append("residual")
+        return nm._triton_norm_modulate(x, delta, gate, scale, eps)
+    qm.qk_norm_rope_write.register_kernel("cpu")(qk)
+    nm.norm_modulate.register_kernel("cpu")(norm)
+    nm.residual_norm_modulate.register_kernel("cpu")(residual)
+
+    transformer = build_tiny_components(seed=0)["transformer"]
+    torch.manual_seed(0)
+    text = torch.randn(2, 20, transformer.config.context_in_dim)
+    slots = torch.zeros(1, 20, dtype=torch.bool)
+    slots[0, 6:10] = True  # a reference image between two text runs
+    layout = TokenLayout.build(slots, [(1, 4, 4), (1, 8, 6)], "cpu")
+    latents = pack(initial_noise(3, 2, 64, 8, 6, torch.float32))
+    hidden = torch.cat([torch.randn(2, 16, 64), latents], 1)
+    t = torch.full((2,), 0.7)
+    with torch.no_grad():
+        pred, joint = DecodeEngine(transformer).prefill(layout, hidden, text, t)
+        engine = DecodeEngine(transformer, backend=RecordingBackend())
+        _, alone = engine.prefill(layout, hidden, text, t, with_target=False)
+        out = engine.decode(alone, latents, t)
+    assert out.path == "capture" and {"qk", "norm", "residual"} <= set(calls)
+    for a, b in zip(alone.k + alone.v, joint.k + joint.v):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
+    torch.testing.assert_close(out.output, pred, atol=1e-4, rtol=0)
+    print("ok")
+""")
+
+
+def test_prefix_pass_and_decode_with_the_triton_kernels():
+    """The sampler's prefix pass and a captured decode step, with every kernel call forced onto the Triton code
+    (through the interpreter): batch 2, a text/image/text prefix, the t = 0 modulation row broadcast over the
+    batch, K/V written into a claimed entry's static buffers. The prefix K/V and the step-1 prediction equal the
+    joint forward's (1e-4, as in test_cached_decode.py)."""
+    pytest.importorskip("triton", reason="triton is not installed with this torch build")
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", _FORCED_KERNELS_SCRIPT], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
