@@ -66,9 +66,9 @@ class KVGraphSampler(io.ComfyNode):
             display_name="KV-Graph Sampler (Qwen-Image-2.1)",
             category=SAMPLING,
             description=(
-                "Samples Qwen-Image-2.1 with flow-matching Euler. Step 1 runs the whole sequence once and keeps the "
-                "text and reference-image K/V; every later step recomputes only the image tokens and replays a "
-                "captured CUDA graph. Graphs stay cached across prompts for the loaded model. Accepts conditioning "
+                "Samples Qwen-Image-2.1 with flow-matching Euler. The text and reference-image tokens run once and "
+                "their K/V are kept; every step then recomputes only the image tokens and replays a captured CUDA "
+                "graph. Graphs stay cached across prompts for the loaded model. Accepts conditioning "
                 "from the KV-Graph encode node or core's Text Encode Qwen Image 2.1."
             ),
             inputs=[
