@@ -67,3 +67,23 @@ def test_installed_distribution_exposes_no_top_level_nodes():
     found = find_packages(where=str(REPO), **config["tool"]["setuptools"]["packages"]["find"])
     assert "graph_runtime" in found and "graph_runtime.decode" in found
     assert not any(p == "nodes" or p.startswith("nodes.") or p.startswith("tests") for p in found)
+
+
+def test_one_definition_of_each_kernel_op_for_two_import_paths():
+    """Both module copies use the same `torch.library` op objects: a second definition under the same name would
+    destroy the first's library and leave calls through the first copy on a deregistered kernel."""
+    import torch
+
+    import graph_runtime.kernels.norm_modulate as top_norms
+    import graph_runtime.kernels.qk_norm_rope as top_qk
+
+    name, _ = _load_pack_like_comfyui()
+    pack_norms = importlib.import_module(f"{name}.graph_runtime.kernels.norm_modulate")
+    pack_qk = importlib.import_module(f"{name}.graph_runtime.kernels.qk_norm_rope")
+    assert pack_norms is not top_norms
+    assert pack_norms.norm_modulate is top_norms.norm_modulate
+    assert pack_norms.residual_norm_modulate is top_norms.residual_norm_modulate
+    assert pack_qk.qk_norm_rope_write is top_qk.qk_norm_rope_write
+    x, scale = torch.randn(1, 3, 8), torch.randn(1, 8)
+    torch.testing.assert_close(top_norms.norm_modulate(x, scale, 1e-6),
+                               top_norms.reference_norm_modulate(x, None, None, scale, 1e-6)[1])

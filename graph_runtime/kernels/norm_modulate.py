@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import torch
 
+from . import define_once
+
 
 def reference_norm_modulate(x, delta, gate, scale, eps):
     """`x` `[B, T, D]`; `gate`/`scale` `[B, D]` (views into the modulation); returns (x after the residual, h)."""
@@ -23,31 +25,39 @@ def reference_norm_modulate(x, delta, gate, scale, eps):
     return x_new, h.to(x.dtype)
 
 
-@torch.library.custom_op("kvgraph::norm_modulate", mutates_args=())
-def norm_modulate(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
-    """`LayerNorm(x) * (1 + scale)`: the block's first norm."""
-    if x.is_cuda and x.is_contiguous() and scale.stride(-1) == 1:
-        return _triton_norm_modulate(x, None, None, scale, eps)[1]
-    return reference_norm_modulate(x, None, None, scale, eps)[1]
+def _define_norm_modulate():
+    @torch.library.custom_op("kvgraph::norm_modulate", mutates_args=())
+    def norm_modulate(x: torch.Tensor, scale: torch.Tensor, eps: float) -> torch.Tensor:
+        """`LayerNorm(x) * (1 + scale)`: the block's first norm."""
+        if x.is_cuda and x.is_contiguous() and scale.stride(-1) == 1:
+            return _triton_norm_modulate(x, None, None, scale, eps)[1]
+        return reference_norm_modulate(x, None, None, scale, eps)[1]
+
+    @norm_modulate.register_fake
+    def _(x, scale, eps):
+        return torch.empty_like(x)
+
+    return norm_modulate
 
 
-@norm_modulate.register_fake
-def _(x, scale, eps):
-    return torch.empty_like(x)
+def _define_residual_norm_modulate():
+    @torch.library.custom_op("kvgraph::residual_norm_modulate", mutates_args=())
+    def residual_norm_modulate(x: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
+                               eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """`x + tanh(gate) * delta` and `LayerNorm` of that `* (1 + scale)`: the attention residual and 2nd norm."""
+        if x.is_cuda and x.is_contiguous() and delta.is_contiguous() and scale.stride(-1) == gate.stride(-1) == 1:
+            return _triton_norm_modulate(x, delta, gate, scale, eps)
+        return reference_norm_modulate(x, delta, gate, scale, eps)
+
+    @residual_norm_modulate.register_fake
+    def _(x, delta, gate, scale, eps):
+        return torch.empty_like(x), torch.empty_like(x)
+
+    return residual_norm_modulate
 
 
-@torch.library.custom_op("kvgraph::residual_norm_modulate", mutates_args=())
-def residual_norm_modulate(x: torch.Tensor, delta: torch.Tensor, gate: torch.Tensor, scale: torch.Tensor,
-                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """`x + tanh(gate) * delta` and `LayerNorm` of that `* (1 + scale)`: the attention residual and second norm."""
-    if x.is_cuda and x.is_contiguous() and delta.is_contiguous() and scale.stride(-1) == gate.stride(-1) == 1:
-        return _triton_norm_modulate(x, delta, gate, scale, eps)
-    return reference_norm_modulate(x, delta, gate, scale, eps)
-
-
-@residual_norm_modulate.register_fake
-def _(x, delta, gate, scale, eps):
-    return torch.empty_like(x), torch.empty_like(x)
+norm_modulate = define_once("norm_modulate", _define_norm_modulate)
+residual_norm_modulate = define_once("residual_norm_modulate", _define_residual_norm_modulate)
 
 
 def _triton_norm_modulate(x, delta, gate, scale, eps):

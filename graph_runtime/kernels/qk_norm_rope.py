@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import torch
 
+from . import define_once
+
 
 def reference_qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                            eps: float) -> torch.Tensor:
@@ -28,23 +30,29 @@ def reference_qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Ten
     return rotated.flatten(-2).to(x.dtype)
 
 
-@torch.library.custom_op("kvgraph::qk_norm_rope_write", mutates_args=("k_cache", "v_cache"))
-def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
-                       k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
-                       v_cache: torch.Tensor, prefix_len: int, eps: float) -> torch.Tensor:
-    """q/k/v `[B, T, H, D]` (views of the projections) -> normed, rotated q `[B, T, H, D]`; the normed, rotated k
-    and the plain v land in rows `prefix_len:` of `k_cache`/`v_cache` `[B, P + T, H, D]`."""
-    if q.is_cuda and _triton_ok(q, k, v, k_cache, v_cache):
-        return _triton_qk_norm_rope_write(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, prefix_len, eps)
-    tokens = q.shape[1]
-    k_cache[:, prefix_len:prefix_len + tokens].copy_(reference_qk_norm_rope(k, k_weight, cos, sin, eps))
-    v_cache[:, prefix_len:prefix_len + tokens].copy_(v)
-    return reference_qk_norm_rope(q, q_weight, cos, sin, eps)
+def _define_qk_norm_rope_write():
+    @torch.library.custom_op("kvgraph::qk_norm_rope_write", mutates_args=("k_cache", "v_cache"))
+    def qk_norm_rope_write(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                           k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, prefix_len: int, eps: float) -> torch.Tensor:
+        """q/k/v `[B, T, H, D]` (views of the projections) -> normed, rotated q `[B, T, H, D]`; the normed,
+        rotated k and the plain v land in rows `prefix_len:` of `k_cache`/`v_cache` `[B, P + T, H, D]`."""
+        if q.is_cuda and _triton_ok(q, k, v, k_cache, v_cache):
+            return _triton_qk_norm_rope_write(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, prefix_len,
+                                              eps)
+        tokens = q.shape[1]
+        k_cache[:, prefix_len:prefix_len + tokens].copy_(reference_qk_norm_rope(k, k_weight, cos, sin, eps))
+        v_cache[:, prefix_len:prefix_len + tokens].copy_(v)
+        return reference_qk_norm_rope(q, q_weight, cos, sin, eps)
+
+    @qk_norm_rope_write.register_fake
+    def _(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, prefix_len, eps):
+        return torch.empty_like(q, memory_format=torch.contiguous_format)
+
+    return qk_norm_rope_write
 
 
-@qk_norm_rope_write.register_fake
-def _(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, prefix_len, eps):
-    return torch.empty_like(q, memory_format=torch.contiguous_format)
+qk_norm_rope_write = define_once("qk_norm_rope_write", _define_qk_norm_rope_write)
 
 
 def _triton_ok(*tensors) -> bool:
