@@ -1,7 +1,9 @@
-"""The prefill: step 1 over the whole joint sequence, keeping every block's prefix K/V.
+"""The prefill: every block's prefix K/V, kept for the decode steps.
 
-This is diffusers' `kv_cache_mode="extract"` forward with the token layout precomputed (see `layout.py`); the
-blocks, embeddings and attention processor are diffusers' own, so the prefix K/V are exactly the reference's.
+Two ways, one result (tests/test_cached_decode.py): the joint pass is diffusers' `kv_cache_mode="extract"`
+forward over the whole sequence with the token layout precomputed (see `layout.py`), and also predicts step 1; the
+prefix pass, which the sampler uses, runs the prefix rows alone through the decode step's block code, and step 1 is
+then a decode step. With `causal_condition` no prefix row attends to a target row, so both give the same K/V.
 
 Where the request has claimed a graph entry, the prefix K/V are written straight into the entry's static buffers
 and the request's prefix tensors are views of them: one copy of the prefix in memory instead of two (2.1 GB per
@@ -109,7 +111,6 @@ def run_prefill(
     decode step over them (the property tests/test_cached_decode.py checks), which can replay a graph. The prefix
     rows then go through the decode step's own block code (`_prefix_pass`) rather than diffusers' blocks.
     """
-    _check_processors(transformer)
     model = transformer
     device = latents.device
     batch = latents.shape[0]
@@ -155,6 +156,7 @@ def run_prefill(
 
 def _joint_pass(model, layout, joint, modulation, rotary, target_mask, key_valid, temb, static_kv):
     """diffusers' extract forward over the whole joint sequence: the target's prediction and every layer's cache."""
+    _check_processors(model)
     blocks = model.transformer_blocks
     if static_kv is None:
         layers = [QwenImage21KVLayerCache() for _ in blocks]

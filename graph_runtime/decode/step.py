@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from diffusers.models.normalization import RMSNorm
 
 from ..kernels.norm_modulate import norm_modulate, residual_norm_modulate
-from ..kernels.qk_norm_rope import qk_norm_rope_write
+from ..kernels.qk_norm_rope import qk_norm_rope_write, rotate_pairs
 
 
 @dataclass
@@ -59,13 +59,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     Eagerly, one complex multiply is fewest kernels; under torch.compile the same products are written in real
     arithmetic, because inductor generates no code for complex operators and would leave RoPE unfused.
     """
-    pairs = x.float().unflatten(-1, (-1, 2))
     if not torch.compiler.is_compiling():
+        pairs = x.float().unflatten(-1, (-1, 2))
         rotated = torch.view_as_real(torch.view_as_complex(pairs) * torch.complex(cos, sin))
         return rotated.flatten(-2).to(x.dtype)
-    real, imag = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    return rotate_pairs(x, cos, sin).to(x.dtype)
 
 
 class TargetDecodeBlock(torch.nn.Module):

@@ -69,6 +69,8 @@ def _triton_norm_modulate(x, delta, gate, scale, eps):
     has_delta = delta is not None
     x_new = torch.empty_like(x) if has_delta else None
     h = torch.empty_like(x)
+    # Without a residual the kernel never reads delta/gate or writes x_out (HAS_DELTA is a compile-time constant);
+    # any valid pointers of the right dtype fill those slots.
     norm_modulate_kernel[(batch * tokens,)](
         x, delta if has_delta else x, gate if has_delta else scale, scale, x_new if has_delta else h, h, tokens,
         dim, gate.stride(0) if has_delta else 0, scale.stride(0), eps, HAS_DELTA=has_delta,

@@ -24,10 +24,15 @@ def reference_qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Ten
     """`RMSNorm(x) -> RoPE` with the eager body's roundings; `x` `[B, T, H, D]`, `cos`/`sin` `[T, 1, D/2]`."""
     variance = x.float().pow(2).mean(-1, keepdim=True)
     normed = (x * torch.rsqrt(variance + eps)).to(weight.dtype) * weight
-    pairs = normed.float().unflatten(-1, (-1, 2))
+    return rotate_pairs(normed, cos, sin).to(x.dtype)
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE in real arithmetic (fp32 result): rotate the interleaved (real, imag) channel pairs of `x` `[..., D]`
+    by `cos`/`sin` `[..., D/2]`, the products the reference's complex multiply computes."""
+    pairs = x.float().unflatten(-1, (-1, 2))
     real, imag = pairs[..., 0], pairs[..., 1]
-    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
-    return rotated.flatten(-2).to(x.dtype)
+    return torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1).flatten(-2)
 
 
 def _define_qk_norm_rope_write():
