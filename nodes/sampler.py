@@ -53,9 +53,18 @@ def summary_line(width: int, height: int, batch: int, result, preset: str, cfg: 
     eager = stats.get("eager_steps", {})
     reasons = ", ".join(f"{reason}: {n}" for reason, n in eager.items())
     return (f"KV-Graph: {batch}x {width}x{height}, {timings.get('steps')} steps ({preset}, cfg {cfg:g}): "
-            f"prefill {timings.get('prefill_ms', 0.0):.1f} ms, decode {timings.get('decode_ms_per_step', 0.0):.2f} "
+            f"prefill {timings.get('prefill_ms', 0.0):.1f} ms{_prefill_path(stats)}, decode {timings.get('decode_ms_per_step', 0.0):.2f} "
             f"ms/step, captures {stats.get('captures', 0)}, replays {stats.get('replays', 0)}, eager steps "
             f"{sum(eager.values())}" + (f" ({reasons})" if reasons else ""))
+
+
+def _prefill_path(stats: dict) -> str:
+    eager = stats.get("eager_prefills", {})
+    if eager:
+        return " (eager: " + ", ".join(eager) + ")"
+    if stats.get("prefill_captures"):
+        return " (captured)"
+    return " (replayed)" if stats.get("prefill_replays") else ""
 
 
 class KVGraphSampler(io.ComfyNode):

@@ -16,6 +16,8 @@ from graph_runtime.decode.engine import DecodeEngine
 from graph_runtime.decode.layout import TokenLayout
 from graph_runtime.decode.graph_entry import DecodeGraphEntry, FailedEntry
 from graph_runtime.decode.graph_manager import make_key
+from graph_runtime.decode.prefill import run_prefill
+from graph_runtime.decode.prefix_pass import PrefixGraph
 from graph_runtime.sampling.sampler import initial_noise, pack
 
 
@@ -39,7 +41,8 @@ class RecordingBackend:
 
     def replay(self, entry):
         entry.replays += 1
-        return entry.graph(entry.inputs).clone()
+        out = entry.graph(entry.inputs)
+        return None if out is None else out.clone()  # a prefix pass returns nothing
 
 
 @pytest.fixture()
@@ -273,3 +276,114 @@ def test_unknown_decode_mode_is_rejected(engine, generator):
     with pytest.raises(ValueError, match="decode mode 'fast' is invalid"):
         engine.decode(prefix, latents, torch.full((1,), 0.6), mode="fast")
 
+
+
+def _prefix_only(generator, engine, text_scale=1.0, shapes=((1, 8, 8),)):
+    """A prefix-only prefill (what the sampler runs) of one prompt; `text_scale` makes another prompt of the same
+    length, hence the same key."""
+    embeds = generator.encoder.encode("a red cube")
+    layout = TokenLayout.build(embeds.image_mask, shapes, "cpu")
+    h, w = shapes[-1][1:]
+    latents = pack(initial_noise(0, 1, 64, h, w, torch.float32))
+    text = embeds.embeds if text_scale == 1.0 else embeds.embeds.flip(1) * text_scale
+    t = torch.full((1,), 0.8)
+    with torch.no_grad():
+        _, prefix = engine.prefill(layout, latents, text, t, with_target=False)
+        _, eager = run_prefill(engine.transformer, layout, latents, text, t, with_target=False)
+    return prefix, eager
+
+
+def _same_kv(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(a.k + a.v, b.k + b.v))
+
+
+def test_prefix_pass_is_captured_once_and_replayed_by_the_next_prompt(engine, generator):
+    """The first prefix-only prefill of a key captures its prefix pass into the entry; the next prompt with the key
+    replays it with its own text. Both leave exactly an eager prefix pass's K/V (CPU fp32, the same code)."""
+    first, eager_first = _prefix_only(generator, engine)
+    stats = engine.manager.stats
+    assert (stats.prefill_captures, stats.prefill_replays) == (1, 1)
+    assert _same_kv(first, eager_first)
+    first.release()
+    gc.collect()
+    second, eager_second = _prefix_only(generator, engine, text_scale=0.5)
+    assert (stats.prefill_captures, stats.prefill_replays, dict(stats.eager_prefills)) == (1, 2, {})
+    assert _same_kv(second, eager_second) and not _same_kv(second, eager_first)
+    entry = next(iter(engine.manager.entries.values()))
+    assert entry.prefix_graph.replays == 2 and entry.nbytes > entry.prefix_graph.nbytes > 0
+
+
+def test_prefix_pass_capture_failure_runs_eagerly_and_decode_still_replays(tiny_models, generator, caplog):
+    """A prefix pass that cannot be captured runs eagerly (same K/V), is logged once and counted per prefill, and
+    is not retried; the entry's decode graph is unaffected."""
+
+    class PrefixFailingBackend(RecordingBackend):
+        def capture(self, entry, body):
+            if isinstance(entry, PrefixGraph):
+                self.capture_calls += 1
+                raise RuntimeError("injected prefix capture failure")
+            super().capture(entry, body)
+
+    backend = PrefixFailingBackend()
+    engine = DecodeEngine(tiny_models.transformer, backend=backend)
+    with caplog.at_level(logging.INFO, logger="kvgraph"):
+        first, eager_first = _prefix_only(generator, engine)
+        first.release()
+        gc.collect()
+        second, eager_second = _prefix_only(generator, engine, text_scale=0.5)
+    assert _same_kv(first, eager_first) and _same_kv(second, eager_second)
+    stats = engine.manager.stats
+    assert (stats.prefill_captures, stats.prefill_replays) == (0, 0)
+    assert dict(stats.eager_prefills) == {why.CAPTURE_FAILED: 2}
+    assert backend.capture_calls == 1
+    assert sum("prefix pass" in r.message for r in caplog.records) == 2  # the failure + one fallback line
+    latents = pack(initial_noise(0, 1, 64, 8, 8, torch.float32))
+    assert engine.decode(second, latents, torch.full((1,), 0.6)).path == "capture"
+
+
+def test_prefix_pass_is_recaptured_when_the_weights_move(engine, generator):
+    """A captured prefix pass reads the weights where they were: once any weight's storage moves, the next prefill
+    captures again instead of replaying stale addresses."""
+    first, _ = _prefix_only(generator, engine)
+    first.release()
+    gc.collect()
+    weight = engine.transformer.transformer_blocks[0].attn.to_q.weight
+    weight.data = weight.data.clone()  # same values, new address (what an offload and reload does)
+    second, eager_second = _prefix_only(generator, engine, text_scale=0.5)
+    assert engine.manager.stats.prefill_captures == 2 and _same_kv(second, eager_second)
+    entry = next(iter(engine.manager.entries.values()))
+    assert entry.prefix_graph.weights_fingerprint == engine.manager._fingerprint()
+
+
+def test_structure_watch_sees_a_linear_replaced_or_wrapped(tiny_models):
+    """The per-step structure check notices a Linear swapped for another module (how PEFT wraps) and a Linear that
+    grew submodules (how other LoRA loaders hang theirs), and is quiet again once the model is as it was."""
+    import copy
+
+    model = copy.deepcopy(tiny_models.transformer)
+    watch = why.StructureWatch(model)
+    attn = model.transformer_blocks[1].attn
+    original = attn.to_k
+    assert not watch.changed()
+    attn.to_k = torch.nn.Linear(original.in_features, original.out_features)
+    assert watch.changed()
+    attn.to_k = original
+    assert not watch.changed()
+    original.lora_down = torch.nn.Linear(original.in_features, 1)
+    assert watch.changed()
+    del original.lora_down
+    assert not watch.changed()
+
+
+def test_long_prefix_runs_its_pass_eagerly(engine, generator, monkeypatch):
+    """A prefix longer than SHORT_PREFIX_TOKENS keeps the GPU busy by itself: its pass runs eagerly (same K/V),
+    counted under its own reason, and nothing is captured for it."""
+    from graph_runtime.decode import prefix_pass
+
+    monkeypatch.setattr(prefix_pass, "SHORT_PREFIX_TOKENS", 4)
+    prefix, eager = _prefix_only(generator, engine)
+    stats = engine.manager.stats
+    assert _same_kv(prefix, eager)
+    assert (stats.prefill_captures, stats.prefill_replays) == (0, 0)
+    assert dict(stats.eager_prefills) == {why.LONG_PREFIX: 1}
+    assert next(iter(engine.manager.entries.values())).prefix_graph is None

@@ -419,3 +419,22 @@ def test_release_models_then_reload(comfy_env):
         assert reloaded is again
     finally:
         close_env(env)
+
+
+@pytest.mark.parametrize("stats, expected", [
+    ({"prefill_replays": 1, "prefill_captures": 0, "eager_prefills": {}}, "prefill 18.0 ms (replayed)"),
+    ({"prefill_replays": 1, "prefill_captures": 1, "eager_prefills": {}}, "prefill 18.0 ms (captured)"),
+    ({"prefill_replays": 0, "prefill_captures": 0, "eager_prefills": {"graph capture failed": 1}},
+     "prefill 18.0 ms (eager: graph capture failed)"),
+    ({}, "prefill 18.0 ms, decode"),
+])
+def test_summary_line_says_how_the_prefill_ran(comfy_env, stats, expected):
+    """The run's one log line tells whether its prefill replayed a captured prefix pass, captured one, or ran
+    eagerly and why (nothing when the request had no graph entry: its eager steps say why)."""
+    import types
+
+    nodes_sampler = sys.modules[f"{comfy_env.pack.__name__}.nodes.sampler"]
+    result = types.SimpleNamespace(stats={"captures": 0, "replays": 8, "eager_steps": {}, **stats},
+                                   timings={"steps": 8, "prefill_ms": 18.0, "decode_ms_per_step": 107.0})
+    line = nodes_sampler.summary_line(1024, 1024, 1, result, "turbo", 1.0)
+    assert expected in line and "replays 8" in line

@@ -92,6 +92,10 @@ class OursPath:
 
     def step(self, inputs, prefixes):
         engine, mode = self.engine, self.spec.mode
+        for prefix in prefixes.values():
+            # The scenario's prefixes are shared by every path, and a prefix remembers the key of the engine that
+            # decoded it last: each path's engine keys them anew (its step variant differs).
+            prefix.graph_key = None
 
         def step():
             return [engine.decode(prefixes[b.name], inputs.latents, inputs.timestep, mode).output

@@ -39,7 +39,10 @@ def markdown(meta, results, amortization) -> str:
              f"{meta['layers']} blocks, {meta['params_billion']:.2f} B parameters, random bf16 weights",
              f"- command: `{meta['command']}` ({meta['wall_s']} s)",
              f"- roofline: FLOPs / {meta['peak_tflops_assumed']} TFLOP/s; quality guard: {meta['quality_guard']}",
-             f"- fastest path passing the guard: **{meta['fastest_passing_path']}**", ""]
+             f"- fastest path passing the guard: **{meta['fastest_passing_path']}**",
+             "- prefill: diffusers' extract forward (which also predicts step 1); ours the prefix rows alone (step 1 "
+             "is then a decode step), eager on the eager path, a replay of the entry's captured prefix pass on "
+             "graph paths", ""]
     for res in results:
         lines += [f"## {res['scenario']}: {res['pixels']}, {res['references']} reference(s), batch {res['batch']}, "
                   f"CFG {'on' if res['cfg'] else 'off'}; prefix tokens {res['prefix_tokens']}, "

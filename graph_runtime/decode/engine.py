@@ -61,8 +61,10 @@ class DecodeEngine:
         entry = self.manager.claim(self.step, token, branch, layout, latents.shape[0],
                                    layout.joint_key_valid(text_mask), mode)
         static_kv = None if entry is None else (entry.inputs.k, entry.inputs.v)
+        # The prefix pass of a claimed entry is captured once and replayed by later prompts with this key.
+        runner = None if entry is None else (lambda inputs: self.manager.run_prefix(entry, inputs))
         out, prefix = run_prefill(self.transformer, layout, latents, encoder_hidden_states, timestep, text_mask,
-                                  branch, static_kv=static_kv, with_target=with_target)
+                                  branch, static_kv=static_kv, with_target=with_target, prefix_runner=runner)
         prefix.owner = token
         if entry is not None:
             self.manager.bind(entry, prefix)

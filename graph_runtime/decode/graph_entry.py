@@ -111,7 +111,13 @@ class DecodeGraphEntry:
         self.warmup_seconds = 0.0
         self.capture_seconds = 0.0
         self.weights_fingerprint: int | None = None
+        self.prefix_graph = None  # the captured prefix pass (prefix_pass.PrefixGraph), or a failure reason
         self._sources: list[tuple[weakref.ReferenceType, int | None]] = []
+
+    @property
+    def holds_graph(self) -> bool:
+        """Whether a captured graph (decode step or prefix pass) of this entry uses the backend's pool."""
+        return self.graph is not None or not isinstance(self.prefix_graph, (str, type(None)))
 
     def set_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """The target RoPE tables depend only on the layout, which the key pins; copied once per registration."""
@@ -122,7 +128,8 @@ class DecodeGraphEntry:
     def nbytes(self) -> int:
         tensors = [self.inputs.hidden, self.inputs.timestep, self.inputs.cos, self.inputs.sin,
                    *self.inputs.k, *self.inputs.v]
-        return sum(t.numel() * t.element_size() for t in tensors) + self.pool_bytes
+        prefix_graph = 0 if isinstance(self.prefix_graph, (str, type(None))) else self.prefix_graph.nbytes
+        return sum(t.numel() * t.element_size() for t in tensors) + self.pool_bytes + prefix_graph
 
     def load_inputs(self, hidden: torch.Tensor, timestep: torch.Tensor) -> None:
         self.inputs.hidden.copy_(hidden)
@@ -201,7 +208,7 @@ class CudaGraphBackend:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(2):
+            for _ in range(getattr(entry, "warmups", 2)):
                 body(entry.inputs)
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)
@@ -217,8 +224,9 @@ class CudaGraphBackend:
         entry.pool_bytes = max(0, torch.cuda.memory_reserved(device) - reserved_before)
         entry.capture_seconds = time.perf_counter() - start
 
-    def replay(self, entry: DecodeGraphEntry) -> torch.Tensor:
+    def replay(self, entry: DecodeGraphEntry) -> torch.Tensor | None:
         entry.graph.replay()
         entry.replays += 1
-        # The output lives in the shared pool; the next replay of any entry may overwrite it.
-        return entry.output.clone()
+        # The output lives in the shared pool; the next replay of any entry may overwrite it. (A prefix pass has
+        # none: its results are the K/V rows it writes.)
+        return None if entry.output is None else entry.output.clone()

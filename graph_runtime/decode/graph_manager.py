@@ -24,8 +24,10 @@ from typing import NamedTuple
 import torch
 
 from . import eligibility as why
+from . import prefix_pass
 from .graph_entry import CudaGraphBackend, DecodeGraphEntry, EntrySpec, FailedEntry, GraphKey
 from .prefill import OwnerToken, PrefixCache
+from .prefix_pass import PrefixGraph, PrefixInputs, prefix_blocks, run_prefix_blocks
 from .stats import DecodeStats
 from .step import DecodeInputs, DecodeStep
 
@@ -110,6 +112,56 @@ class DecodeGraphManager:
             entry.set_rope(prefix.cos, prefix.sin)
             entry.mark_current(prefix)
 
+    @torch.no_grad()
+    def run_prefix(self, entry: DecodeGraphEntry, inputs: PrefixInputs) -> str:
+        """The prefix pass of the request that claimed `entry`, whose K/V rows `inputs` points into: replayed from
+        the entry's captured pass (captured the first time) when the prefix is short. Returns "replay", "capture"
+        or "eager"."""
+        if inputs.hidden.shape[1] > prefix_pass.SHORT_PREFIX_TOKENS:
+            return self._eager_prefix(inputs, why.LONG_PREFIX)
+        fingerprint = self._fingerprint()
+        with self.lock:
+            graph = entry.prefix_graph
+            if isinstance(graph, PrefixGraph) and graph.weights_fingerprint != fingerprint:
+                # It reads the weights at the addresses it was captured with: recapture rather than replay stale.
+                entry.prefix_graph = graph = None
+            path = "replay"
+            if graph is None:
+                graph = self._capture_prefix(entry, inputs, fingerprint)
+                path = "capture"
+            if isinstance(graph, PrefixGraph):
+                graph.load(inputs)
+                self.backend.replay(graph)
+                self.stats.prefill_replays += 1
+                return path
+        return self._eager_prefix(inputs, graph)  # outside the lock: other requests' replays need not wait
+
+    def _capture_prefix(self, entry: DecodeGraphEntry, inputs: PrefixInputs, fingerprint) -> PrefixGraph | str:
+        graph = PrefixGraph(inputs)
+        graph.load(inputs)
+        blocks = prefix_blocks(self.transformer)
+        try:
+            self.backend.capture(graph, lambda static: run_prefix_blocks(blocks, static))
+        except Exception as exc:  # noqa: BLE001 - a failed capture must end eager, not fail the prompt
+            entry.prefix_graph = why.CAPTURE_FAILED  # a marker: this key's prefills stay eager
+            logger.warning("KV-Graph: prefix pass capture failed for %s: %s; its prefills run eagerly.",
+                           entry.key.describe(), f"{type(exc).__name__}: {exc}"[:500])
+            return why.CAPTURE_FAILED
+        graph.weights_fingerprint = fingerprint
+        entry.prefix_graph = graph
+        self.stats.prefill_captures += 1
+        logger.info("KV-Graph: captured prefix pass %s in %.2f s (warm-up %.2f s)", entry.key.describe(),
+                    graph.capture_seconds, graph.warmup_seconds)
+        return graph
+
+    def _eager_prefix(self, inputs: PrefixInputs, reason: str) -> str:
+        self.stats.eager_prefills[reason] += 1
+        if "prefix:" + reason not in self._logged:
+            self._logged.add("prefix:" + reason)
+            logger.info("KV-Graph: prefix pass runs eagerly: %s.", reason)
+        run_prefix_blocks(prefix_blocks(self.transformer), inputs)
+        return "eager"
+
     # -- the per-step entry point --------------------------------------------------------------------------------
 
     @torch.no_grad()
@@ -133,7 +185,7 @@ class DecodeGraphManager:
         if self._params is None:
             self._params = list(self.transformer.parameters())
             self._watch = why.StructureWatch(self.transformer)
-        return tuple(p.data_ptr() for p in self._params)
+        return tuple(map(torch.Tensor.data_ptr, self._params))  # map: the loop runs in C, every step
 
     def _blocker(self, kv_dtype, key_valid, fingerprint) -> str | None:
         seen, reason = self._static
@@ -278,7 +330,7 @@ class DecodeGraphManager:
         for key in keys:
             self.entries.pop(key, None)
             self._owners.pop(key, None)
-        if not any(isinstance(e, DecodeGraphEntry) and e.graph is not None for e in self.entries.values()):
+        if not any(isinstance(e, DecodeGraphEntry) and e.holds_graph for e in self.entries.values()):
             reset = getattr(self.backend, "reset_pool", None)
             if reset is not None:
                 reset()

@@ -19,7 +19,8 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVLayerCache
 
 from .layout import TokenLayout
-from .step import TargetDecodeBlock, rope_tables
+from .prefix_pass import PrefixInputs, prefix_blocks, run_prefix_blocks
+from .step import rope_tables
 
 
 class OwnerToken:
@@ -101,6 +102,7 @@ def run_prefill(
     branch: str = "cond",
     static_kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
     with_target: bool = True,
+    prefix_runner=None,
 ) -> tuple[torch.Tensor | None, PrefixCache]:
     """Run step 1. `latents` is `[B, cond_tokens + T, C]` (condition images first); returns the target rows'
     prediction `[B, T, C]` and the branch's prefix cache. `static_kv` are per-block `[B, P + T, H, D]` buffers to
@@ -109,7 +111,8 @@ def run_prefill(
     `with_target=False` runs the prefix rows alone and returns no prediction: with `causal_condition` no prefix row
     attends to a target row, so the prefix K/V are the same, and the target's step-1 prediction is then exactly a
     decode step over them (the property tests/test_cached_decode.py checks), which can replay a graph. The prefix
-    rows then go through the decode step's own block code (`_prefix_pass`) rather than diffusers' blocks.
+    rows then go through the decode step's own block code (`prefix_pass.py`) rather than diffusers' blocks:
+    `prefix_runner(inputs)` runs them (a graph entry's captured pass), else they run eagerly.
     """
     model = transformer
     device = latents.device
@@ -139,8 +142,13 @@ def run_prefill(
         k, v = [layer.k for layer in layers], [layer.v for layer in layers]
     else:
         out = None
-        k, v = _prefix_pass(model, layout, joint[:, :layout.prefix_len].contiguous(), modulation[-1:].expand(batch, -1),
-                            rotary[:layout.prefix_len], key_valid, static_kv)
+        inputs = _prefix_inputs(model, layout, joint[:, :layout.prefix_len].contiguous(),
+                                modulation[-1:].expand(batch, -1), rotary[:layout.prefix_len], key_valid, static_kv)
+        if prefix_runner is None:
+            run_prefix_eagerly(model, inputs)
+        else:
+            prefix_runner(inputs)
+        k, v = list(inputs.k), list(inputs.v)
 
     prefix = PrefixCache(
         branch=branch,
@@ -171,11 +179,10 @@ def _joint_pass(model, layout, joint, modulation, rotary, target_mask, key_valid
     return model.proj_out(joint)[:, layout.prefix_len:], layers
 
 
-def _prefix_pass(model, layout, x, zero_modulation, rotary, key_valid, static_kv):
-    """The prefix rows alone through every block, with the decode step's block code: each prefix row is modulated
-    from t = 0 (diffusers' trailing modulation row), attends under the prefix's block-causal mask, and its block's
-    K/V land in rows `0:P` of the given buffers. A few launches per block instead of diffusers' per-segment masks
-    and complex RoPE, which made a 128-token prefill ~50 ms of host time."""
+def _prefix_inputs(model, layout, x, zero_modulation, rotary, key_valid, static_kv) -> PrefixInputs:
+    """The prefix pass's inputs: each prefix row is modulated from t = 0 (diffusers' trailing modulation row) and
+    attends under the prefix's block-causal mask; its block's K/V land in rows `0:P` of the given buffers (fresh
+    ones when the request has no graph entry)."""
     prefix_len, batch = layout.prefix_len, x.shape[0]
     cos, sin = rope_tables(rotary)
     mask = layout.prefix_attention_mask(x.device)[None, None]
@@ -186,8 +193,10 @@ def _prefix_pass(model, layout, x, zero_modulation, rotary, key_valid, static_kv
         attn = blocks[0].attn
         shape = (batch, prefix_len, attn.heads, attn.inner_dim // attn.heads)
         static_kv = ([x.new_empty(shape) for _ in blocks], [x.new_empty(shape) for _ in blocks])
-    k = [buffer[:, :prefix_len] for buffer in static_kv[0]]
-    v = [buffer[:, :prefix_len] for buffer in static_kv[1]]
-    for block, k_rows, v_rows in zip(blocks, k, v):
-        x = TargetDecodeBlock(block)(x, zero_modulation, cos, sin, k_rows, v_rows, 0, True, mask)
-    return k, v
+    return PrefixInputs(hidden=x, modulation=zero_modulation, cos=cos, sin=sin, mask=mask,
+                        k=[buffer[:, :prefix_len] for buffer in static_kv[0]],
+                        v=[buffer[:, :prefix_len] for buffer in static_kv[1]])
+
+
+def run_prefix_eagerly(model, inputs: PrefixInputs) -> None:
+    run_prefix_blocks(prefix_blocks(model), inputs)

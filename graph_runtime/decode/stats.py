@@ -13,6 +13,10 @@ class DecodeStats:
     capture_seconds: float = 0.0
     eager_steps: Counter = field(default_factory=Counter)  # reason -> steps
     evictions: int = 0
+    # The prefill's prefix pass: replayed from a graph entry, captured, or run eagerly (reason -> prefills).
+    prefill_replays: int = 0
+    prefill_captures: int = 0
+    eager_prefills: Counter = field(default_factory=Counter)
 
     @property
     def eager_total(self) -> int:
@@ -26,6 +30,9 @@ class DecodeStats:
             "eager_steps": dict(self.eager_steps),
             "eager_total": self.eager_total,
             "evictions": self.evictions,
+            "prefill_replays": self.prefill_replays,
+            "prefill_captures": self.prefill_captures,
+            "eager_prefills": dict(self.eager_prefills),
         }
 
     def delta(self, before: dict) -> dict:
@@ -37,4 +44,8 @@ class DecodeStats:
             "replays": now["replays"] - before["replays"],
             "capture_seconds": round(now["capture_seconds"] - before["capture_seconds"], 4),
             "eager_steps": {k: v for k, v in eager.items() if v},
+            "prefill_replays": now["prefill_replays"] - before["prefill_replays"],
+            "prefill_captures": now["prefill_captures"] - before["prefill_captures"],
+            "eager_prefills": {k: v - before["eager_prefills"].get(k, 0) for k, v in now["eager_prefills"].items()
+                               if v - before["eager_prefills"].get(k, 0)},
         }

@@ -1,0 +1,94 @@
+"""The prefix pass: a request's prefix rows (text, reference images) alone through every block, each block's K/V
+written into rows `0:P` of the given buffers. It runs once per prompt, before the first decode step.
+
+Run eagerly it is about fifteen launches per block for a few hundred rows, so at a 128-token prompt the GPU waits
+on the host (43 ms of host time for a few ms of kernels on the H200's host). A request with a short prefix that
+claimed a graph entry therefore replays a captured prefix pass (`PrefixGraph`), captured the first time the
+entry's key is prefilled: its K/V land straight in the entry's static buffers, as the eager pass's do. A long
+prefix (reference images) keeps the GPU busy on its own: its replay ran no faster than the eager pass (132 vs
+130 ms at 4224 tokens, bench/results/decode-20261202T150833.md) while its capture cost ~190 ms more, so it runs
+eagerly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from .step import TargetDecodeBlock
+
+
+@dataclass
+class PrefixInputs:
+    """What the prefix pass reads. Everything but `hidden` and `modulation` follows from the token layout, which a
+    graph entry's key pins, so a captured pass copies only those two per prompt."""
+
+    hidden: torch.Tensor  # [B, P, D] prefix rows after txt_in / img_in
+    modulation: torch.Tensor  # [B, 4D] the t = 0 row diffusers modulates prefix rows with
+    cos: torch.Tensor  # [P, 1, head_dim / 2] fp32
+    sin: torch.Tensor
+    mask: torch.Tensor  # [B or 1, 1, P, P] bool: the prefix's block-causal mask (and valid keys)
+    k: list[torch.Tensor]  # per block, [B, P, H, head_dim]: where the block's K land
+    v: list[torch.Tensor]
+
+
+# Up to this many prefix tokens (a text-only prompt) the pass is host-bound: it is captured and replayed, and its
+# masked attention runs on the memory-efficient kernel. SDPA would pick cuDNN, which generates a kernel for every new prompt length: ~80 ms on the first prefill
+# of each length, 2.4 s on the first one in the process, for attention that is a sliver of a short pass. A long
+# prefix (reference images) keeps cuDNN, 40 ms faster per pass at 4224 tokens
+# (bench/results/prefix-attention-backend-20261202T1505.log).
+SHORT_PREFIX_TOKENS = 1024
+
+
+def run_prefix_blocks(blocks, inputs: PrefixInputs) -> None:
+    """The pass itself, over `TargetDecodeBlock`s: prefix rows are decoded like target rows with a zero timestep."""
+    x = inputs.hidden
+    short = x.is_cuda and x.shape[1] <= SHORT_PREFIX_TOKENS
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if short else contextlib.nullcontext():
+        for block, k_rows, v_rows in zip(blocks, inputs.k, inputs.v):
+            x = block(x, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True, inputs.mask)
+
+
+def prefix_blocks(transformer) -> list[TargetDecodeBlock]:
+    # Uncompiled wrappers: a few hundred rows gain nothing from inductor, and the decode step's compiled blocks
+    # would recompile for the prefix's shapes and mask.
+    return [TargetDecodeBlock(block) for block in transformer.transformer_blocks]
+
+
+class PrefixGraph:
+    """One graph entry's captured prefix pass: static copies of the per-prompt inputs, and the graph.
+
+    It has the attribute surface a capture backend works with (`inputs`, `graph`, `output`, counters), so the
+    manager's backend captures and replays it like a decode entry; the pass returns nothing (its results are the
+    K/V rows).
+    """
+
+    def __init__(self, like: PrefixInputs):
+        # Outside inference mode, so copy_ into them is legal from any grad mode (as the decode entry's buffers).
+        with torch.inference_mode(False):
+            self.inputs = PrefixInputs(hidden=torch.empty_like(like.hidden), modulation=torch.empty_like(like.modulation),
+                                       cos=like.cos.clone(), sin=like.sin.clone(), mask=like.mask.clone(),
+                                       k=list(like.k), v=list(like.v))  # own lists: a request's release clears its
+        self.graph = None
+        self.output = None
+        # One warm-up before capture is enough: an eager pass has no state that a second call would settle (the
+        # decode step's compiled blocks take two).
+        self.warmups = 1
+        self.captures = 0
+        self.replays = 0
+        self.pool_bytes = 0
+        self.warmup_seconds = 0.0
+        self.capture_seconds = 0.0
+        self.weights_fingerprint: tuple | None = None
+
+    def load(self, inputs: PrefixInputs) -> None:
+        self.inputs.hidden.copy_(inputs.hidden)
+        self.inputs.modulation.copy_(inputs.modulation)
+
+    @property
+    def nbytes(self) -> int:
+        own = (self.inputs.hidden, self.inputs.modulation, self.inputs.cos, self.inputs.sin, self.inputs.mask)
+        return sum(t.numel() * t.element_size() for t in own) + self.pool_bytes
