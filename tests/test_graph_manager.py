@@ -89,7 +89,8 @@ def test_claimed_prefill_writes_into_static_buffers(engine, generator):
 
 def test_unclaimed_prefix_is_copied_once_when_it_changes(engine, generator):
     """A prefix made without a claim (here: prefilled while the key was owned) is copied in at its first graph step
-    after the owner is gone, and consecutive steps copy nothing."""
+    after the owner is gone, consecutive steps copy nothing, and an in-place write to it (its version counter)
+    makes the next step copy again."""
     owner, latents = _request(generator, "a red cube", engine=engine)
     other, _ = _request(generator, "a red cube", engine=engine, seed=1)
     entry = next(iter(engine.manager.entries.values()))
@@ -97,6 +98,11 @@ def test_unclaimed_prefix_is_copied_once_when_it_changes(engine, generator):
     owner.release()
     gc.collect()
     assert entry.refresh_prefix(other) is True
+    assert entry.refresh_prefix(other) is False
+    with torch.no_grad():
+        other.v[-1].mul_(0.5)
+    assert entry.refresh_prefix(other) is True
+    assert torch.equal(entry.inputs.v[-1][:, :other.layout.prefix_len], other.v[-1])
     assert entry.refresh_prefix(other) is False
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 import time
 import weakref
 from dataclasses import dataclass
@@ -112,7 +113,8 @@ class DecodeGraphEntry:
         self.capture_seconds = 0.0
         self.weights_fingerprint: int | None = None
         self.prefix_graph = None  # the captured prefix pass (prefix_pass.PrefixGraph), or a failure reason
-        self._sources: list[tuple[weakref.ReferenceType, int | None]] = []
+        self._sources: list[weakref.ReferenceType] = []  # what the prefix rows hold (see refresh_prefix)
+        self._versions: list[tuple[int, int]] = []  # (index, version) of the normal tensors among them
 
     @property
     def holds_graph(self) -> bool:
@@ -144,20 +146,23 @@ class DecodeGraphEntry:
         when it copied.
         """
         sources = [*prefix.k, *prefix.v]
-        versions = [None if t.is_inference() else t._version for t in sources]
-        if len(sources) == len(self._sources) and all(
-            ref() is t and (seen is None or version == seen)
-            for (ref, seen), t, version in zip(self._sources, sources, versions)
-        ):
+        if self._holds(sources):
             return False
         prefix_len = self.inputs.prefix_len
         for dst, src in zip([*self.inputs.k, *self.inputs.v], sources):
             dst[:, :prefix_len].copy_(src)
-        self._sources = [(weakref.ref(t), v) for t, v in zip(sources, versions)]
+        self._sources = [weakref.ref(t) for t in sources]
+        self._versions = [(i, t._version) for i, t in enumerate(sources) if not t.is_inference()]
         return True
 
+    def _holds(self, sources: list[torch.Tensor]) -> bool:
+        # Runs every step: identity is checked with C-level map()s (64 tensors for 32 blocks).
+        if len(sources) != len(self._sources) or not all(map(operator.is_, map(_deref, self._sources), sources)):
+            return False
+        return all(sources[i]._version == seen for i, seen in self._versions)
+
     def forget_prefix(self) -> None:
-        self._sources = []
+        self._sources, self._versions = [], []
 
     def mark_current(self, prefix: PrefixCache) -> None:
         """Record `prefix` as what the buffers hold: the prefill wrote it there, and its tensors are views of them.
@@ -165,7 +170,11 @@ class DecodeGraphEntry:
         No version is recorded: the views share the buffers' version counter, which every decode step bumps by
         writing the target rows, while the prefix rows themselves are only ever written by a prefill.
         """
-        self._sources = [(weakref.ref(t), None) for t in (*prefix.k, *prefix.v)]
+        self._sources = [weakref.ref(t) for t in (*prefix.k, *prefix.v)]
+        self._versions = []
+
+
+_deref = weakref.ReferenceType.__call__
 
 
 class CudaGraphBackend:
