@@ -99,9 +99,12 @@ def status_report() -> str:
             lines.append(f"graph cache {model['engine_id']}: unreadable ({model['error']})")
             continue
         eager = ", ".join(f"{reason}: {n}" for reason, n in model["eager_steps"].items()) or "none"
+        eager_prefills = ", ".join(f"{reason}: {n}" for reason, n in model["eager_prefills"].items()) or "none"
         lines.append(f"graph cache of {model['model']} ({model['source'] or 'not loaded by a KV-Graph loader'}): "
                      f"{len(model['entries'])} entries, {model['bytes_held'] / 2**20:.1f} MiB held, "
-                     f"{model['captures']} captures, {model['replays']} replays, eager steps: {eager}")
+                     f"{model['captures']} captures, {model['replays']} replays, eager steps: {eager}; prefills: "
+                     f"{model['prefill_captures']} captured, {model['prefill_replays']} replayed, eager: "
+                     f"{eager_prefills}")
         for entry in model["entries"]:
             key = entry["key"]
             shape = f"{key['branch']} batch {key['batch']}, {key['prefix_tokens']}+{key['target_tokens']} tokens"

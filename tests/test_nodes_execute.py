@@ -370,8 +370,9 @@ def test_status_route_and_node_report_the_graph_cache(comfy_env, models):
     assert model["source"].endswith(T_FILE) and model["loads"] == 1 and model["captures"] == 0
     assert model["eager_steps"]["no CUDA"] >= 2 and model["busy"] is False
     assert {"kind": "vae"}.items() <= next(m for m in payload["loaded"] if m["kind"] == "vae").items()
+    assert (model["prefill_captures"], model["prefill_replays"], model["eager_prefills"]) == (0, 0, {})
     report, = run(comfy_env, "KVGraphCacheStatus")
-    assert T_FILE in report and "no CUDA" in report
+    assert T_FILE in report and "no CUDA" in report and "prefills: 0 captured, 0 replayed, eager: none" in report
 
 
 def test_status_survives_an_engine_that_cannot_report(comfy_env, models):
