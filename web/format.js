@@ -124,12 +124,25 @@ export function describePhase(event) {
   }
 }
 
+/** How a model's prefills ran (captured prefix passes, replays, eager ones by reason), or "" before any. */
+export function describePrefills(stats) {
+  const d = stats || {};
+  const eager = sumCounts(d.eager_prefills);
+  if (!d.prefill_captures && !d.prefill_replays && !eager) return "";
+  const parts = [`${d.prefill_replays ?? 0} replayed`, `${d.prefill_captures ?? 0} captured`];
+  parts.push(eager ? `${eager} eager (${formatReasons(d.eager_prefills)})` : "0 eager");
+  return `prefills: ${parts.join(" · ")}`;
+}
+
 /** The `done` event's statistics as one line. */
 export function describeRunSummary(d) {
   const parts = [`${d.captures ?? 0} captures`, `${d.replays ?? 0} replays`];
   const eager = sumCounts(d.eager_steps);
   parts.push(eager ? `${eager} eager (${formatReasons(d.eager_steps)})` : "0 eager");
-  if (d.prefill_ms != null) parts.push(`prefill ${formatMs(d.prefill_ms)}`);
+  if (d.prefill_ms != null) {
+    const how = sumCounts(d.eager_prefills) ? " eager" : d.prefill_captures ? " captured" : d.prefill_replays ? " replayed" : "";
+    parts.push(`prefill ${formatMs(d.prefill_ms)}${how}`);
+  }
   if (d.decode_ms_per_step != null) parts.push(`decode ${formatMs(d.decode_ms_per_step)}/step`);
   if (d.capture_seconds) parts.push(`capture ${formatMs(d.capture_seconds * 1000)}`);
   if (d.compiled) parts.push("compiled blocks");

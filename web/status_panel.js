@@ -8,6 +8,7 @@
 import {
   baseName,
   describePhase,
+  describePrefills,
   formatBytes,
   formatKeyDetail,
   formatKeyTitle,
@@ -127,6 +128,9 @@ function renderModel(model) {
       + `${formatBytes(model.bytes_held)} held · ${entries.length}/${model.max_entries ?? "?"} entries`),
     model.eager_total
       ? h("div", { class: "kvgraph-muted" }, `eager by reason: ${formatReasons(model.eager_steps)}`)
+      : null,
+    describePrefills(model)
+      ? h("div", { class: "kvgraph-muted kvgraph-prefills" }, describePrefills(model))
       : null,
     entries.length
       ? entries.map(renderEntry)

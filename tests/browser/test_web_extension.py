@@ -133,6 +133,9 @@ def test_panel_shows_route_status_and_a_real_run(page, comfy, artifacts):
     assert page.inner_text(".kvgraph-model .kvgraph-card-title") == TRANSFORMER_FILE
     card = page.inner_text(".kvgraph-model")
     assert f"{model['eager_total']} eager" in card and f"/{model['max_entries']} entries" in card
+    # No prefill ran from a graph entry on this CPU run: the card has no prefill line.
+    assert model["prefill_replays"] == model["prefill_captures"] == 0
+    assert page.locator(".kvgraph-model .kvgraph-prefills").count() == 0
     if model["entries"]:  # on CPU nothing is captured, so the card says so instead
         assert page.locator(".kvgraph-model .kvgraph-entry").count() == len(model["entries"])
     else:
@@ -264,6 +267,7 @@ def test_panel_renders_graph_entries(page, pack_folder):
             source: '/m/diffusion_models/qwen_image_2.1_bf16.safetensors', dtype: 'bf16', device: 'cuda:0',
             loads: 1, busy: true, captures: 1, replays: 38, eager_steps: { 'owned by another request': 39 },
             eager_total: 39, evictions: 0, bytes_held: 3 * 2 ** 30, max_entries: 4, compiled: false,
+            prefill_replays: 12, prefill_captures: 1, eager_prefills: { 'long prefix': 2 },
             entries: [
                 { key, state: 'captured', captures: 1, replays: 38, bytes: 3 * 2 ** 30, owner_alive: true },
                 { key: { ...key, branch: 'uncond' }, state: 'failed', reason: 'allocation failed',
@@ -301,6 +305,7 @@ def test_panel_renders_graph_entries(page, pack_folder):
     assert "1 captures · 38 replays · 3.0 GiB · owner alive (in use)" in body
     assert "failed: allocation failed (CUDA out of memory)" in body
     assert "owned by another request: 39" in body
+    assert "prefills: 12 replayed · 1 captured · 2 eager (long prefix: 2)" in body
     assert "prompt a1b2c3d4 · node 5 · step 7/40" in body
     assert re.search(r"Held\s+3\.0 GiB", body)
     assert page.errors == []
