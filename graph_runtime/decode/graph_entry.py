@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from .prefill import PrefixCache
+from .prefix_pass import PrefixGraph
 from .step import DecodeInputs
 
 
@@ -112,14 +113,20 @@ class DecodeGraphEntry:
         self.warmup_seconds = 0.0
         self.capture_seconds = 0.0
         self.weights_fingerprint: int | None = None
-        self.prefix_graph = None  # the captured prefix pass (prefix_pass.PrefixGraph), or a failure reason
+        self.prefix_graph: PrefixGraph | str | None = None  # the captured prefix pass, or why it failed
+        # Warm-up runs before capture: the compiled blocks may compile on the first call and settle on the second.
+        self.warmups = 2
         self._sources: list[weakref.ReferenceType] = []  # what the prefix rows hold (see refresh_prefix)
         self._versions: list[tuple[int, int]] = []  # (index, version) of the normal tensors among them
 
     @property
+    def captured_prefix(self) -> PrefixGraph | None:
+        return self.prefix_graph if isinstance(self.prefix_graph, PrefixGraph) else None
+
+    @property
     def holds_graph(self) -> bool:
         """Whether a captured graph (decode step or prefix pass) of this entry uses the backend's pool."""
-        return self.graph is not None or not isinstance(self.prefix_graph, (str, type(None)))
+        return self.graph is not None or self.captured_prefix is not None
 
     def set_rope(self, cos: torch.Tensor, sin: torch.Tensor) -> None:
         """The target RoPE tables depend only on the layout, which the key pins; copied once per registration."""
@@ -130,7 +137,7 @@ class DecodeGraphEntry:
     def nbytes(self) -> int:
         tensors = [self.inputs.hidden, self.inputs.timestep, self.inputs.cos, self.inputs.sin,
                    *self.inputs.k, *self.inputs.v]
-        prefix_graph = 0 if isinstance(self.prefix_graph, (str, type(None))) else self.prefix_graph.nbytes
+        prefix_graph = self.captured_prefix.nbytes if self.captured_prefix is not None else 0
         return sum(t.numel() * t.element_size() for t in tensors) + self.pool_bytes + prefix_graph
 
     def load_inputs(self, hidden: torch.Tensor, timestep: torch.Tensor) -> None:
@@ -217,7 +224,7 @@ class CudaGraphBackend:
         side = torch.cuda.Stream(device)
         side.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(side):
-            for _ in range(getattr(entry, "warmups", 2)):
+            for _ in range(entry.warmups):
                 body(entry.inputs)
         torch.cuda.current_stream(device).wait_stream(side)
         torch.cuda.synchronize(device)

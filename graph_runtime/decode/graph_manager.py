@@ -27,7 +27,7 @@ from . import eligibility as why
 from . import prefix_pass
 from .graph_entry import CudaGraphBackend, DecodeGraphEntry, EntrySpec, FailedEntry, GraphKey
 from .prefill import OwnerToken, PrefixCache
-from .prefix_pass import PrefixGraph, PrefixInputs, prefix_blocks, run_prefix_blocks
+from .prefix_pass import PrefixGraph, PrefixInputs, prefix_blocks, run_prefix_blocks, run_prefix_eagerly
 from .stats import DecodeStats
 from .step import DecodeInputs, DecodeStep
 
@@ -159,7 +159,7 @@ class DecodeGraphManager:
         if "prefix:" + reason not in self._logged:
             self._logged.add("prefix:" + reason)
             logger.info("KV-Graph: prefix pass runs eagerly: %s.", reason)
-        run_prefix_blocks(prefix_blocks(self.transformer), inputs)
+        run_prefix_eagerly(self.transformer, inputs)
         return "eager"
 
     # -- the per-step entry point --------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVLayerCache
 
 from .layout import TokenLayout
-from .prefix_pass import PrefixInputs, prefix_blocks, run_prefix_blocks
+from .prefix_pass import PrefixInputs, run_prefix_eagerly
 from .step import rope_tables
 
 
@@ -197,6 +197,3 @@ def _prefix_inputs(model, layout, x, zero_modulation, rotary, key_valid, static_
                         k=[buffer[:, :prefix_len] for buffer in static_kv[0]],
                         v=[buffer[:, :prefix_len] for buffer in static_kv[1]])
 
-
-def run_prefix_eagerly(model, inputs: PrefixInputs) -> None:
-    run_prefix_blocks(prefix_blocks(model), inputs)

@@ -58,6 +58,10 @@ def prefix_blocks(transformer) -> list[TargetDecodeBlock]:
     return [TargetDecodeBlock(block) for block in transformer.transformer_blocks]
 
 
+def run_prefix_eagerly(transformer, inputs: PrefixInputs) -> None:
+    run_prefix_blocks(prefix_blocks(transformer), inputs)
+
+
 class PrefixGraph:
     """One graph entry's captured prefix pass: static copies of the per-prompt inputs, and the graph.
 
@@ -74,8 +78,7 @@ class PrefixGraph:
                                        k=list(like.k), v=list(like.v))  # own lists: a request's release clears its
         self.graph = None
         self.output = None
-        # One warm-up before capture is enough: an eager pass has no state that a second call would settle (the
-        # decode step's compiled blocks take two).
+        # One warm-up before capture is enough: an eager pass has no state that a second call would settle.
         self.warmups = 1
         self.captures = 0
         self.replays = 0

@@ -38,14 +38,17 @@ class DecodeStats:
     def delta(self, before: dict) -> dict:
         """What changed since `before` (a snapshot): the per-run numbers a sampler reports."""
         now = self.snapshot()
-        eager = {k: v - before["eager_steps"].get(k, 0) for k, v in now["eager_steps"].items()}
         return {
             "captures": now["captures"] - before["captures"],
             "replays": now["replays"] - before["replays"],
             "capture_seconds": round(now["capture_seconds"] - before["capture_seconds"], 4),
-            "eager_steps": {k: v for k, v in eager.items() if v},
+            "eager_steps": _counter_delta(now["eager_steps"], before["eager_steps"]),
             "prefill_replays": now["prefill_replays"] - before["prefill_replays"],
             "prefill_captures": now["prefill_captures"] - before["prefill_captures"],
-            "eager_prefills": {k: v - before["eager_prefills"].get(k, 0) for k, v in now["eager_prefills"].items()
-                               if v - before["eager_prefills"].get(k, 0)},
+            "eager_prefills": _counter_delta(now["eager_prefills"], before["eager_prefills"]),
         }
+
+
+def _counter_delta(now: dict, before: dict) -> dict:
+    """Per-reason counts added since `before`, reasons that did not grow left out."""
+    return {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0)}
