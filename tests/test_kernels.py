@@ -116,18 +116,60 @@ def _block_inputs(block, batch, seed, tokens=4, prefix=3):
     return x, modulation, cos, sin, prefix_k, prefix_v
 
 
+def _finish(x, pending):
+    """The residual stream after a block: its handed-on MLP residual added as the reference adds it."""
+    delta, gate = pending
+    return x + gate.tanh() * delta
+
+
 def test_block_norms_equal_the_modules(tiny_models):
-    """The block's fused residual + norm path (the CPU op) equals running diffusers' LayerNorm modules."""
+    """The block's fused residual + norm path (the CPU op) equals running diffusers' LayerNorm modules, for a first
+    block (no residual handed in) and for a later one (the previous block's MLP residual added in its first norm)."""
     import copy
 
     block = copy.deepcopy(tiny_models.transformer.transformer_blocks[0])
     fused, plain = TargetDecodeBlock(block), TargetDecodeBlock(block, kernels=False)
     assert fused._can_fuse_norms() and not plain._can_fuse_norms()
     x, modulation, cos, sin, prefix_k, prefix_v = _block_inputs(block, batch=2, seed=2)
+    handed_in = (torch.randn_like(x), modulation[:, None, :x.shape[-1]].flip(-1))
+    for pending in (None, handed_in):
+        with torch.no_grad():
+            a = fused(x, pending, modulation, cos, sin, prefix_k, prefix_v, 3, False, None)
+            b = plain(x, pending, modulation, cos, sin, prefix_k, prefix_v, 3, False, None)
+        torch.testing.assert_close(a[0], b[0], atol=ATOL, rtol=0)
+        torch.testing.assert_close(_finish(*a), _finish(*b), atol=ATOL, rtol=0)
+
+
+def test_handed_on_residual_equals_the_reference_blocks(tiny_models):
+    """Two blocks chained through their handed-on MLP residual give diffusers' blocks' residual stream: the add
+    moved into the next block's norm, not changed. In fp16 the add stays unfused and keeps the reference's clip to
+    fp16's range (a stream past 65504 would otherwise reach the next norm as inf)."""
+    import copy
+
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVLayerCache
+
+    blocks = [copy.deepcopy(b) for b in tiny_models.transformer.transformer_blocks[:2]]
+    x, modulation, cos, sin, _, _ = _block_inputs(blocks[0], batch=1, seed=5)
+    tokens, heads = x.shape[1], blocks[0].attn.heads
+    empty = x.new_zeros(1, 0, heads, blocks[0].attn.inner_dim // heads)
+    rotary = torch.polar(torch.ones_like(cos[:, 0]), torch.atan2(sin[:, 0], cos[:, 0]))
     with torch.no_grad():
-        a = fused(x, modulation, cos, sin, prefix_k, prefix_v, 3, False, None)
-        b = plain(x, modulation, cos, sin, prefix_k, prefix_v, 3, False, None)
-    torch.testing.assert_close(a, b, atol=ATOL, rtol=0)
+        expected = x
+        for block in blocks:
+            expected = block(expected, modulation, rotary_emb=rotary,
+                             layer_cache=QwenImage21KVLayerCache(), kv_cache_mode=None)
+        for kernels in (True, False):
+            stream, pending = x, None
+            for block in blocks:
+                stream, pending = TargetDecodeBlock(block, kernels)(stream, pending, modulation, cos, sin, empty,
+                                                                     empty, 0, False, None)
+            torch.testing.assert_close(_finish(stream, pending), expected, atol=ATOL, rtol=1e-4)
+
+        half = TargetDecodeBlock(copy.deepcopy(blocks[0]).half())
+        big = torch.full((1, tokens, x.shape[-1]), 60000.0, dtype=torch.float16)
+        gate = torch.full((1, 1, x.shape[-1]), 10.0, dtype=torch.float16)
+        stream, _ = half(big, (big, gate), modulation.half(), cos, sin, empty.half(), empty.half(), 0, False, None)
+        assert torch.isfinite(stream).all() and stream.max() == 65504
 
 
 class _ScaledNorm(torch.nn.Module):
@@ -154,10 +196,10 @@ def test_block_calls_a_replaced_norm_instead_of_fusing(tiny_models):
     with torch.no_grad():
         target_rows = torch.zeros_like(prefix_k[:, :1]).expand(-1, x.shape[1], -1, -1)
         k_cache, v_cache = torch.cat([prefix_k, target_rows], dim=1), torch.cat([prefix_v, target_rows], dim=1)
-        static = wrapped(x, modulation, cos, sin, k_cache, v_cache, 3, True, None)
-        concat = wrapped(x, modulation, cos, sin, prefix_k, prefix_v, 3, False, None)
+        static = _finish(*wrapped(x, None, modulation, cos, sin, k_cache, v_cache, 3, True, None))
+        concat = _finish(*wrapped(x, None, modulation, cos, sin, prefix_k, prefix_v, 3, False, None))
         block.attn.norm_q = block.attn.norm_q.inner
-        unpatched = wrapped(x, modulation, cos, sin, prefix_k, prefix_v, 3, False, None)
+        unpatched = _finish(*wrapped(x, None, modulation, cos, sin, prefix_k, prefix_v, 3, False, None))
     torch.testing.assert_close(static, concat, atol=ATOL, rtol=0)
     assert (static - unpatched).abs().max() > 1e-3
 

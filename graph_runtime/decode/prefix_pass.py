@@ -48,8 +48,10 @@ def run_prefix_blocks(blocks, inputs: PrefixInputs) -> None:
     x = inputs.hidden
     short = x.is_cuda and x.shape[1] <= SHORT_PREFIX_TOKENS
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if short else contextlib.nullcontext():
+        pending = None  # the last block's MLP residual is never added: only the K/V rows are kept
         for block, k_rows, v_rows in zip(blocks, inputs.k, inputs.v):
-            x = block(x, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True, inputs.mask)
+            x, pending = block(x, pending, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True,
+                               inputs.mask)
 
 
 def prefix_blocks(transformer) -> list[TargetDecodeBlock]:

@@ -12,6 +12,9 @@ layers and weight swaps are seen), with the per-step host work hoisted out:
 - Our own kernels (`graph_runtime/kernels`) run each residual + LayerNorm + modulation and, on that static path,
   q/k norm + RoPE + the K/V write, when the block's modules are diffusers' own; `kernels=False` (or a replaced
   module) keeps the modules' own code. The benchmark's `compile+graph-inductor-only` path measures the difference.
+- Each block hands its MLP residual to the next block instead of adding it, so the add shares a pass with the next
+  LayerNorm (or the final norm): one read and write of the residual stream per block fewer, ~33 us per block at
+  1024x1024.
 """
 
 from __future__ import annotations
@@ -92,15 +95,15 @@ class TargetDecodeBlock(torch.nn.Module):
         return (self.fuse_norms and all(type(n) is torch.nn.LayerNorm and not n.elementwise_affine for n in norms)
                 and norms[0].eps == norms[1].eps and norms[0].normalized_shape == norms[1].normalized_shape)
 
-    def forward(self, x, modulation, cos, sin, k_cache, v_cache, prefix_len: int, static_kv: bool, attn_mask):
+    def forward(self, x, pending, modulation, cos, sin, k_cache, v_cache, prefix_len: int, static_kv: bool,
+                attn_mask):
+        """Returns `(x, pending)`: the block's MLP residual is handed on, not added, so the next block (or the final
+        norm) adds it in the same pass as its LayerNorm; `pending` is `(mlp_out, gate)` or None for the first block."""
         block, attn = self.block, self.block.attn
         fuse_norms = self._can_fuse_norms()
         scale1, gate1, scale2, gate2 = modulation[:, None].chunk(4, dim=-1)
 
-        if fuse_norms:
-            h = norm_modulate(x, scale1[:, 0], block.img_norm1.eps)
-        else:
-            h = block.img_norm1(x) * (1 + scale1)
+        x, h = self.add_pending_and_norm(x, pending, block.img_norm1, scale1, fuse_norms)
         head_dim = attn.inner_dim // attn.heads
         q = attn.to_q(h).unflatten(-1, (-1, head_dim))
         k = attn.to_k(h).unflatten(-1, (-1, head_dim))
@@ -123,16 +126,28 @@ class TargetDecodeBlock(torch.nn.Module):
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attn_mask
         )
         out = attn.to_out[0](out.transpose(1, 2).flatten(2).type_as(q))
-        if fuse_norms:
-            x, h = residual_norm_modulate(x, out, gate1[:, 0], scale2[:, 0], block.img_norm2.eps)
-        else:
-            x = x + gate1.tanh() * out
-            h = block.img_norm2(x) * (1 + scale2)
-        mlp_out = block.img_mlp(h)
-        x = x + gate2.tanh() * mlp_out
-        if x.dtype == torch.float16:
-            x = x.clip(-65504, 65504)
-        return x
+        x, h = self.add_pending_and_norm(x, (out, gate1), block.img_norm2, scale2, fuse_norms, mlp_residual=False)
+        return x, (block.img_mlp(h), gate2)
+
+    @staticmethod
+    def add_pending_and_norm(x, pending, norm, scale, fuse: bool, mlp_residual: bool = True):
+        """`x + tanh(gate) * delta` for a pending `(delta, gate)`, then `norm(x) * (1 + scale)`.
+
+        Fused, both are one pass of our kernel (its norm reads the sum before rounding). An fp16 MLP residual is
+        left unfused: the reference clips the residual stream to fp16's range at the end of each block, before the
+        next norm reads it.
+        """
+        if fuse and not (mlp_residual and x.dtype == torch.float16):
+            if pending is None:
+                return x, norm_modulate(x, scale[:, 0], norm.eps)
+            delta, gate = pending
+            return residual_norm_modulate(x, delta, gate[:, 0], scale[:, 0], norm.eps)
+        if pending is not None:
+            delta, gate = pending
+            x = x + gate.tanh() * delta
+            if mlp_residual and x.dtype == torch.float16:
+                x = x.clip(-65504, 65504)
+        return x, norm(x) * (1 + scale)
 
 
 class DecodeStep(torch.nn.Module):
@@ -178,11 +193,13 @@ class DecodeStep(torch.nn.Module):
         timestep = torch.cat([inputs.timestep.to(x.dtype), inputs.timestep.new_zeros(1, dtype=x.dtype)])
         temb = model.time_text_embed(timestep, x)
         modulation = model.modulation(temb)[:batch]
+        pending = None
         for i, block in enumerate(self.blocks):
-            x = block(x, modulation, inputs.cos, inputs.sin, inputs.k[i], inputs.v[i], inputs.prefix_len,
-                      inputs.static_kv, inputs.attn_mask)
+            x, pending = block(x, pending, modulation, inputs.cos, inputs.sin, inputs.k[i], inputs.v[i],
+                               inputs.prefix_len, inputs.static_kv, inputs.attn_mask)
         norm_out = model.norm_out
         scale = norm_out.linear(norm_out.silu(temb).to(x.dtype))[:batch]
-        x = norm_out.norm(x) * (1 + scale[:, None])
+        fuse = self.kernels and type(norm_out.norm) is torch.nn.LayerNorm and not norm_out.norm.elementwise_affine
+        _, x = TargetDecodeBlock.add_pending_and_norm(x, pending, norm_out.norm, scale[:, None], fuse)
         return model.proj_out(x)
 
