@@ -28,7 +28,7 @@ class RecordingBackend:
         self.fail_capture = fail_capture
         self.capture_calls = 0
 
-    def unavailable_reason(self, transformer):
+    def unavailable_reason(self, transformer, params=None):
         return None
 
     def capture(self, entry, body):
@@ -367,7 +367,7 @@ def test_structure_watch_sees_a_linear_replaced_or_wrapped(tiny_models):
     import copy
 
     model = copy.deepcopy(tiny_models.transformer)
-    watch = why.StructureWatch(model)
+    watch = why.StructureWatch(model.modules())
     attn = model.transformer_blocks[1].attn
     original = attn.to_k
     assert not watch.changed()
@@ -379,6 +379,24 @@ def test_structure_watch_sees_a_linear_replaced_or_wrapped(tiny_models):
     assert watch.changed()
     del original.lora_down
     assert not watch.changed()
+
+
+def test_one_module_tree_scan_per_prompt(engine, generator, monkeypatch):
+    """The whole-model checks of a request start read one scan of the module tree (each walk costs milliseconds
+    of host time on the full model); its decode steps scan nothing, and weights moved mid-prompt cost one more."""
+    scans = []
+    real = why.ModelScan.__init__
+    monkeypatch.setattr(why.ModelScan, "__init__", lambda self, model: scans.append(1) or real(self, model))
+    prefix, latents = _request(generator, "a red cube", engine=engine)
+    for step in range(3):
+        assert engine.decode(prefix, latents, torch.full((1,), 0.6)).reason is None
+    assert len(scans) == 1
+    with torch.no_grad():
+        block = engine.transformer.transformer_blocks[0]
+        block.attn.to_q.weight = torch.nn.Parameter(block.attn.to_q.weight.clone(), requires_grad=False)
+    assert engine.decode(prefix, latents, torch.full((1,), 0.6)).reason == why.WEIGHTS_MOVED
+    assert engine.decode(prefix, latents, torch.full((1,), 0.6)).path == "capture"
+    assert len(scans) == 2
 
 
 def test_long_prefix_runs_its_pass_eagerly(engine, generator, monkeypatch):

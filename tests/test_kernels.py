@@ -102,6 +102,52 @@ def test_norm_modulate_kernel_through_interpreter():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+def test_silu_mul_kernel_through_interpreter():
+    """The SwiGLU product kernel equals its PyTorch math over a size that is not a multiple of its block (the
+    masked tail) and for a batch of rows."""
+    pytest.importorskip("triton", reason="triton is not installed with this torch build")
+    script = textwrap.dedent("""
+        import torch
+        from graph_runtime.kernels import silu_mul as m
+        g = torch.Generator().manual_seed(0)
+        for shape in [(3, 700), (2, 5, 48)]:
+            gate, up = torch.randn(*shape, generator=g) * 4, torch.randn(*shape, generator=g)
+            torch.testing.assert_close(m._triton_silu_mul(gate, up), m.reference_silu_mul(gate, up), atol=1e-6,
+                                       rtol=1e-6)
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
+
+
+def test_block_mlp_equals_the_module_and_calls_a_replaced_one(tiny_models):
+    """With our kernels the block's MLP (its projections, then the one-pass SwiGLU product) equals diffusers'
+    module; a replaced MLP module is called as itself."""
+    import copy
+
+    block = copy.deepcopy(tiny_models.transformer.transformer_blocks[0])
+    wrapped = TargetDecodeBlock(block)
+    h = torch.randn(2, 5, block.attn.inner_dim, generator=torch.Generator().manual_seed(3))
+    assert wrapped._can_fuse_mlp() and not TargetDecodeBlock(block, kernels=False)._can_fuse_mlp()
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped.mlp(h), block.img_mlp(h), atol=ATOL, rtol=0)
+
+    class Doubled(torch.nn.Module):
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * 2.0
+
+    block.img_mlp = Doubled(block.img_mlp)
+    assert not wrapped._can_fuse_mlp()
+    with torch.no_grad():
+        torch.testing.assert_close(wrapped.mlp(h), 2.0 * block.img_mlp.inner(h), atol=ATOL, rtol=0)
+
+
 def _block_inputs(block, batch, seed, tokens=4, prefix=3):
     """x, modulation, RoPE tables and prefix K/V for one block call of `tokens` targets after `prefix` keys."""
     heads, head_dim = block.attn.heads, block.attn.inner_dim // block.attn.heads
@@ -206,7 +252,7 @@ def test_block_calls_a_replaced_norm_instead_of_fusing(tiny_models):
 
 _FORCED_KERNELS_SCRIPT = textwrap.dedent("""
     import torch
-    from graph_runtime.kernels import norm_modulate as nm, qk_norm_rope as qm
+    from graph_runtime.kernels import norm_modulate as nm, qk_norm_rope as qm, silu_mul as sm
     from graph_runtime.decode.engine import DecodeEngine
     from graph_runtime.decode.layout import TokenLayout
     from graph_runtime.sampling.sampler import initial_noise, pack
@@ -224,7 +270,11 @@ _FORCED_KERNELS_SCRIPT = textwrap.dedent("""
     def residual(x, delta, gate, scale, eps):
         calls.append("residual")
         return nm._triton_norm_modulate(x, delta, gate, scale, eps)
+    def product(gate, up):
+        calls.append("silu_mul")
+        return sm._triton_silu_mul(gate, up)
     qm.qk_norm_rope_write.register_kernel("cpu")(qk)
+    sm.silu_mul.register_kernel("cpu")(product)
     nm.norm_modulate.register_kernel("cpu")(norm)
     nm.residual_norm_modulate.register_kernel("cpu")(residual)
 
@@ -242,7 +292,7 @@ _FORCED_KERNELS_SCRIPT = textwrap.dedent("""
         engine = DecodeEngine(transformer, backend=RecordingBackend())
         _, alone = engine.prefill(layout, hidden, text, t, with_target=False)
         out = engine.decode(alone, latents, t)
-    assert out.path == "capture" and {"qk", "norm", "residual"} <= set(calls)
+    assert out.path == "capture" and {"qk", "norm", "residual", "silu_mul"} <= set(calls)
     for a, b in zip(alone.k + alone.v, joint.k + joint.v):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)
     torch.testing.assert_close(out.output, pred, atol=1e-4, rtol=0)

@@ -54,3 +54,35 @@ def test_signature_separates_layouts_with_equal_token_counts():
 def test_mismatched_reference_count_is_a_clear_error():
     with pytest.raises(ValueError, match="reserves 1 image slots"):
         TokenLayout.build(_vlm_mask("TIT"), [(1, 4, 4), (1, 8, 8)], "cpu")
+
+
+def test_rotary_table_is_remembered_per_model_and_layout():
+    """The RoPE table equals the model's own builder, is built once per layout (a prompt of a seen layout reuses
+    it: the builder walks every token on the host), differs for another layout, and only the most recent
+    ROTARY_TABLES_KEPT layouts are kept."""
+    from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Rope
+
+    from graph_runtime.decode import layout as layout_module
+
+    rope = QwenImage21Rope(theta=10000, axes_dim=[4, 6, 6])
+    calls = []
+    builder = rope.forward
+    rope.forward = lambda *args, **kwargs: calls.append(1) or builder(*args, **kwargs)
+    first = TokenLayout.build(_vlm_mask("TTIIIITT"), [(1, 2, 8), (1, 4, 4)], "cpu")
+    again = TokenLayout.build(_vlm_mask("TTIIIITT"), [(1, 2, 8), (1, 4, 4)], "cpu")
+    table = first.rotary(rope)
+    assert torch.equal(table, builder(list(first.img_shapes), first.image_pad_mask, device="cpu"))
+    assert again.rotary(rope) is table and len(calls) == 1
+    other = TokenLayout.build(_vlm_mask("TTTIIIIT"), [(1, 2, 8), (1, 4, 4)], "cpu")  # same counts, other runs
+    assert not torch.equal(other.rotary(rope), table) and len(calls) == 2
+    for width in range(2, 2 + layout_module.ROTARY_TABLES_KEPT):
+        TokenLayout.build(_vlm_mask("TT"), [(1, 2, width)], "cpu").rotary(rope)
+    first.rotary(rope)
+    assert len(calls) == 3 + layout_module.ROTARY_TABLES_KEPT  # the first layout was dropped and is built again
+
+
+def test_precomputed_positions_match_the_mask():
+    """The prefill scatters rows by the layout's precomputed image and text positions: the mask's own."""
+    layout = TokenLayout.build(_vlm_mask("TIIIIT"), [(1, 2, 8), (1, 4, 4)], "cpu")
+    assert torch.equal(layout.image_positions, layout.image_pad_mask.nonzero(as_tuple=True)[0])
+    assert torch.equal(layout.text_positions, (~layout.image_pad_mask).nonzero(as_tuple=True)[0])

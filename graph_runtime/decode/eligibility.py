@@ -5,6 +5,10 @@ Every reason here ends in an eager step that is still correct; the manager logs 
 
 from __future__ import annotations
 
+import functools
+import operator
+from operator import attrgetter
+
 import torch
 
 # Reason strings double as statistics keys, so they are stable, short and human-readable.
@@ -27,15 +31,16 @@ LONG_PREFIX = "long prefix: its pass is GPU-bound, a captured one would not be f
 _FLOAT_KV = (torch.bfloat16, torch.float16, torch.float32)
 
 
-def static_reason(transformer: torch.nn.Module) -> str | None:
-    """Checks that hold for the transformer as loaded (re-run every step: weights can be moved at any time)."""
+def static_reason(transformer: torch.nn.Module, params=None) -> str | None:
+    """Checks that hold for the transformer as loaded (re-run for each prompt and whenever the weights' addresses or
+    the module structure change). `params`: the model's parameters when the caller has already listed them."""
     if not torch.cuda.is_available():
         return NO_CUDA
     if _has_offload_hooks(transformer):
         return OFFLOAD_HOOKS
-    for p in transformer.parameters():
-        if p.device.type != "cuda" or p.is_meta:
-            return WEIGHTS_OFF_GPU
+    # The set of devices, collected by C-level map (a meta tensor's device type is "meta").
+    if any(device.type != "cuda" for device in set(map(attrgetter("device"), transformer.parameters() if params is None else params))):
+        return WEIGHTS_OFF_GPU
     if _parallel(transformer):
         return PARALLEL
     for block in transformer.transformer_blocks:
@@ -55,12 +60,41 @@ def request_reason(kv_dtype: torch.dtype, key_valid) -> str | None:
     return None
 
 
+class ModelScan:
+    """One walk of the model's module tree, shared by the whole-model checks of a request start.
+
+    Each walk (`modules()`, `parameters()`) cost ~3 ms of host time on the H200's host for the full model, and a
+    request start took four (weights' addresses twice, devices, LoRA wrappers); the checks now read this one.
+    """
+
+    def __init__(self, model: torch.nn.Module):
+        self.modules = list(model.modules())
+        slots = [(m._parameters, name) for m in self.modules for name, p in m._parameters.items() if p is not None]
+        self._param_dicts = [params for params, _ in slots]
+        self._param_names = [name for _, name in slots]
+        # A tied weight is listed twice: harmless for an address fingerprint and a device check.
+        self.params = [params[name] for params, name in slots]
+        self.watch = StructureWatch(self.modules)
+        self.checked = False  # set once the static checks have judged the model as this scan saw it
+
+    def fingerprint(self) -> tuple:
+        """The weights' addresses (map: the loop runs in C, every step)."""
+        return tuple(map(torch.Tensor.data_ptr, self.params))
+
+    def changed(self) -> bool:
+        """A Linear replaced or wrapped, or a parameter replaced by another tensor (as ComfyUI's weight patching
+        does), since the scan: its fingerprint would read the old tensors. C-level loops, every step."""
+        current = map(dict.get, self._param_dicts, self._param_names)
+        return self.watch.changed() or not all(map(operator.is_, current, self.params))
+
+
 class StructureWatch:
     """Notices, cheaply enough to run every step, when a Linear of the model is replaced or grows submodules:
     how LoRA wrappers appear (PEFT swaps in its own layer; others hang `lora_*` modules on the Linear)."""
 
-    def __init__(self, module: torch.nn.Module):
-        slots = [(parent._modules, name, child) for parent in module.modules()
+    def __init__(self, modules):
+        """`modules`: every module of the model (`model.modules()`)."""
+        slots = [(parent._modules, name, child) for parent in modules
                  for name, child in parent._modules.items() if isinstance(child, torch.nn.Linear)]
         self._parents = [modules for modules, _, _ in slots]
         self._names = [name for _, name, _ in slots]
@@ -72,22 +106,37 @@ class StructureWatch:
         return list(map(dict.get, self._parents, self._names)) != self._children or any(self._grandchildren)
 
 
-def has_lora_wrappers(module: torch.nn.Module) -> bool:
-    """True once PEFT (diffusers' LoRA loader) or any tuner layer wraps a layer under `module`.
+def has_lora_wrappers(modules) -> bool:
+    """True once PEFT (diffusers' LoRA loader) or any tuner layer wraps one of `modules` (`model.modules()`).
 
     A captured graph replays the layers that ran at capture time; an adapter bound or rescaled afterwards changes
     the math without changing any shape the graph is keyed on.
     """
+    BaseTunerLayer = _peft_tuner_layer()
+    for m in modules:
+        if BaseTunerLayer is not None and isinstance(m, BaseTunerLayer):
+            return True
+        if _has_member(m, "lora_A") or _has_member(m, "lora_up"):
+            return True
+    return False
+
+
+@functools.cache
+def _peft_tuner_layer():
+    """PEFT's layer base class, or None without PEFT (looked up once: a failing import searches every path entry)."""
     try:
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:
-        BaseTunerLayer = None
-    for m in module.modules():
-        if BaseTunerLayer is not None and isinstance(m, BaseTunerLayer):
-            return True
-        if hasattr(m, "lora_A") or hasattr(m, "lora_up"):
-            return True
-    return False
+        return None
+    return BaseTunerLayer
+
+
+def _has_member(module: torch.nn.Module, name: str) -> bool:
+    """`hasattr(module, name)` without its cost: a miss goes through `Module.__getattr__` and raises, about 1.5 ms
+    per scan of the full model. Looks where `hasattr` would find it: submodules, parameters, buffers, the
+    instance and its class."""
+    return (name in module._modules or name in module._parameters or name in module._buffers
+            or name in module.__dict__ or hasattr(type(module), name))
 
 
 def _has_offload_hooks(module: torch.nn.Module) -> bool:

@@ -208,10 +208,10 @@ class CudaGraphBackend:
         free, _total = torch.cuda.mem_get_info(device)
         return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
 
-    def unavailable_reason(self, transformer) -> str | None:
+    def unavailable_reason(self, transformer, params=None) -> str | None:
         from .eligibility import static_reason
 
-        return static_reason(transformer)
+        return static_reason(transformer, params)
 
     def capture(self, entry: DecodeGraphEntry, body) -> None:
         device = entry.inputs.hidden.device

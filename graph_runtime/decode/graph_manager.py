@@ -68,10 +68,10 @@ class DecodeGraphManager:
         # Replay + clone must be atomic: route handlers and some ComfyUI forks call in from other threads.
         self.lock = threading.RLock()
         self.name = type(transformer).__name__
-        # Per-step checks must cost well under a millisecond of host time, so the whole-model scans (devices,
-        # hooks, LoRA wrappers) run at every request start and again only when the weights' addresses change.
-        self._params: list | None = None
-        self._watch: why.StructureWatch | None = None
+        # Per-step checks must cost well under a millisecond of host time, so the whole-model checks (devices,
+        # hooks, LoRA wrappers) run over one scan of the module tree at every request start, and again only when
+        # the weights' addresses or the Linear layers change.
+        self._scan: why.ModelScan | None = None
         self._static: tuple = (None, None)  # (weights fingerprint, reason or None)
 
     @property
@@ -91,10 +91,10 @@ class DecodeGraphManager:
         if check_mode(mode) == "eager":
             return None
         transformer = self.transformer
-        # Modules may have been hooked or wrapped since the last request: rescan everything once.
-        self._params, self._watch, self._static = None, None, (None, None)
+        # Modules may have been hooked or wrapped since the last request: scan and judge the model again, once.
+        self._scan, self._static = None, (None, None)
         spec = EntrySpec.for_request(transformer, layout, batch)
-        if self._blocker(spec.dtype, key_valid, self._fingerprint()) is not None:
+        if self._blocker(spec.dtype, key_valid, self._fingerprint())[0] is not None:
             return None
         key = make_key(step, branch, batch, layout, spec.dtype, spec.device)
         with self.lock:
@@ -170,8 +170,7 @@ class DecodeGraphManager:
         """One decode step for `prefix`'s request: replay its graph when it may, else run eagerly."""
         if check_mode(mode) == "eager":
             return self._eager(step, prefix, hidden, timestep, why.MODE_EAGER, mode)
-        fingerprint = self._fingerprint()
-        reason = self._blocker(prefix.k[0].dtype, prefix.key_valid, fingerprint)
+        reason, fingerprint = self._blocker(prefix.k[0].dtype, prefix.key_valid, self._fingerprint())
         if reason is None:
             with self.lock:
                 outcome = self._replay(step, prefix, hidden, timestep, fingerprint)
@@ -182,24 +181,29 @@ class DecodeGraphManager:
 
     def _fingerprint(self) -> tuple:
         """The weights' addresses: a captured graph is valid only while this is unchanged."""
-        if self._params is None:
-            self._params = list(self.transformer.parameters())
-            self._watch = why.StructureWatch(self.transformer)
-        return tuple(map(torch.Tensor.data_ptr, self._params))  # map: the loop runs in C, every step
+        if self._scan is None:
+            self._scan = why.ModelScan(self.transformer)
+        return self._scan.fingerprint()
 
-    def _blocker(self, kv_dtype, key_valid, fingerprint) -> str | None:
+    def _blocker(self, kv_dtype, key_valid, fingerprint) -> tuple[str | None, tuple]:
+        """Why this request cannot replay (None if it can), and the weights' fingerprint its graphs are keyed on
+        (the given one, or a new scan's when the model changed since the scan it was taken from)."""
         seen, reason = self._static
-        if seen != fingerprint or self._watch.changed():
+        if seen != fingerprint or self._scan.changed():
             transformer = self.transformer
-            reason = self.backend.unavailable_reason(transformer)
-            if reason is None and why.has_lora_wrappers(transformer):
+            if self._scan.checked:
+                # The model changed after this scan was judged: scan the new module tree (once, not every step).
+                self._scan = why.ModelScan(transformer)
+                fingerprint = self._scan.fingerprint()
+            reason = self.backend.unavailable_reason(transformer, self._scan.params)
+            if reason is None and why.has_lora_wrappers(self._scan.modules):
                 reason = why.LORA
+            self._scan.checked = True
             self._static = (fingerprint, reason)
-            self._params, self._watch = None, None  # rescan the new module tree once, not every step
             if reason == why.LORA and self.entries:
                 with self.lock:
                     self._remove(list(self.entries))
-        return reason or why.request_reason(kv_dtype, key_valid)
+        return reason or why.request_reason(kv_dtype, key_valid), fingerprint
 
     def _replay(self, step, prefix, hidden, timestep, fingerprint) -> DecodeOutcome:
         key = prefix.graph_key

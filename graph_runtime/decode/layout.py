@@ -9,12 +9,22 @@ prefill computes it once and every decode step reads it.
 from __future__ import annotations
 
 import math
+import threading
+import weakref
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
 
 # Each vision-language image slot stands for a 2x2 group of latent tokens (16 px VAE tokens, 32 px VLM slots).
 TOKENS_PER_SLOT = 4
+
+# RoPE tables per model (its `pos_embed` module) and layout: diffusers' table builder walks every token in Python
+# and syncs on its masks (~2 ms of host time per 1024x1024 prompt), for a table that is the same for every prompt
+# of a layout. The few most recent layouts are kept (a 1024x1024 table is 2 MB).
+ROTARY_TABLES_KEPT = 8
+_rotary_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+_rotary_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
@@ -31,6 +41,10 @@ class TokenLayout:
     target_tokens: int
     segments: tuple[tuple[int, int, bool], ...]  # prefix runs (start, end, is_text), as diffusers' processor reads them
     vlm_text_positions: torch.Tensor | None = field(default=None, compare=False)  # for the padded-mask path
+    # Joint-sequence positions of the image and the text tokens, on the compute device (where the prefill scatters
+    # the latent and text rows; precomputed so it needs no `nonzero()` sync).
+    image_positions: torch.Tensor | None = field(default=None, compare=False)
+    text_positions: torch.Tensor | None = field(default=None, compare=False)
 
     @property
     def seq_len(self) -> int:
@@ -91,11 +105,29 @@ class TokenLayout:
             target_tokens=target_tokens,
             segments=tuple(segments),
             vlm_text_positions=vlm_text_positions,
+            image_positions=torch.tensor([i for i, is_image in enumerate(joint) if is_image], dtype=torch.long,
+                                         device=device),
+            text_positions=torch.tensor([i for i, is_image in enumerate(joint) if not is_image], dtype=torch.long,
+                                        device=device),
         )
 
     def rotary(self, pos_embed: torch.nn.Module) -> torch.Tensor:
-        """Complex RoPE table over the joint sequence, from the model's own `QwenImage21Rope`."""
-        return pos_embed(list(self.img_shapes), self.image_pad_mask, device=self.image_pad_mask.device)
+        """Complex RoPE table over the joint sequence, from the model's own `QwenImage21Rope` (remembered per model
+        and layout; callers only read it)."""
+        device = self.image_pad_mask.device
+        key = (self.signature, str(device))
+        with _rotary_lock:
+            tables = _rotary_tables.setdefault(pos_embed, OrderedDict())
+            table = tables.get(key)
+            if table is not None:
+                tables.move_to_end(key)
+                return table
+        table = pos_embed(list(self.img_shapes), self.image_pad_mask, device=device)
+        with _rotary_lock:
+            tables[key] = table
+            while len(tables) > ROTARY_TABLES_KEPT:
+                tables.popitem(last=False)
+        return table
 
     def target_token_mask(self) -> torch.Tensor:
         mask = torch.zeros(self.seq_len, dtype=torch.bool, device=self.image_pad_mask.device)
@@ -122,7 +154,7 @@ class TokenLayout:
             return None
         batch = text_mask.shape[0]
         valid = torch.ones(batch, self.seq_len, dtype=torch.bool, device=text_mask.device)
-        text_positions = (~self.image_pad_mask).nonzero(as_tuple=True)[0].to(text_mask.device)
+        text_positions = self.text_positions.to(text_mask.device)
         valid[:, text_positions] = text_mask[:, self.vlm_text_positions.to(text_mask.device)]
         return valid
 

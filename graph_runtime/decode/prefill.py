@@ -123,10 +123,8 @@ def run_prefill(
     # Text rows go to the non-image positions, latents to the image positions: the same joint sequence diffusers
     # builds with `repeat_interleave`, without its host syncs.
     joint = hidden.new_zeros(batch, layout.seq_len, hidden.shape[-1])
-    image_positions = layout.image_pad_mask.nonzero(as_tuple=True)[0]
-    text_positions = (~layout.image_pad_mask).nonzero(as_tuple=True)[0]
-    joint[:, image_positions] = hidden
-    joint[:, text_positions] = text[:, layout.vlm_text_positions.to(device)]
+    joint[:, layout.image_positions] = hidden
+    joint[:, layout.text_positions] = text[:, layout.vlm_text_positions.to(device)]
 
     rotary = layout.rotary(model.pos_embed)
     target_mask = layout.target_token_mask()

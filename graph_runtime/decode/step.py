@@ -9,8 +9,8 @@ layers and weight swaps are seen), with the per-step host work hoisted out:
   `torch.where(target_mask, real, zero)` would only materialize a full-size copy of the same values.
 - K/V of the target are written into a static `[prefix | target]` buffer when one is given, so a captured step
   does not allocate and concatenate the prefix every block; the eager fallback concatenates as diffusers does.
-- Our own kernels (`graph_runtime/kernels`) run each residual + LayerNorm + modulation and, on that static path,
-  q/k norm + RoPE + the K/V write, when the block's modules are diffusers' own; `kernels=False` (or a replaced
+- Our own kernels (`graph_runtime/kernels`) run each residual + LayerNorm + modulation, the MLP's SwiGLU product
+  and, on that static path, q/k norm + RoPE + the K/V write, when the block's modules are diffusers' own; `kernels=False` (or a replaced
   module) keeps the modules' own code. The benchmark's `compile+graph-inductor-only` path measures the difference.
 - Each block hands its MLP residual to the next block instead of adding it, so the add shares a pass with the next
   LayerNorm (or the final norm): one read and write of the residual stream per block fewer, ~33 us per block at
@@ -25,9 +25,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 from diffusers.models.normalization import RMSNorm
+from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21SwiGLUFeedForward
 
 from ..kernels.norm_modulate import norm_modulate, residual_norm_modulate
 from ..kernels.qk_norm_rope import qk_norm_rope_write, rotate_pairs
+from ..kernels.silu_mul import silu_mul
 
 
 @dataclass
@@ -82,6 +84,7 @@ class TargetDecodeBlock(torch.nn.Module):
         # The hand-written kernels of `graph_runtime/kernels` (off: inductor's or PyTorch's own code throughout).
         self.fuse_qk = kernels
         self.fuse_norms = kernels
+        self.fuse_mlp = kernels
 
     def _can_fuse_qk(self) -> bool:
         # Only diffusers' own modules are fused; a replaced module (a patch, an adapter) runs as itself.
@@ -94,6 +97,19 @@ class TargetDecodeBlock(torch.nn.Module):
         norms = (self.block.img_norm1, self.block.img_norm2)
         return (self.fuse_norms and all(type(n) is torch.nn.LayerNorm and not n.elementwise_affine for n in norms)
                 and norms[0].eps == norms[1].eps and norms[0].normalized_shape == norms[1].normalized_shape)
+
+    def _can_fuse_mlp(self) -> bool:
+        mlp = self.block.img_mlp
+        return (self.fuse_mlp and type(mlp) is QwenImage21SwiGLUFeedForward
+                and type(mlp.activation_fn) is torch.nn.SiLU)
+
+    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+        """The block's SwiGLU MLP; with our kernels, its product runs as one pass (its projections still run as the
+        module's own Linear layers, so adapters on them are seen)."""
+        mlp = self.block.img_mlp
+        if self._can_fuse_mlp():
+            return mlp.out(silu_mul(mlp.gate_layer(h), mlp.proj(h)))
+        return mlp(h)
 
     def forward(self, x, pending, modulation, cos, sin, k_cache, v_cache, prefix_len: int, static_kv: bool,
                 attn_mask):
@@ -127,7 +143,7 @@ class TargetDecodeBlock(torch.nn.Module):
         )
         out = attn.to_out[0](out.transpose(1, 2).flatten(2).type_as(q))
         x, h = self.add_pending_and_norm(x, (out, gate1), block.img_norm2, scale2, fuse_norms, mlp_residual=False)
-        return x, (block.img_mlp(h), gate2)
+        return x, (self.mlp(h), gate2)
 
     @staticmethod
     def add_pending_and_norm(x, pending, norm, scale, fuse: bool, mlp_residual: bool = True):

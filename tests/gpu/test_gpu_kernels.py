@@ -1,4 +1,4 @@
-"""The hand-written q/k norm + RoPE + K/V write kernel on the GPU, in bf16 at the real model's head sizes.
+"""Our hand-written kernels on the GPU in bf16 at the real model's sizes (q/k norm + RoPE + K/V write first).
 
 The kernel keeps the eager body's roundings (normed -> bf16, x weight -> bf16, rotated in fp32 -> bf16), so it
 should agree with the PyTorch math except where a different summation order of the 128-term mean moves a value
@@ -61,3 +61,16 @@ def test_norm_modulate_kernel_matches_fp32_math(residual):
             continue
         diff = (a.float() - b.float()).abs()
         assert bool((diff <= b.float().abs() * 2**-7 + 1e-6).all()), f"max diff {diff.max().item()}"
+
+
+def test_silu_mul_kernel_matches_fp32_math():
+    """One rounding at the store, as the PyTorch fp32 math does: equal up to one bf16 step (exp's last-bit
+    differences can move a value across a rounding boundary), over a size with a masked tail."""
+    from graph_runtime.kernels.silu_mul import _triton_silu_mul, reference_silu_mul
+
+    g = torch.Generator(device="cuda").manual_seed(2)
+    gate = (4 * torch.randn(2, 333, 12288, generator=g, device="cuda")).bfloat16()
+    up = torch.randn(2, 333, 12288, generator=g, device="cuda").bfloat16()
+    got, want = _triton_silu_mul(gate, up), reference_silu_mul(gate, up)
+    diff = (got.float() - want.float()).abs()
+    assert bool((diff <= want.float().abs() * 2**-7 + 1e-6).all()), f"max diff {diff.max().item()}"
