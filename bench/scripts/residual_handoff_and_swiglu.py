@@ -77,7 +77,7 @@ class AddInBlock(step_mod.TargetDecodeBlock):
                                              attn_mask=attn_mask)
         out = attn.to_out[0](out.transpose(1, 2).flatten(2).type_as(q))
         x, h = residual_norm_modulate(x, out, gate1[:, 0], scale2[:, 0], block.img_norm2.eps)
-        return x + gate2.tanh() * block.img_mlp(h)
+        return x + gate2.tanh() * self.mlp(h)  # the same MLP code as the block: only the residual add differs
 
 
 class AddInBlockStep(step_mod.DecodeStep):
