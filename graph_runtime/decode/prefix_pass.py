@@ -36,8 +36,9 @@ class PrefixInputs:
 
 
 # Up to this many prefix tokens (a text-only prompt) the pass is host-bound: it is captured and replayed, and its
-# masked attention runs on the memory-efficient kernel. SDPA would pick cuDNN, which generates a kernel for every new prompt length: ~80 ms on the first prefill
-# of each length, 2.4 s on the first one in the process, for attention that is a sliver of a short pass. A long
+# masked attention runs on the memory-efficient kernel. SDPA would pick cuDNN, which generates a kernel for every
+# new prompt length: ~80 ms on the first prefill of each length, 2.4 s on the first one in the process, for
+# attention that is a sliver of a short pass. A long
 # prefix (reference images) keeps cuDNN, 40 ms faster per pass at 4224 tokens
 # (bench/results/prefix-attention-backend-20261202T1505.log).
 SHORT_PREFIX_TOKENS = 1024
@@ -75,8 +76,9 @@ class PrefixGraph:
     def __init__(self, like: PrefixInputs):
         # Outside inference mode, so copy_ into them is legal from any grad mode (as the decode entry's buffers).
         with torch.inference_mode(False):
-            self.inputs = PrefixInputs(hidden=torch.empty_like(like.hidden), modulation=torch.empty_like(like.modulation),
-                                       cos=like.cos.clone(), sin=like.sin.clone(), mask=like.mask.clone(),
+            self.inputs = PrefixInputs(hidden=torch.empty_like(like.hidden),
+                                       modulation=torch.empty_like(like.modulation), cos=like.cos.clone(),
+                                       sin=like.sin.clone(), mask=like.mask.clone(),
                                        k=list(like.k), v=list(like.v))  # own lists: a request's release clears its
         self.graph = None
         self.output = None

@@ -10,8 +10,9 @@ layers and weight swaps are seen), with the per-step host work hoisted out:
 - K/V of the target are written into a static `[prefix | target]` buffer when one is given, so a captured step
   does not allocate and concatenate the prefix every block; the eager fallback concatenates as diffusers does.
 - Our own kernels (`graph_runtime/kernels`) run each residual + LayerNorm + modulation, the MLP's SwiGLU product
-  and, on that static path, q/k norm + RoPE + the K/V write, when the block's modules are diffusers' own; `kernels=False` (or a replaced
-  module) keeps the modules' own code. The benchmark's `compile+graph-inductor-only` path measures the difference.
+  and, on that static path, q/k norm + RoPE + the K/V write, when the block's modules are diffusers' own;
+  `kernels=False` (or a replaced module) keeps the modules' own code. The benchmark's
+  `compile+graph-inductor-only` path measures the difference.
 - Each block hands its MLP residual to the next block instead of adding it, so the add shares a pass with the next
   LayerNorm (or the final norm): one read and write of the residual stream per block fewer, ~33 us per block at
   1024x1024.
