@@ -23,6 +23,14 @@ ATOL = 1e-5
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _run_interpreted(script: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run `script` in a fresh interpreter with Triton's interpreter on (it must be set before triton is imported),
+    from the repository root."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
 def _inputs(batch=2, tokens=5, heads=3, head_dim=16, prefix=4, seed=0):
     g = torch.Generator().manual_seed(seed)
     q, k, v = (torch.randn(batch, tokens, heads * head_dim, generator=g).unflatten(-1, (-1, head_dim))
@@ -70,9 +78,7 @@ def test_triton_kernel_through_interpreter():
                 torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = _run_interpreted(script)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
@@ -96,9 +102,7 @@ def test_norm_modulate_kernel_through_interpreter():
                                        rtol=0)
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = _run_interpreted(script)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
@@ -116,9 +120,7 @@ def test_silu_mul_kernel_through_interpreter():
                                        rtol=1e-6)
         print("ok")
     """)
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=300)
+    done = _run_interpreted(script)
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
@@ -306,7 +308,5 @@ def test_prefix_pass_and_decode_with_the_triton_kernels():
     batch, K/V written into a claimed entry's static buffers. The prefix K/V and the step-1 prediction equal the
     joint forward's (1e-4, as in test_cached_decode.py)."""
     pytest.importorskip("triton", reason="triton is not installed with this torch build")
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    done = subprocess.run([sys.executable, "-c", _FORCED_KERNELS_SCRIPT], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=600)
+    done = _run_interpreted(_FORCED_KERNELS_SCRIPT, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

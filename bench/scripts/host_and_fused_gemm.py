@@ -11,7 +11,7 @@ from graph_runtime.bench.model import build_transformer
 from graph_runtime.bench.scenarios import Scenario, build_inputs
 from graph_runtime.bench.paths import OursPath, PathSpec
 from graph_runtime.bench.runner import _prefixes
-from graph_runtime.bench.timing import device_ms, host_ms
+from graph_runtime.bench.timing import device_ms, host_ms, timed_calls
 from graph_runtime.bench.profile import kernel_table
 from graph_runtime.decode import step as step_mod
 from graph_runtime.decode.prefill import run_prefill
@@ -36,12 +36,6 @@ with torch.no_grad():
         log(json.dumps(row))
         del inputs
 gc.collect(); torch.cuda.empty_cache()
-
-def wrap_timer(obj, name, acc):
-    fn = getattr(obj, name)
-    def timed(*a, **k):
-        t0 = time.perf_counter(); r = fn(*a, **k); acc[name].append((time.perf_counter() - t0) * 1e3); return r
-    setattr(obj, name, timed)
 
 def measure(path, size, label, table=False):
     inputs = build_inputs(Scenario(f"s{size}", size), C, CH, dev, torch.bfloat16)
@@ -68,18 +62,12 @@ def measure(path, size, label, table=False):
             t0 = time.perf_counter(); entry.graph.replay(); ts.append(round((time.perf_counter() - t0) * 1e3, 3))
         torch.cuda.synchronize()
         row["replay_back_to_back_host_ms"] = ts
-        acc = {n: [] for n in ("_fingerprint", "_blocker", "_replay")}
-        for n in acc: wrap_timer(mgr, n, acc)
-        for n in ("load_inputs", "refresh_prefix"):
-            acc[n] = []; wrap_timer(entry, n, acc)
-        acc["replay"] = []; wrap_timer(mgr.backend, "replay", acc)
-        for _ in range(20):
-            torch.cuda.synchronize(); st()
-        torch.cuda.synchronize()
+        with timed_calls(*[(mgr, n) for n in ("_fingerprint", "_blocker", "_replay")],
+                         *[(entry, n) for n in ("load_inputs", "refresh_prefix")], (mgr.backend, "replay")) as acc:
+            for _ in range(20):
+                torch.cuda.synchronize(); st()
+            torch.cuda.synchronize()
         row["breakdown_ms"] = {n: round(statistics.median(v), 3) for n, v in acc.items() if v}
-        for n in ("_fingerprint", "_blocker", "_replay"): delattr(mgr, n)
-        for n in ("load_inputs", "refresh_prefix"): delattr(entry, n)
-        delattr(mgr.backend, "replay")
         from torch.profiler import ProfilerActivity, profile
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(3): entry.graph.replay()

@@ -1,4 +1,5 @@
-"""(1) The SwiGLU product `silu(gate) * up` at the decode shapes: inductor's kernel against a hand-written Triton one;
+"""(1) The SwiGLU product `silu(gate) * up` at the decode shapes: inductor's kernel against ours (silu_mul_triton.py)
+at several block sizes;
 (2) the MLP residual handed to the next block's norm (one pass) against adding it in its own kernel, the decode step
 through the compiled engine at 512x512 and 1024x1024, alternated in one process; (3) where a replayed step's host
 time and a sampler's prefill go on this host (per-call timers and a cProfile of the prefill).
@@ -8,28 +9,19 @@ import cProfile, gc, io, json, pstats, statistics, time
 import torch
 import torch.nn.functional as F
 import triton
-import triton.language as tl
 from graph_runtime.bench.model import build_transformer
 from graph_runtime.bench.paths import OursPath, PathSpec
 from graph_runtime.bench.runner import _prefixes
 from graph_runtime.bench.scenarios import Scenario, build_inputs
-from graph_runtime.bench.timing import device_ms, host_ms
+from graph_runtime.bench.timing import device_ms, host_ms, timed_calls
 from graph_runtime.decode import step as step_mod
 from graph_runtime.kernels.norm_modulate import norm_modulate, residual_norm_modulate
 from graph_runtime.kernels.qk_norm_rope import qk_norm_rope_write
+from graph_runtime.kernels.silu_mul_triton import silu_mul_kernel
 
 dev = "cuda"
 T0 = time.time()
 def log(*a): print(*a, flush=True)
-
-
-@triton.jit
-def silu_mul_kernel(g_ptr, u_ptr, o_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    u = tl.load(u_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(o_ptr + offs, (g / (1.0 + tl.exp(-g)) * u).to(o_ptr.dtype.element_ty), mask=mask)
 
 
 def hand_silu_mul(g, u, block, warps):
@@ -152,12 +144,6 @@ del added
 gc.collect(); torch.cuda.empty_cache()
 
 # 3. host time of a replayed step, split per call; and the sampler's prefill under cProfile
-def wrap_timer(obj, name, acc):
-    fn = getattr(obj, name)
-    def timed(*a, **k):
-        t0 = time.perf_counter(); r = fn(*a, **k); acc[name].append((time.perf_counter() - t0) * 1e3); return r
-    setattr(obj, name, timed)
-
 for size in (512, 1024):
     inputs = build_inputs(Scenario(f"h{size}", size), C, CH, dev, torch.bfloat16)
     with torch.no_grad():
@@ -166,21 +152,12 @@ for size in (512, 1024):
         st(); st()
         mgr = handed.engine.manager
         entry = mgr.entries[prefixes["cond"].graph_key]
-        acc = {n: [] for n in ("_fingerprint", "_blocker", "_replay")}
-        for n in list(acc):
-            wrap_timer(mgr, n, acc)
-        for n in ("load_inputs", "refresh_prefix"):
-            acc[n] = []; wrap_timer(entry, n, acc)
-        acc["replay"] = []; wrap_timer(mgr.backend, "replay", acc)
-        acc["decode"] = []
-        for _ in range(30):
-            torch.cuda.synchronize(); t0 = time.perf_counter(); st(); acc["decode"].append((time.perf_counter() - t0) * 1e3)
-        torch.cuda.synchronize()
-        for n in ("_fingerprint", "_blocker", "_replay"):
-            delattr(mgr, n)
-        for n in ("load_inputs", "refresh_prefix"):
-            delattr(entry, n)
-        delattr(mgr.backend, "replay")
+        with timed_calls(*[(mgr, n) for n in ("_fingerprint", "_blocker", "_replay")],
+                         *[(entry, n) for n in ("load_inputs", "refresh_prefix")], (mgr.backend, "replay")) as acc:
+            acc["decode"] = []
+            for _ in range(30):
+                torch.cuda.synchronize(); t0 = time.perf_counter(); st(); acc["decode"].append((time.perf_counter() - t0) * 1e3)
+            torch.cuda.synchronize()
         idle = []
         for _ in range(30):
             torch.cuda.synchronize(); t0 = time.perf_counter(); entry.graph.replay(); idle.append((time.perf_counter() - t0) * 1e3)

@@ -1,7 +1,8 @@
-"""Timers: CUDA-event medians for device time, perf_counter medians for host time."""
+"""Timers: CUDA-event medians for device time, perf_counter medians for host time, per-call host timers."""
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
@@ -53,3 +54,28 @@ def wall_s(fn, device) -> tuple[object, float]:
     out = fn()
     _sync(device)
     return out, time.perf_counter() - t0
+
+
+@contextlib.contextmanager
+def timed_calls(*targets):
+    """Host time of every call of each `(obj, method_name)` in `targets` while inside: yields `{name: [ms, ...]}`.
+
+    The methods are wrapped on the instances and the wrappers removed on exit, so the class's methods show again.
+    """
+    times = {}
+    for obj, name in targets:
+        calls = times.setdefault(name, [])
+
+        def timed(*args, _fn=getattr(obj, name), _calls=calls, **kwargs):
+            start = time.perf_counter()
+            try:
+                return _fn(*args, **kwargs)
+            finally:
+                _calls.append((time.perf_counter() - start) * 1e3)
+
+        setattr(obj, name, timed)
+    try:
+        yield times
+    finally:
+        for obj, name in targets:
+            delattr(obj, name)
