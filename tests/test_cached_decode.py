@@ -109,3 +109,26 @@ def test_prefix_only_prefill_gives_the_same_cache(tiny_models, generator, refere
     for a, b in zip(joint.k + joint.v, alone.k + alone.v):
         assert (a - b).abs().max().item() <= ATOL
     assert (decoded - joint_pred).abs().max().item() <= ATOL
+
+
+def test_prefix_pass_stops_each_request_at_the_last_blocks_kv(tiny_models, generator):
+    """The prefix pass keeps only K/V rows, so its last block stops after writing them: its output projection and
+    MLP never run, every earlier block's do (and test_prefix_only_prefill_gives_the_same_cache holds the K/V to the
+    joint forward's)."""
+    transformer = tiny_models.transformer
+    calls = []
+    hooks = [module.register_forward_hook(lambda m, a, o, name=name: calls.append(name))
+             for i, block in enumerate(transformer.transformer_blocks)
+             for name, module in ((f"out{i}", block.attn.to_out[0]), (f"mlp{i}", block.img_mlp.out))]
+    try:
+        embeds = generator.encoder.encode("a lamp")
+        layout = TokenLayout.build(embeds.image_mask, [(1, 8, 6)], "cpu")
+        latents = pack(initial_noise(3, 1, 64, 8, 6, torch.float32))
+        with torch.no_grad():
+            DecodeEngine(transformer).prefill(layout, latents, embeds.embeds, torch.full((1,), 0.9),
+                                              with_target=False)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    last = len(transformer.transformer_blocks) - 1
+    assert sorted(calls) == sorted(f"{kind}{i}" for i in range(last) for kind in ("out", "mlp"))

@@ -127,7 +127,6 @@ def run_prefill(
     joint[:, layout.text_positions] = text[:, layout.vlm_text_positions.to(device)]
 
     rotary = layout.rotary(model.pos_embed)
-    target_mask = layout.target_token_mask()
     t = timestep.to(hidden.dtype)
     t = torch.cat([t, t.new_zeros(1)])
     temb = model.time_text_embed(t, hidden)
@@ -136,7 +135,7 @@ def run_prefill(
 
     cos, sin = rope_tables(rotary[layout.prefix_len:])
     if with_target:
-        out, layers = _joint_pass(model, layout, joint, modulation, rotary, target_mask, key_valid, temb, static_kv)
+        out, layers = _joint_pass(model, layout, joint, modulation, rotary, key_valid, temb, static_kv)
         k, v = [layer.k for layer in layers], [layer.v for layer in layers]
     else:
         out = None
@@ -160,9 +159,10 @@ def run_prefill(
     return out, prefix
 
 
-def _joint_pass(model, layout, joint, modulation, rotary, target_mask, key_valid, temb, static_kv):
+def _joint_pass(model, layout, joint, modulation, rotary, key_valid, temb, static_kv):
     """diffusers' extract forward over the whole joint sequence: the target's prediction and every layer's cache."""
     _check_processors(model)
+    target_mask = layout.target_token_mask()
     blocks = model.transformer_blocks
     if static_kv is None:
         layers = [QwenImage21KVLayerCache() for _ in blocks]

@@ -49,10 +49,11 @@ def run_prefix_blocks(blocks, inputs: PrefixInputs) -> None:
     x = inputs.hidden
     short = x.is_cuda and x.shape[1] <= SHORT_PREFIX_TOKENS
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if short else contextlib.nullcontext():
-        pending = None  # the last block's MLP residual is never added: only the K/V rows are kept
-        for block, k_rows, v_rows in zip(blocks, inputs.k, inputs.v):
+        pending, last = None, len(blocks) - 1
+        for i, (block, k_rows, v_rows) in enumerate(zip(blocks, inputs.k, inputs.v)):
+            # Only the K/V rows are kept: the last block stops once it has written them.
             x, pending = block(x, pending, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True,
-                               inputs.mask)
+                               inputs.mask, kv_only=i == last)
 
 
 def prefix_blocks(transformer) -> list[TargetDecodeBlock]:

@@ -113,9 +113,12 @@ class TargetDecodeBlock(torch.nn.Module):
         return mlp(h)
 
     def forward(self, x, pending, modulation, cos, sin, k_cache, v_cache, prefix_len: int, static_kv: bool,
-                attn_mask):
+                attn_mask, kv_only: bool = False):
         """Returns `(x, pending)`: the block's MLP residual is handed on, not added, so the next block (or the final
-        norm) adds it in the same pass as its LayerNorm; `pending` is `(mlp_out, gate)` or None for the first block."""
+        norm) adds it in the same pass as its LayerNorm; `pending` is `(mlp_out, gate)` or None for the first block.
+
+        `kv_only` (static K/V only) stops once the block's K/V rows are written and returns `(x, None)`: the prefix
+        pass keeps nothing else of its last block, so its attention and MLP would be work thrown away."""
         block, attn = self.block, self.block.attn
         fuse_norms = self._can_fuse_norms()
         scale1, gate1, scale2, gate2 = modulation[:, None].chunk(4, dim=-1)
@@ -139,6 +142,8 @@ class TargetDecodeBlock(torch.nn.Module):
             q = apply_rope(attn.norm_q(q).to(v.dtype), cos, sin)
             k = apply_rope(attn.norm_k(k).to(v.dtype), cos, sin)
             keys, values = torch.cat([k_cache, k], dim=1), torch.cat([v_cache, v], dim=1)
+        if kv_only and static_kv:
+            return x, None
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attn_mask
         )
