@@ -28,7 +28,6 @@ import torch.nn.functional as F
 from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21SwiGLUFeedForward
 
-from ..kernels.concurrent_linears import concurrent_linears, plain_linears
 from ..kernels.norm_modulate import norm_modulate, residual_norm_modulate
 from ..kernels.qk_norm_rope import qk_norm_rope_write, rotate_pairs
 from ..kernels.silu_mul import silu_mul
@@ -87,7 +86,6 @@ class TargetDecodeBlock(torch.nn.Module):
         self.fuse_qk = kernels
         self.fuse_norms = kernels
         self.fuse_mlp = kernels
-        self.concurrent_projections = kernels
 
     def _can_fuse_qk(self) -> bool:
         # Only diffusers' own modules are fused; a replaced module (a patch, an adapter) runs as itself.
@@ -106,19 +104,12 @@ class TargetDecodeBlock(torch.nn.Module):
         return (self.fuse_mlp and type(mlp) is QwenImage21SwiGLUFeedForward
                 and type(mlp.activation_fn) is torch.nn.SiLU)
 
-    def project(self, h: torch.Tensor, *linears) -> list[torch.Tensor]:
-        """`[linear(h) for linear in linears]`; bare Linear layers run side by side on CUDA streams (same kernels,
-        same bits), anything else (an adapter, a hook) is called as itself."""
-        if self.concurrent_projections and plain_linears(*linears):
-            return concurrent_linears(h, [m.weight for m in linears], [m.bias for m in linears])
-        return [linear(h) for linear in linears]
-
     def mlp(self, h: torch.Tensor) -> torch.Tensor:
-        """The block's SwiGLU MLP; with our kernels, its product runs as one pass and its gate/up projections side
-        by side (a replaced MLP module, or adapted projections, are called as themselves)."""
+        """The block's SwiGLU MLP; with our kernels, its product runs as one pass (its projections still run as the
+        module's own Linear layers, so adapters on them are seen)."""
         mlp = self.block.img_mlp
         if self._can_fuse_mlp():
-            return mlp.out(silu_mul(*self.project(h, mlp.gate_layer, mlp.proj)))
+            return mlp.out(silu_mul(mlp.gate_layer(h), mlp.proj(h)))
         return mlp(h)
 
     def forward(self, x, pending, modulation, cos, sin, k_cache, v_cache, prefix_len: int, static_kv: bool,
@@ -134,7 +125,9 @@ class TargetDecodeBlock(torch.nn.Module):
 
         x, h = self.add_pending_and_norm(x, pending, block.img_norm1, scale1, fuse_norms)
         head_dim = attn.inner_dim // attn.heads
-        q, k, v = (p.unflatten(-1, (-1, head_dim)) for p in self.project(h, attn.to_q, attn.to_k, attn.to_v))
+        q = attn.to_q(h).unflatten(-1, (-1, head_dim))
+        k = attn.to_k(h).unflatten(-1, (-1, head_dim))
+        v = attn.to_v(h).unflatten(-1, (-1, head_dim))
         if static_kv and self._can_fuse_qk():
             q = qk_norm_rope_write(q, k, v, attn.norm_q.weight, attn.norm_k.weight, cos, sin, k_cache, v_cache,
                                    prefix_len, attn.norm_q.eps)
