@@ -14,7 +14,8 @@ COLUMNS = [
     ("psnr_vs_fp32_db", "PSNR vs fp32 dB", "{:.1f}"), ("err_ratio_vs_diffusers", "err / diffusers err", "{:.3f}"),
     ("quality_ok", "guard", "{}"), ("vs_own_eager_maxabs", "vs eager path", "{:.2e}"),
     ("replay_vs_body_maxabs", "replay vs own body", "{:.1e}"), ("sm_clock_mhz", "SM MHz", "{:.0f}"),
-    ("power_w", "power W", "{:.0f}"),
+    ("power_w", "power W", "{:.0f}"), ("clock_limit", "clock held by", "{}"),
+    ("decode_ms_after_idle", "ms/step after 3 s idle", "{:.2f}"),
 ]
 
 
@@ -42,7 +43,10 @@ def markdown(meta, results, amortization) -> str:
              f"- fastest path passing the guard: **{meta['fastest_passing_path']}**",
              "- prefill: diffusers' extract forward (which also predicts step 1); ours the prefix rows alone (step 1 "
              "is then a decode step), eager on the eager path, a replay of the entry's captured prefix pass on "
-             "graph paths", ""]
+             "graph paths",
+             "- decode ms/step: median of CUDA-event timings of steps run one after another, where a step at 512x512 "
+             "or more draws the card's power limit (SM MHz, power W and the driver's reason for holding the clock, "
+             "sampled while timing); ms/step after 3 s idle: one step at the clock the card boosts to", ""]
     for res in results:
         lines += [f"## {res['scenario']}: {res['pixels']}, {res['references']} reference(s), batch {res['batch']}, "
                   f"CFG {'on' if res['cfg'] else 'off'}; prefix tokens {res['prefix_tokens']}, "

@@ -36,6 +36,23 @@ def device_ms(fn, device, iters: int = 10, warmup: int = 2) -> float:
     return statistics.median(times)
 
 
+def after_idle_ms(fn, device, pause_s: float = 3.0) -> float:
+    """Device time of one call of `fn` after the card idled `pause_s` seconds, on CUDA.
+
+    Back-to-back steps at 512x512 and up draw the card's 700 W limit, and the driver then holds the SM clock near
+    1.5 GHz; after a pause one step runs at the boost clock (bench/results/prefill-host-and-clocks-*.log). This
+    is that step: the same code at the clock the card is rated for, next to `device_ms`'s sustained figure.
+    """
+    _sync(device)
+    time.sleep(pause_s)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end)
+
+
 def host_ms(fn, device, iters: int = 10) -> float:
     """Median host time to issue `fn` (no sync inside the timed region): the CPU cost of launching a step."""
     times = []
