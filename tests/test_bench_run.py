@@ -1,0 +1,46 @@
+"""The benchmark command end to end on the tiny model (CPU): the reports it writes and what they hold."""
+
+import json
+
+from graph_runtime.cli import main
+
+
+def test_tiny_bench_writes_markdown_and_json_with_every_path_guarded(tmp_path, capsys):
+    """On CPU the default paths are the reference and our eager step; each scenario row carries a decode time and a
+    passing quality guard, and the markdown names the columns a reader compares (clock columns stay empty off
+    CUDA)."""
+    assert main(["bench", "--tiny", "--device", "cpu", "--out-dir", str(tmp_path)]) == 0
+    (md,) = tmp_path.glob("decode-*.md")
+    (js,) = tmp_path.glob("decode-*.json")
+    report = json.loads(js.read_text())
+    assert report["meta"]["command"].startswith("python -m graph_runtime bench")
+    rows = [row for scenario in report["scenarios"] for row in scenario["rows"]]
+    assert {row["path"] for row in rows} == {"diffusers", "eager"}
+    assert all(row["decode_ms"] > 0 and row["quality_ok"] is True for row in rows)
+    assert not any("decode_ms_after_idle" in row or "clock_limit" in row for row in rows)
+    text = md.read_text()
+    assert "| path | prefill ms | decode ms/step |" in text and "clock held by" in text
+    assert "fastest path passing the guard: **eager**" in text
+    assert "bench: wrote" in capsys.readouterr().out
+
+
+def test_fastest_path_lists_paths_tied_within_one_percent():
+    """A path that failed a quality check is never the fastest; sums within 1% of the fastest are reported as tied
+    (run-to-run noise), fastest first; the reference is never a candidate."""
+    from graph_runtime.bench.paths import PathSpec
+    from graph_runtime.bench.runner import _fastest_passing, describe_fastest
+
+    specs = [PathSpec("diffusers", reference=True), PathSpec("eager", mode="eager"), PathSpec("graph"),
+             PathSpec("compile+graph", compile=True), PathSpec("fast-but-wrong")]
+    rows = [{"path": "diffusers", "decode_ms": 50.0}, {"path": "eager", "decode_ms": 40.0},
+            {"path": "graph", "decode_ms": 25.1}, {"path": "compile+graph", "decode_ms": 25.0},
+            {"path": "fast-but-wrong", "decode_ms": 10.0, "quality_ok": False}]
+    results = [{"rows": rows + [{"path": "diffusers", "skipped": "odd latent grid"}]},
+               {"rows": [dict(r, decode_ms=r["decode_ms"] * 4) for r in rows]}]
+    tied, totals = _fastest_passing(results, specs)
+    assert [s.name for s in tied] == ["compile+graph", "graph"]
+    assert totals == {"eager": 200.0, "graph": 125.5, "compile+graph": 125.0}
+    assert describe_fastest(tied, totals).startswith("compile+graph (tied within 1% with graph;")
+    rows[2]["decode_ms"] = 30.0
+    tied, _ = _fastest_passing(results[:1], specs)
+    assert [s.name for s in tied] == ["compile+graph"]
