@@ -130,9 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--batch", type=int, default=1)
     gen.add_argument("--sigmas", choices=["dynamic", "turbo"], default="dynamic")
     gen.add_argument("--decode", choices=["auto", "graph", "eager"], default="auto")
-    gen.add_argument("--compile", choices=["blocks", "off"], default="blocks",
-                     help="torch.compile the blocks on CUDA, once per loaded model and shape (default blocks: the "
-                          "fastest path in our benchmark)")
+    gen.add_argument("--compile", choices=["blocks", "off"], default="off",
+                     help="blocks: also torch.compile the transformer blocks on CUDA (same step time in our "
+                          "benchmark, ~6 s more on the first prompt); default off")
     gen.add_argument("--reference-resolution", type=int, default=1024, help="references are resized to ~N*N px")
     gen.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on CPU")
     gen.add_argument("--device", default=None, help="default cuda when available")

@@ -47,7 +47,7 @@ class QwenImageGenerator:
 
     def generate(self, prompt: str, negative_prompt: str | None = None, cfg: float = 1.0, images=(),
                  width: int | None = None, height: int | None = None, steps: int = 40, seed: int = 0,
-                 sigma_preset: str = "dynamic", decode_mode: str = "auto", compile: bool = True,
+                 sigma_preset: str = "dynamic", decode_mode: str = "auto", compile: bool = False,
                  batch_size: int = 1, reference_resolution: int = DEFAULT_SIZE, on_step=None,
                  on_event=None) -> GenerationResult:
         timings = {}

@@ -91,7 +91,7 @@ def test_sampler_schema(comfy_env):
     assert inputs["sigma_preset"].options == ["dynamic", "turbo"] and inputs["sigma_preset"].default == "dynamic"
     assert (inputs["denoise"].default, inputs["denoise"].max) == (1.0, 1.0) and 0 < inputs["denoise"].min < 0.1
     assert inputs["decode_mode"].options == ["auto", "graph", "eager"] and inputs["decode_mode"].default == "auto"
-    assert inputs["compile"].options == ["off", "blocks"] and inputs["compile"].default == "blocks"
+    assert inputs["compile"].options == ["off", "blocks"] and inputs["compile"].default == "off"
     assert [o.io_type for o in s.outputs] == ["LATENT"]
 
 

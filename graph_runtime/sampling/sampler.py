@@ -42,7 +42,9 @@ class SamplingRequest:
     denoise: float = 1.0
     init_latents: torch.Tensor | None = None  # [B, C, h, w] normalized space, for denoise < 1
     decode_mode: str = "auto"
-    compile: bool = True  # compiled blocks measured fastest (bench/results); skipped automatically off CUDA
+    # Compiled blocks: the same step time as the captured eager blocks once our kernels do the fusing, and ~6 s more
+    # on a first prompt (bench/results/compile-or-not-20261202T1738.log); skipped automatically off CUDA.
+    compile: bool = False
     scheduler_config: dict | None = None
 
     @property

@@ -73,7 +73,7 @@ def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="dynamic", refere
         sampler_links["negative"] = (4, 1)
     nodes.append((5, "KVGraphSampler", [
         ("seed", seed), ("steps", steps), ("cfg", cfg), ("sigma_preset", preset), ("denoise", 1.0),
-        ("decode_mode", "auto"), ("compile", "blocks")], sampler_links, (860, 120)))
+        ("decode_mode", "auto"), ("compile", "off")], sampler_links, (860, 120)))
     nodes.append((6, "KVGraphVAEDecode", [], {"vae": (3, 0), "latent": (5, 0)}, (1240, 120)))
     nodes.append((7, "SaveImage", [("filename_prefix", f"KVGraph/{name}")], {"images": (6, 0)}, (1600, 120)))
     return nodes
