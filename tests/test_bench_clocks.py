@@ -21,3 +21,27 @@ def test_parse_sample_reads_clock_power_and_mask():
     assert parse_sample("1980, 120.0") == (1980.0, 120.0, None)
     assert parse_sample("clocks.sm [MHz], power.draw [W]") is None
     assert parse_sample("[N/A], 100") is None
+
+
+def test_reason_field_falls_back_to_the_older_name_and_is_asked_once(monkeypatch):
+    """A driver that only knows "clocks_throttle_reasons" gets that field; the probe runs once per card."""
+    import subprocess
+
+    from graph_runtime.bench import clocks
+
+    calls = []
+
+    def fake_run(cmd, **kwargs):
+        calls.append(cmd)
+        field = cmd[3].split("=", 1)[1]
+        known = field == "clocks_throttle_reasons.active"
+        return subprocess.CompletedProcess(cmd, 0 if known else 2, "0x0000000000000004\n" if known else "", "")
+
+    monkeypatch.setattr(clocks.subprocess, "run", fake_run)
+    clocks._reason_field.cache_clear()
+    try:
+        assert clocks._reason_field(7) == "clocks_throttle_reasons.active"
+        assert clocks._reason_field(7) == "clocks_throttle_reasons.active"
+        assert len(calls) == 2 and all(call[2] == "7" for call in calls)
+    finally:
+        clocks._reason_field.cache_clear()

@@ -8,6 +8,7 @@ timing shows which regime a number was measured in.
 
 from __future__ import annotations
 
+import functools
 import shutil
 import statistics
 import subprocess
@@ -26,6 +27,17 @@ LIMIT_REASONS = {
 }
 # The query field was renamed from "throttle" to "event" reasons; older drivers know only the first name.
 _REASON_FIELDS = ("clocks_event_reasons.active", "clocks_throttle_reasons.active")
+
+
+@functools.cache
+def _reason_field(index: int) -> str | None:
+    """The name this driver knows the active clock reasons by (asked once per process and card)."""
+    for field in _REASON_FIELDS:
+        probe = subprocess.run(["nvidia-smi", "-i", str(index), f"--query-gpu={field}", "--format=csv,noheader"],
+                               capture_output=True, text=True, timeout=30)
+        if probe.returncode == 0 and probe.stdout.strip().startswith("0x"):
+            return field
+    return None
 
 
 def limit_reasons(mask: int) -> list[str]:
@@ -54,17 +66,9 @@ class ClockSampler:
         self.samples: list[tuple[float, float, int | None]] = []
         self._proc = None
 
-    def _reason_field(self) -> str | None:
-        for field in _REASON_FIELDS:
-            probe = subprocess.run(["nvidia-smi", "-i", str(self.index), f"--query-gpu={field}",
-                                    "--format=csv,noheader"], capture_output=True, text=True, timeout=30)
-            if probe.returncode == 0 and probe.stdout.strip().startswith("0x"):
-                return field
-        return None
-
     def __enter__(self):
         if self.enabled and shutil.which("nvidia-smi"):
-            fields = ["clocks.sm", "power.draw"] + [f for f in [self._reason_field()] if f]
+            fields = ["clocks.sm", "power.draw"] + [f for f in [_reason_field(self.index)] if f]
             query = ["nvidia-smi", "-i", str(self.index), "--query-gpu=" + ",".join(fields),
                      "--format=csv,noheader,nounits", "-lms", str(self.period_ms)]
             self._proc = subprocess.Popen(query, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
