@@ -124,6 +124,18 @@ def test_silu_mul_kernel_through_interpreter():
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-3000:]
 
 
+class _Doubled(torch.nn.Module):
+    """A stand-in for a patched module (a norm, an MLP): not diffusers' own class, so the block must call it rather
+    than fuse; its x2 shows in the output."""
+
+    def __init__(self, inner):
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, x):
+        return self.inner(x) * 2.0
+
+
 def test_block_mlp_equals_the_module_and_calls_a_replaced_one(tiny_models):
     """With our kernels the block's MLP (its projections, then the one-pass SwiGLU product) equals diffusers'
     module; a replaced MLP module is called as itself."""
@@ -136,15 +148,7 @@ def test_block_mlp_equals_the_module_and_calls_a_replaced_one(tiny_models):
     with torch.no_grad():
         torch.testing.assert_close(wrapped.mlp(h), block.img_mlp(h), atol=ATOL, rtol=0)
 
-    class Doubled(torch.nn.Module):
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, x):
-            return self.inner(x) * 2.0
-
-    block.img_mlp = Doubled(block.img_mlp)
+    block.img_mlp = _Doubled(block.img_mlp)
     assert not wrapped._can_fuse_mlp()
     with torch.no_grad():
         torch.testing.assert_close(wrapped.mlp(h), 2.0 * block.img_mlp.inner(h), atol=ATOL, rtol=0)
@@ -220,17 +224,6 @@ def test_handed_on_residual_equals_the_reference_blocks(tiny_models):
         assert torch.isfinite(stream).all() and stream.max() == 65504
 
 
-class _ScaledNorm(torch.nn.Module):
-    """A stand-in for a patched norm: not diffusers' RMSNorm, so the block must call it rather than fuse."""
-
-    def __init__(self, inner):
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, x):
-        return self.inner(x) * 2.0
-
-
 def test_block_calls_a_replaced_norm_instead_of_fusing(tiny_models):
     """A block whose norm_q was replaced by another module runs that module (its x2 shows in the output)."""
     import copy
@@ -238,7 +231,7 @@ def test_block_calls_a_replaced_norm_instead_of_fusing(tiny_models):
     block = copy.deepcopy(tiny_models.transformer.transformer_blocks[0])
     wrapped = TargetDecodeBlock(block)
     assert wrapped._can_fuse_qk()
-    block.attn.norm_q = _ScaledNorm(block.attn.norm_q)
+    block.attn.norm_q = _Doubled(block.attn.norm_q)
     assert not wrapped._can_fuse_qk()
     x, modulation, cos, sin, prefix_k, prefix_v = _block_inputs(block, batch=1, seed=1)
     with torch.no_grad():

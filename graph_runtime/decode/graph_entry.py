@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .capture_record import CaptureRecord
 from .prefill import PrefixCache
 from .prefix_pass import PrefixGraph
 from .step import DecodeInputs
@@ -82,14 +83,18 @@ class EntrySpec:
         return (kv + hidden) * self.dtype.itemsize
 
 
-class DecodeGraphEntry:
+class DecodeGraphEntry(CaptureRecord):
     """Static buffers for one key, and the graph once captured.
 
     Buffers are allocated outside inference mode so `copy_` into them is legal whatever grad mode the caller runs
     in (ComfyUI runs nodes under `torch.inference_mode()`).
     """
 
+    # Compiled blocks may compile on the first call and settle on the second.
+    warmups = 2
+
     def __init__(self, key: GraphKey, spec: EntrySpec):
+        super().__init__()
         self.key = key
         with torch.inference_mode(False):
             kv_shape = (spec.batch, spec.prefix_len + spec.target_tokens, spec.heads, spec.head_dim)
@@ -105,17 +110,7 @@ class DecodeGraphEntry:
                 prefix_len=spec.prefix_len,
                 static_kv=True,
             )
-        self.graph = None
-        self.output: torch.Tensor | None = None
-        self.captures = 0
-        self.replays = 0
-        self.pool_bytes = 0
-        self.warmup_seconds = 0.0
-        self.capture_seconds = 0.0
-        self.weights_fingerprint: int | None = None
         self.prefix_graph: PrefixGraph | str | None = None  # the captured prefix pass, or why it failed
-        # Warm-up runs before capture: the compiled blocks may compile on the first call and settle on the second.
-        self.warmups = 2
         self._sources: list[weakref.ReferenceType] = []  # what the prefix rows hold (see refresh_prefix)
         self._versions: list[tuple[int, int]] = []  # (index, version) of the normal tensors among them
 

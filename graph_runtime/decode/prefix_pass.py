@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from .capture_record import CaptureRecord
 from .step import TargetDecodeBlock
 
 
@@ -66,31 +67,22 @@ def run_prefix_eagerly(transformer, inputs: PrefixInputs) -> None:
     run_prefix_blocks(prefix_blocks(transformer), inputs)
 
 
-class PrefixGraph:
+class PrefixGraph(CaptureRecord):
     """One graph entry's captured prefix pass: static copies of the per-prompt inputs, and the graph.
 
-    It has the attribute surface a capture backend works with (`inputs`, `graph`, `output`, counters), so the
-    manager's backend captures and replays it like a decode entry; the pass returns nothing (its results are the
-    K/V rows).
+    The manager's backend captures and replays it like a decode entry; the pass returns nothing (its results are
+    the K/V rows). One warm-up before capture is enough: an eager pass has no state that a second call would
+    settle.
     """
 
     def __init__(self, like: PrefixInputs):
+        super().__init__()
         # Outside inference mode, so copy_ into them is legal from any grad mode (as the decode entry's buffers).
         with torch.inference_mode(False):
             self.inputs = PrefixInputs(hidden=torch.empty_like(like.hidden),
                                        modulation=torch.empty_like(like.modulation), cos=like.cos.clone(),
                                        sin=like.sin.clone(), mask=like.mask.clone(),
                                        k=list(like.k), v=list(like.v))  # own lists: a request's release clears its
-        self.graph = None
-        self.output = None
-        # One warm-up before capture is enough: an eager pass has no state that a second call would settle.
-        self.warmups = 1
-        self.captures = 0
-        self.replays = 0
-        self.pool_bytes = 0
-        self.warmup_seconds = 0.0
-        self.capture_seconds = 0.0
-        self.weights_fingerprint: tuple | None = None
 
     def load(self, inputs: PrefixInputs) -> None:
         self.inputs.hidden.copy_(inputs.hidden)
