@@ -399,6 +399,100 @@ def test_one_module_tree_scan_per_prompt(engine, generator, monkeypatch):
     assert len(scans) == 2
 
 
+def test_an_unchanged_model_is_not_walked_again_at_the_next_prompt(tiny_models, generator, monkeypatch):
+    """The next prompt on an unchanged model reuses the module-tree scan and its LoRA verdict (the walk and the LoRA
+    scan cost milliseconds of host time per prompt on the full model); the static checks (devices, hooks) still
+    judge the model again at each prompt, so a hook added since the last one is seen."""
+
+    class JudgingBackend(RecordingBackend):
+        judged = 0
+
+        def unavailable_reason(self, transformer, params=None):
+            self.judged += 1
+            hooked = any(b._forward_hooks for b in transformer.transformer_blocks)
+            return why.BLOCK_HOOKS if hooked else None
+
+    engine = DecodeEngine(tiny_models.transformer, backend=JudgingBackend())
+    scans, lora_scans = [], []
+    real_scan, real_lora = why.ModelScan.__init__, why.has_lora_wrappers
+    monkeypatch.setattr(why.ModelScan, "__init__", lambda self, model: scans.append(1) or real_scan(self, model))
+    monkeypatch.setattr(why, "has_lora_wrappers", lambda modules: lora_scans.append(1) or real_lora(modules))
+    for prompt in ("a red cube", "a blue cube"):
+        prefix, latents = _request(generator, prompt, engine=engine)
+        assert engine.decode(prefix, latents, torch.full((1,), 0.6)).reason is None
+        prefix.release()
+        gc.collect()
+    assert (len(scans), len(lora_scans), engine.manager.backend.judged) == (1, 1, 2)
+    handle = tiny_models.transformer.transformer_blocks[0].register_forward_hook(lambda *args: None)
+    try:
+        prefix, latents = _request(generator, "a green cube", engine=engine)
+        assert engine.decode(prefix, latents, torch.full((1,), 0.6)).reason == why.BLOCK_HOOKS
+    finally:
+        handle.remove()
+    assert (len(scans), len(lora_scans)) == (1, 1)  # a hook is judged without walking the tree again
+
+
+def _changes():
+    """Edits anywhere in the module tree that a request start must notice, each with its undo."""
+    def add_attribute(m):
+        m.transformer_blocks[0].attn.lora_A = torch.zeros(1)  # a plain attribute, not a module or parameter
+        return lambda: delattr(m.transformer_blocks[0].attn, "lora_A")
+
+    def add_submodule(m):
+        m.transformer_blocks[1].lora_down = torch.nn.Identity()  # under a block, not a Linear
+        return lambda: delattr(m.transformer_blocks[1], "lora_down")
+
+    def replace_module(m):
+        old = m.transformer_blocks[0].img_mlp
+        m.transformer_blocks[0].img_mlp = torch.nn.Identity()
+        return lambda: setattr(m.transformer_blocks[0], "img_mlp", old)
+
+    def retype_module(m):
+        norm = m.norm_out
+        old = type(norm)
+        norm.__class__ = type("Patched", (old,), {})
+        return lambda: setattr(norm, "__class__", old)
+
+    def add_buffer(m):
+        m.transformer_blocks[0].register_buffer("lora_scale", torch.ones(1))
+        return lambda: m.transformer_blocks[0]._buffers.pop("lora_scale")
+
+    return [add_attribute, add_submodule, replace_module, retype_module, add_buffer]
+
+
+@pytest.mark.parametrize("change", _changes(), ids=lambda f: f.__name__)
+def test_tree_watch_sees_any_module_tree_change(tiny_models, change):
+    """The request-start check notices a change anywhere in the tree (not only on the Linears the per-step check
+    watches), in each place a LoRA loader or patcher leaves one, and is quiet again once it is undone."""
+    import copy
+
+    model = copy.deepcopy(tiny_models.transformer)
+    scan = why.ModelScan(model)
+    assert not scan.stale()
+    undo = change(model)
+    assert scan.stale()
+    undo()
+    assert not scan.stale()
+
+
+def test_a_lora_attribute_added_between_prompts_is_judged(tiny_models, generator):
+    """A LoRA marker that only the whole-model LoRA scan finds (an attribute on a non-Linear module) still makes the
+    next prompt decode eagerly: the changed tree is walked and judged again."""
+    from diffusers import QwenImage21Transformer2DModel
+    from graph_runtime.tiny import TINY_TRANSFORMER
+
+    transformer = QwenImage21Transformer2DModel(**TINY_TRANSFORMER).eval()
+    transformer.load_state_dict(tiny_models.transformer.state_dict())
+    engine = DecodeEngine(transformer, backend=RecordingBackend())
+    prefix, latents = _request(generator, "a red cube", engine=engine)
+    assert engine.decode(prefix, latents, torch.full((1,), 0.6)).path == "capture"
+    prefix.release()
+    gc.collect()
+    transformer.transformer_blocks[0].attn.lora_A = torch.zeros(1)
+    prefix, latents = _request(generator, "a red cube", engine=engine)
+    assert engine.decode(prefix, latents, torch.full((1,), 0.6)).reason == why.LORA
+
+
 def test_long_prefix_runs_its_pass_eagerly(engine, generator, monkeypatch):
     """A prefix longer than SHORT_PREFIX_TOKENS keeps the GPU busy by itself: its pass runs eagerly (same K/V),
     counted under its own reason, and nothing is captured for it."""

@@ -91,8 +91,13 @@ class DecodeGraphManager:
         if check_mode(mode) == "eager":
             return None
         transformer = self.transformer
-        # Modules may have been hooked or wrapped since the last request: scan and judge the model again, once.
-        self._scan, self._static = None, (None, None)
+        # Modules may have been hooked or wrapped since the last request: judge the model again, once. The module
+        # tree is walked again only when it changed; an unchanged one keeps its scan (and its LoRA verdict).
+        if self._scan is None or self._scan.stale():
+            self._scan = None
+        else:
+            self._scan.checked = False
+        self._static = (None, None)
         spec = EntrySpec.for_request(transformer, layout, batch)
         if self._blocker(spec.dtype, key_valid, self._fingerprint())[0] is not None:
             return None
@@ -196,7 +201,7 @@ class DecodeGraphManager:
                 self._scan = why.ModelScan(transformer)
                 fingerprint = self._scan.fingerprint()
             reason = self.backend.unavailable_reason(transformer, self._scan.params)
-            if reason is None and why.has_lora_wrappers(self._scan.modules):
+            if reason is None and self._scan.lora_wrapped:
                 reason = why.LORA
             self._scan.checked = True
             self._static = (fingerprint, reason)
