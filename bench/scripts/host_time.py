@@ -6,6 +6,8 @@ not compiled), at 512x512 and 1024x1024:
 (2) the same graph captured with cuBLAS split-K disallowed (`allow_bf16_reduced_precision_reduction = (False,
     False)`, set around the capture only): its memsets, launch and step time, and how far its output is from the
     default capture's.
+    (The step's inputs and output were also copied with one `_foreach_copy_` kernel instead of `copy_`/`clone`'s
+    memcpys: no difference (host-time-20261202T1939.log); that code stays in commit ae4e58f.)
 (3) a prompt's prefill as the sampler runs it (prefix pass replayed), with the module-tree scan kept from the last
     prompt when the tree is unchanged, against a fresh walk at every prompt (the behaviour before that change).
 
@@ -57,20 +59,8 @@ def issue_ways(step, entry, n=40):
     the step's parts: the graph launch alone, and a 2-element copy_."""
     small_dst, small_src = torch.zeros(2, device="cuda"), torch.ones(2, device="cuda")
     cycles = int(50e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)
-    from graph_runtime.decode import graph_entry
-
-    def step_with_memcpys():
-        # The step as it was before: copy_ for the inputs, clone for the output (both cudaMemcpyAsync).
-        load, copy_out = graph_entry.DecodeGraphEntry.load_inputs, graph_entry.copy_out
-        graph_entry.DecodeGraphEntry.load_inputs = lambda self, h, t: (self.inputs.hidden.copy_(h),
-                                                                       self.inputs.timestep.copy_(t))
-        graph_entry.copy_out = torch.clone
-        try:
-            return step()
-        finally:
-            graph_entry.DecodeGraphEntry.load_inputs, graph_entry.copy_out = load, copy_out
-
-    parts = {"decode step": step, "decode step, copy_ and clone": step_with_memcpys, "graph launch": entry.graph.replay, "copy_ of 2 elements": lambda: small_dst.copy_(small_src),
+    parts = {"decode step": step, "graph launch": entry.graph.replay,
+             "copy_ of 2 elements": lambda: small_dst.copy_(small_src),
              "_foreach_copy_ of 2 elements": lambda: torch._foreach_copy_([small_dst], [small_src]),
              "add_ of 2 elements": lambda: small_dst.add_(small_src)}
     for name, fn in parts.items():

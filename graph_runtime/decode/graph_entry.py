@@ -136,11 +136,8 @@ class DecodeGraphEntry(CaptureRecord):
         return sum(t.numel() * t.element_size() for t in tensors) + self.pool_bytes + prefix_graph
 
     def load_inputs(self, hidden: torch.Tensor, timestep: torch.Tensor) -> None:
-        # One multi-tensor kernel for both: a plain `copy_` between CUDA tensors of one dtype is a cudaMemcpyAsync,
-        # which cost ~80 us of host time while the GPU is busy (as it is whenever a sampler issues a step), where a
-        # kernel launch costs a few (bench/results/host-time-*.log). Off the fast path (dtype conversion,
-        # broadcasting) torch falls back to `copy_` per tensor, with the same result.
-        torch._foreach_copy_([self.inputs.hidden, self.inputs.timestep], [hidden, timestep])
+        self.inputs.hidden.copy_(hidden)
+        self.inputs.timestep.copy_(timestep)
 
     def refresh_prefix(self, prefix: PrefixCache) -> bool:
         """Copy the request's prefix into the static buffers, unless they already hold exactly these tensors.
@@ -243,11 +240,5 @@ class CudaGraphBackend:
         entry.replays += 1
         # The output lives in the shared pool; the next replay of any entry may overwrite it. (A prefix pass has
         # none: its results are the K/V rows it writes.)
-        return None if entry.output is None else copy_out(entry.output)
+        return None if entry.output is None else entry.output.clone()
 
-
-def copy_out(tensor: torch.Tensor) -> torch.Tensor:
-    """`tensor.clone()` through a kernel rather than a device-to-device memcpy (see `load_inputs` for why)."""
-    out = torch.empty_like(tensor, memory_format=torch.contiguous_format)
-    torch._foreach_copy_([out], [tensor])
-    return out
