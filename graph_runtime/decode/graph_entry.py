@@ -241,4 +241,3 @@ class CudaGraphBackend:
         # The output lives in the shared pool; the next replay of any entry may overwrite it. (A prefix pass has
         # none: its results are the K/V rows it writes.)
         return None if entry.output is None else entry.output.clone()
-
