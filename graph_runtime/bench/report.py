@@ -60,7 +60,8 @@ def markdown(meta, results, amortization) -> str:
                 continue
             lines.append("| " + " | ".join(_cell(row, c) for c in COLUMNS) + " |")
         lines.append("")
-    lines += ["## Back-to-back sampler runs (process-wide engine, like two queued prompts)", "",
+    lines += ["## Sampler runs (process-wide engine): back to back like queued prompts, and after the card idled "
+              "like a lone prompt", "",
               "| run | steps | DiT total s | prefill ms | decode ms/step | captures | replays | compiles | "
               "eager steps | peak GiB | graph GiB |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in amortization:
