@@ -1,0 +1,73 @@
+"""Does the weights' memory layout change the replayed step? `step_breakdown.py` timed single GEMMs faster with the
+weight stored as [in, out] (`x @ Wt`) than as PyTorch's [out, in] (`F.linear`): 568 vs 606 us for the 4096-row down
+projection at the boost clock. Here every Linear of the blocks is re-homed in place to [in, out] storage (the same
+values; the parameter becomes a transposed view, so `F.linear` hands cuBLAS the other operand layout and no memory is
+added), and the default path's step is timed against the usual layout, alternated twice in one process: sustained
+(~3 s back to back, the card at its power limit) and one step after 3 s idle, at 512x512 and 1024x1024, with the
+GEMM kernels each layout gets and the output's difference from the usual layout's.
+
+Run: python bench/scripts/weight_layout.py (full-size random weights on the GPU)."""
+import json, statistics, time
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from graph_runtime.bench.model import build_transformer
+from graph_runtime.bench.paths import OursPath, PathSpec
+from graph_runtime.bench.runner import _prefixes
+from graph_runtime.bench.scenarios import Scenario, build_inputs
+from graph_runtime.bench.timing import after_idle_ms
+
+
+def rehome(model, transposed: bool):
+    """Store each block Linear's weight as [in, out] (transposed=True) or [out, in], keeping its values."""
+    for module in model.transformer_blocks.modules():
+        if isinstance(module, torch.nn.Linear):
+            w = module.weight.data
+            module.weight.data = w.t().contiguous().t() if transposed else w.contiguous()
+    torch.cuda.empty_cache()
+
+
+def measure(path, inputs, prefixes):
+    step = path.step(inputs, prefixes)
+    out = step()[0]
+    entry = path.engine.manager.entries[prefixes["cond"].graph_key]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        entry.graph.replay()
+        torch.cuda.synchronize()
+    kernels = {}
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA and ("nvjet" in e.name or "gemm" in e.name.lower()):
+            kernels[e.name[:48]] = kernels.get(e.name[:48], 0) + 1
+    times, end = [], time.perf_counter() + 3.0
+    while time.perf_counter() < end:
+        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
+        a.record(); entry.graph.replay(); b.record(); b.synchronize()
+        times.append(a.elapsed_time(b))
+    row = {"sustained_ms": round(statistics.median(times[len(times) // 2:]), 2),
+           "after_idle_ms": round(after_idle_ms(step, "cuda"), 2), "gemm_kernels": kernels}
+    path.engine.release()
+    return row, out
+
+
+T0 = time.time()
+tr = build_transformer()
+path = OursPath(PathSpec("graph"), tr)
+with torch.no_grad():
+    for size in (512, 1024):
+        inputs = build_inputs(Scenario(f"s{size}", size), tr.config.context_in_dim, tr.config.in_channels, "cuda",
+                              torch.bfloat16)
+        prefixes = _prefixes(tr, inputs, with_target=False)
+        reference = None
+        for transposed in (False, True, False, True):
+            rehome(tr, transposed)
+            row, out = measure(path, inputs, prefixes)
+            if reference is None:
+                reference = out
+            diff = (out.float() - reference.float())
+            row.update(max_abs_vs_usual=diff.abs().max().item(),
+                       rel_l2_vs_usual=(diff.norm() / reference.float().norm()).item())
+            print(json.dumps({"size": size, "layout": "[in, out]" if transposed else "[out, in]", **row}), flush=True)
+        rehome(tr, False)
+        for p in prefixes.values():
+            p.release()
+print("wall s", round(time.time() - T0, 1), flush=True)
