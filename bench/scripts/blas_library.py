@@ -5,9 +5,9 @@ launch). Alternated cublas, cublaslt, cublas so clock and power drift show.
 Run: python bench/scripts/blas_library.py (full-size random weights on the GPU)."""
 import gc, json, time
 import torch
-from torch.profiler import ProfilerActivity, profile
 from graph_runtime.bench.model import build_transformer
 from graph_runtime.bench.paths import OursPath, PathSpec
+from graph_runtime.bench.profile import kernel_names
 from graph_runtime.bench.runner import _prefixes
 from graph_runtime.bench.scenarios import Scenario, build_inputs
 from graph_runtime.bench.timing import device_ms, host_ms
@@ -25,10 +25,7 @@ for library in ("cublas", "cublaslt", "cublas"):
             step = path.step(inputs, prefixes)
             out = step()[0]
             entry = path.engine.manager.entries[prefixes["cond"].graph_key]
-            with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                entry.graph.replay()
-                torch.cuda.synchronize()
-            names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+            names = kernel_names(entry.graph.replay, "cuda")
             row = {"library": library, "size": size, "decode_ms": round(device_ms(step, "cuda", iters=10), 2),
                    "host_ms": round(host_ms(step, "cuda", iters=20), 3), "kernels": len(names),
                    "memsets": sum("memset" in n.lower() for n in names),

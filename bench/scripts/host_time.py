@@ -14,11 +14,11 @@ not compiled), at 512x512 and 1024x1024:
 Run: python bench/scripts/host_time.py (full-size random weights on the GPU)."""
 import cProfile, io, json, pstats, statistics, time
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from graph_runtime.bench.model import build_transformer
 from graph_runtime.bench.paths import OursPath, PathSpec
-from graph_runtime.bench.runner import _prefixes
+from graph_runtime.bench.profile import kernel_names
+from graph_runtime.bench.runner import _prefixes, sampler_prefill
 from graph_runtime.bench.scenarios import Scenario, build_inputs
 from graph_runtime.bench.timing import device_ms, host_ms
 from graph_runtime.decode import eligibility as why
@@ -29,12 +29,7 @@ def log(**row):
 
 
 def memsets(fn):
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = kernel_names(fn, "cuda")
     return sum("memset" in n.lower() for n in names), len(names)
 
 
@@ -104,8 +99,8 @@ with torch.no_grad():
         if size == 1024:
             issue_ways(step, entry)
         log(what="decode step, default capture", size=size, device_ms=device_ms(step, "cuda", iters=10),
-            host_decode_ms=host_ms(step, "cuda", iters=50), host_graph_launch_ms=host_ms(entry.graph.replay, "cuda", 50),
-            host_checks_ms=host_ms(checks, "cuda", 50), memsets=n_memsets, kernels=n_kernels)
+            host_decode_ms=host_ms(step, "cuda", iters=50),
+            host_graph_launch_ms=host_ms(entry.graph.replay, "cuda", 50), host_checks_ms=host_ms(checks, "cuda", 50), memsets=n_memsets, kernels=n_kernels)
         cprofile(step, 50, f"{size}x{size} decode steps")
 
         # The same graph captured with split-K disallowed around the capture only.
@@ -135,15 +130,9 @@ with torch.no_grad():
         manager.release()
         for p in prefixes.values():
             p.release()
-        del inputs, prefixes, step, entry, prefix
+        del inputs, prefixes, step, entry
 
-    inputs = build_inputs(Scenario("s1024", 1024), C, CH, "cuda", torch.bfloat16)
-    branch = inputs.branches[0]
-
-    def prefill():
-        _, prefix = engine.prefill(branch.layout, inputs.hidden_all, branch.embeds, inputs.timestep,
-                                   branch=branch.name, with_target=False)
-        prefix.release()
+    prefill = sampler_prefill(engine, build_inputs(Scenario("s1024", 1024), C, CH, "cuda", torch.bfloat16))
 
     for setting in ("scan kept when the tree is unchanged", "tree walked at every prompt"):
         if setting.startswith("tree walked"):

@@ -9,7 +9,7 @@ import torch
 from graph_runtime.bench.clocks import ClockSampler
 from graph_runtime.bench.model import build_transformer
 from graph_runtime.bench.paths import OursPath, PathSpec
-from graph_runtime.bench.runner import _prefixes
+from graph_runtime.bench.runner import _prefixes, sampler_prefill
 from graph_runtime.bench.scenarios import Scenario, build_inputs
 from graph_runtime.bench.timing import device_ms, host_ms
 
@@ -26,12 +26,7 @@ engine = path.engine
 
 with torch.no_grad():
     inputs = build_inputs(Scenario("s1024", 1024), C, CH, "cuda", torch.bfloat16)
-    branch = inputs.branches[0]
-
-    def prefill():
-        _, prefix = engine.prefill(branch.layout, inputs.hidden_all, branch.embeds, inputs.timestep,
-                                   branch=branch.name, with_target=False)
-        prefix.release()
+    prefill = sampler_prefill(engine, inputs)
 
     for _ in range(3):
         prefill()

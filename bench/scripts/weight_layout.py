@@ -9,10 +9,10 @@ GEMM kernels each layout gets and the output's difference from the usual layout'
 Run: python bench/scripts/weight_layout.py (full-size random weights on the GPU)."""
 import json, statistics, time
 import torch
-from torch.profiler import ProfilerActivity, profile
 
 from graph_runtime.bench.model import build_transformer
 from graph_runtime.bench.paths import OursPath, PathSpec
+from graph_runtime.bench.profile import kernel_names
 from graph_runtime.bench.runner import _prefixes
 from graph_runtime.bench.scenarios import Scenario, build_inputs
 from graph_runtime.bench.timing import after_idle_ms
@@ -31,13 +31,10 @@ def measure(path, inputs, prefixes):
     step = path.step(inputs, prefixes)
     out = step()[0]
     entry = path.engine.manager.entries[prefixes["cond"].graph_key]
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        entry.graph.replay()
-        torch.cuda.synchronize()
     kernels = {}
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and ("nvjet" in e.name or "gemm" in e.name.lower()):
-            kernels[e.name[:48]] = kernels.get(e.name[:48], 0) + 1
+    for name in kernel_names(entry.graph.replay, "cuda"):
+        if "nvjet" in name or "gemm" in name.lower():
+            kernels[name[:48]] = kernels.get(name[:48], 0) + 1
     times, end = [], time.perf_counter() + 3.0
     while time.perf_counter() < end:
         a, b = torch.cuda.Event(True), torch.cuda.Event(True)

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from .timing import device_ms
 
 
-def kernel_table(fn, device, rows: int = 30) -> str:
+def _profiled(fn, device):
+    """A CUDA profile of one call of `fn`, after one unprofiled call (lazy set-up stays out of it)."""
     from torch.profiler import ProfilerActivity, profile
 
     fn()
@@ -16,7 +17,17 @@ def kernel_table(fn, device, rows: int = 30) -> str:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize(device)
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows, max_name_column_width=90)
+    return prof
+
+
+def kernel_table(fn, device, rows: int = 30) -> str:
+    return _profiled(fn, device).key_averages().table(sort_by="cuda_time_total", row_limit=rows,
+                                                      max_name_column_width=90)
+
+
+def kernel_names(fn, device) -> list[str]:
+    """The name of every CUDA kernel one call of `fn` runs (memsets included), in order."""
+    return [e.name for e in _profiled(fn, device).events() if e.device_type == torch.autograd.DeviceType.CUDA]
 
 
 def op_rates(transformer, tokens: int, keys: int, device) -> list[dict]:

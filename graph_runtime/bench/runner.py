@@ -4,7 +4,8 @@ Phases: (1) fp32 reference outputs for the quality scenarios (an fp32 copy of th
 (2) every scenario x path: prefill, decode step (median CUDA-event time), host time, capture/compile time, peak
 and held memory, FLOPs, ratios to the diffusers reference and to the bf16 roofline, and the quality guard;
 (3) amortization: two sampler runs back to back with equal shapes, through the process-wide engine, as a second
-queued prompt would see it, and one of each length after the card idled, as a lone prompt would. Results go to `bench/results/` as markdown and JSON with the command that made them.
+queued prompt would see it, and one of each length after the card idled, as a lone prompt would. Results go to
+`bench/results/` as markdown and JSON with the command that made them.
 """
 
 from __future__ import annotations
@@ -65,10 +66,9 @@ def _prefixes(transformer, inputs, with_target=True):
     return prefixes
 
 
-def _engine_prefill_ms(engine, inputs, device) -> float:
-    """A prompt's prefill as the sampler runs it on a graph path: the first call captures the entry's prefix pass
-    (warm-up, not timed), later prompts replay it. Each prefix is released at once, as a finished prompt's is, so
-    the next one may claim the entry."""
+def sampler_prefill(engine, inputs):
+    """A prompt's prefill as the sampler runs it on a graph path (prefix rows alone, into the claimed entry), as a
+    callable. Each prefix is released at once, as a finished prompt's is, so the next call may claim the entry."""
 
     def prefill():
         for branch in inputs.branches:
@@ -76,7 +76,13 @@ def _engine_prefill_ms(engine, inputs, device) -> float:
                                        branch=branch.name, with_target=False)
             prefix.release()
 
-    return device_ms(prefill, device, iters=3, warmup=1)
+    return prefill
+
+
+def _engine_prefill_ms(engine, inputs, device) -> float:
+    """The sampler's prefill time: the first call captures the entry's prefix pass (warm-up, not timed), later
+    prompts replay it."""
+    return device_ms(sampler_prefill(engine, inputs), device, iters=3, warmup=1)
 
 
 def _fp32_references(transformer, scenarios, device, context, channels):
