@@ -1,10 +1,12 @@
-"""Does the weights' memory layout change the replayed step? `step_breakdown.py` timed single GEMMs faster with the
-weight stored as [in, out] (`x @ Wt`) than as PyTorch's [out, in] (`F.linear`): 568 vs 606 us for the 4096-row down
-projection at the boost clock. Here every Linear of the blocks is re-homed in place to [in, out] storage (the same
-values; the parameter becomes a transposed view, so `F.linear` hands cuBLAS the other operand layout and no memory is
-added), and the default path's step is timed against the usual layout, alternated twice in one process: sustained
-(~3 s back to back, the card at its power limit) and one step after 3 s idle, at 512x512 and 1024x1024, with the
-GEMM kernels each layout gets and the output's difference from the usual layout's.
+"""Does the weights' memory layout change the replayed step and the prefill? `step_breakdown.py` timed single GEMMs
+faster with the weight stored as [in, out] (`x @ Wt`) than as PyTorch's [out, in] (`F.linear`): 568 vs 606 us for
+the 4096-row down projection at the boost clock. The runtime now re-homes the block weights input-major at a request
+start (`graph_runtime/decode/weight_layout.py`: the same values, the parameter a transposed view, no memory added).
+Here the default path runs on either layout, alternated twice in one process, the runtime's own re-homing held off
+for the usual layout: the step sustained (~3 s back to back, the card at its power limit) and one step after 3 s
+idle, at 512x512, 1024x1024 and 1024x1024 with one reference, the sampler's prefill (the captured prefix pass of a
+128-token prompt; the eager pass of a 4224-token edit prefix), the GEMM kernels each layout gets and the output's
+difference from the usual layout's.
 
 Run: python bench/scripts/weight_layout.py (full-size random weights on the GPU)."""
 import json, statistics, time
@@ -13,17 +15,19 @@ import torch
 from graph_runtime.bench.model import build_transformer
 from graph_runtime.bench.paths import OursPath, PathSpec
 from graph_runtime.bench.profile import kernel_names
-from graph_runtime.bench.runner import _prefixes
+from graph_runtime.bench.runner import _prefixes, sampler_prefill
 from graph_runtime.bench.scenarios import Scenario, build_inputs
-from graph_runtime.bench.timing import after_idle_ms
+from graph_runtime.bench.timing import after_idle_ms, device_ms
+from graph_runtime.decode import weight_layout
 
 
 def rehome(model, transposed: bool):
-    """Store each block Linear's weight as [in, out] (transposed=True) or [out, in], keeping its values."""
-    for module in model.transformer_blocks.modules():
-        if isinstance(module, torch.nn.Linear):
-            w = module.weight.data
-            module.weight.data = w.t().contiguous().t() if transposed else w.contiguous()
+    """Store each block Linear's weight as [in, out] (the runtime's way) or [out, in], keeping its values; with
+    [out, in] the runtime's re-homing at a request start is held off."""
+    weight_layout.DEVICE_TYPES = ("cuda",) if transposed else ()
+    for module in weight_layout.block_linears(model):
+        w = module.weight.data
+        module.weight.data = w.t().contiguous().t() if transposed else w.contiguous()
     torch.cuda.empty_cache()
 
 
@@ -50,21 +54,24 @@ T0 = time.time()
 tr = build_transformer()
 path = OursPath(PathSpec("graph"), tr)
 with torch.no_grad():
-    for size in (512, 1024):
-        inputs = build_inputs(Scenario(f"s{size}", size), tr.config.context_in_dim, tr.config.in_channels, "cuda",
+    for name, size, refs in (("t2i-512", 512, 0), ("t2i-1024", 1024, 0), ("edit1-1024", 1024, 1)):
+        inputs = build_inputs(Scenario(name, size, refs), tr.config.context_in_dim, tr.config.in_channels, "cuda",
                               torch.bfloat16)
-        prefixes = _prefixes(tr, inputs, with_target=False)
         reference = None
         for transposed in (False, True, False, True):
             rehome(tr, transposed)
+            prefill_ms = device_ms(sampler_prefill(path.engine, inputs), "cuda", iters=5, warmup=2)
+            assert all(weight_layout.is_input_major(m.weight) == transposed for m in weight_layout.block_linears(tr))
+            prefixes = _prefixes(tr, inputs, with_target=False)
             row, out = measure(path, inputs, prefixes)
             if reference is None:
                 reference = out
             diff = (out.float() - reference.float())
             row.update(max_abs_vs_usual=diff.abs().max().item(),
                        rel_l2_vs_usual=(diff.norm() / reference.float().norm()).item())
-            print(json.dumps({"size": size, "layout": "[in, out]" if transposed else "[out, in]", **row}), flush=True)
+            print(json.dumps({"scenario": name, "layout": "[in, out]" if transposed else "[out, in]",
+                              "sampler_prefill_ms": round(prefill_ms, 2), **row}), flush=True)
+            for p in prefixes.values():
+                p.release()
         rehome(tr, False)
-        for p in prefixes.values():
-            p.release()
 print("wall s", round(time.time() - T0, 1), flush=True)
