@@ -1,9 +1,8 @@
 """Does the weights' memory layout change the replayed step and the prefill? `step_breakdown.py` timed single GEMMs
 faster with the weight stored as [in, out] (`x @ Wt`) than as PyTorch's [out, in] (`F.linear`): 568 vs 606 us for
 the 4096-row down projection at the boost clock. The runtime now re-homes the block weights input-major at a request
-start (`graph_runtime/decode/weight_layout.py`: the same values, the parameter a transposed view, no memory added).
-Here the default path runs on either layout, alternated twice in one process, the runtime's own re-homing held off
-for the usual layout: the step sustained (~3 s back to back, the card at its power limit) and one step after 3 s
+start in commit e5ad9ae (the same values, the parameter a transposed view, no memory added); this measured it and it
+was reverted. Here the default path runs on either layout, alternated twice in one process: the step sustained (~3 s back to back, the card at its power limit) and one step after 3 s
 idle, at 512x512, 1024x1024 and 1024x1024 with one reference, the sampler's prefill (the captured prefix pass of a
 128-token prompt; the eager pass of a 4224-token edit prefix), the GEMM kernels each layout gets and the output's
 difference from the usual layout's.
@@ -18,14 +17,19 @@ from graph_runtime.bench.profile import kernel_names
 from graph_runtime.bench.runner import _prefixes, sampler_prefill
 from graph_runtime.bench.scenarios import Scenario, build_inputs
 from graph_runtime.bench.timing import after_idle_ms, device_ms
-from graph_runtime.decode import weight_layout
+
+
+def block_linears(model):
+    return [m for m in model.transformer_blocks.modules() if isinstance(m, torch.nn.Linear)]
+
+
+def input_major(weight):
+    return weight.t().is_contiguous() and not weight.is_contiguous()
 
 
 def rehome(model, transposed: bool):
-    """Store each block Linear's weight as [in, out] (the runtime's way) or [out, in], keeping its values; with
-    [out, in] the runtime's re-homing at a request start is held off."""
-    weight_layout.DEVICE_TYPES = ("cuda",) if transposed else ()
-    for module in weight_layout.block_linears(model):
+    """Store each block Linear's weight as [in, out] (transposed=True) or [out, in], keeping its values."""
+    for module in block_linears(model):
         w = module.weight.data
         module.weight.data = w.t().contiguous().t() if transposed else w.contiguous()
     torch.cuda.empty_cache()
@@ -61,7 +65,7 @@ with torch.no_grad():
         for transposed in (False, True, False, True):
             rehome(tr, transposed)
             prefill_ms = device_ms(sampler_prefill(path.engine, inputs), "cuda", iters=5, warmup=2)
-            assert all(weight_layout.is_input_major(m.weight) == transposed for m in weight_layout.block_linears(tr))
+            assert all(input_major(m.weight) == transposed for m in block_linears(tr))
             prefixes = _prefixes(tr, inputs, with_target=False)
             row, out = measure(path, inputs, prefixes)
             if reference is None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..decode.weight_layout import is_input_major
 from .timing import device_ms
 
 
@@ -32,17 +31,14 @@ def kernel_names(fn, device) -> list[str]:
 
 
 def op_rates(transformer, tokens: int, keys: int, device) -> list[dict]:
-    """TFLOP/s of each decode GEMM shape and of SDPA at this many target tokens and keys (batch 1, bf16), the
-    weights stored as the model's block weights are (input-major once the runtime has re-homed them)."""
+    """TFLOP/s of each decode GEMM shape and of SDPA at this many target tokens and keys (batch 1, bf16)."""
     config = transformer.config
-    input_major = is_input_major(transformer.transformer_blocks[0].attn.to_q.weight)
     d = config.num_attention_heads * config.attention_head_dim
     mlp = d * config.mlp_ratio
     x = torch.randn(tokens, d, device=device, dtype=torch.bfloat16)
     rows = []
     for name, n, k in [("q, k, v or out", d, d), ("gate or up", mlp, d), ("down", d, mlp)]:
         w = torch.randn(n, k, device=device, dtype=torch.bfloat16) * 0.02
-        w = w.t().contiguous().t() if input_major else w
         a = x if k == d else torch.randn(tokens, k, device=device, dtype=torch.bfloat16)
         ms = device_ms(lambda: F.linear(a, w), device, iters=20, warmup=5)
         rows.append({"op": f"linear {name} [{tokens}x{k}]x[{k}x{n}]", "ms": ms, "tflops": 2 * tokens * n * k / ms / 1e9})

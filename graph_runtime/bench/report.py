@@ -40,7 +40,6 @@ def markdown(meta, results, amortization) -> str:
              f"{meta['layers']} blocks, {meta['params_billion']:.2f} B parameters, random bf16 weights",
              f"- command: `{meta['command']}` ({meta['wall_s']} s)",
              f"- roofline: FLOPs / {meta['peak_tflops_assumed']} TFLOP/s; quality guard: {meta['quality_guard']}",
-             f"- weights: {meta.get('weight_layout', 'block Linear weights in the usual [out, in] layout')}",
              f"- fastest path passing the guard: **{meta['fastest_passing_path']}**",
              "- prefill: diffusers' extract forward (which also predicts step 1); ours the prefix rows alone (step 1 "
              "is then a decode step), eager on the eager path, a replay of the entry's captured prefix pass on "

@@ -22,7 +22,6 @@ from pathlib import Path
 
 import torch
 
-from ..decode import weight_layout
 from ..decode.prefill import run_prefill
 from . import quality
 from .model import build_transformer, fp32_copy
@@ -289,9 +288,6 @@ def main(args) -> int:
     command = "python -m graph_runtime bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
     transformer = build_transformer(tiny=args.tiny, layers=args.layers, device=device,
                                     dtype=torch.bfloat16 if device != "cpu" else torch.float32)
-    # The runtime re-homes the block weights at its first request start; doing it here first means every path,
-    # diffusers' included, reads the same storage whichever runs first.
-    rehomed = weight_layout.store_input_major(transformer)
     config = transformer.config
     context, channels = config.context_in_dim, config.in_channels
     scenarios = _select_scenarios(args.scenarios, args.tiny)
@@ -333,9 +329,6 @@ def main(args) -> int:
         "params_billion": sum(p.numel() for p in transformer.parameters()) / 1e9,
         "fastest_passing_path": describe_fastest(tied, totals),
         "wall_s": round(time.perf_counter() - started, 1),
-        "weight_layout": (f"{rehomed} block Linear weights stored input-major ([in, out] in memory) for every "
-                          "path, diffusers' included, as the runtime stores them" if rehomed else
-                          "block Linear weights in PyTorch's usual [out, in] layout"),
         "quality_guard": f"relative L2 error vs fp32 <= {quality.GUARD_RATIO:.2f} x the diffusers bf16 path's",
     }
     md, js = write_reports(Path(args.out_dir), meta, results, amort, profile_text)

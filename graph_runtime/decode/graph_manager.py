@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from . import eligibility as why
-from . import prefix_pass, weight_layout
+from . import prefix_pass
 from .graph_entry import CudaGraphBackend, DecodeGraphEntry, EntrySpec, FailedEntry, GraphKey
 from .prefill import OwnerToken, PrefixCache
 from .prefix_pass import PrefixGraph, PrefixInputs, prefix_blocks, run_prefix_blocks, run_prefix_eagerly
@@ -94,9 +94,6 @@ class DecodeGraphManager:
         # Modules may have been hooked or wrapped since the last request: judge the model again, once. The module
         # tree is walked again only when it changed; an unchanged one keeps its scan (and its LoRA verdict).
         if self._scan is None or self._scan.stale():
-            # A new, moved or patched model: store its block weights the way the step's GEMMs read fastest first,
-            # since that moves them and the scan records their addresses.
-            weight_layout.store_input_major(transformer)
             self._scan = None
         else:
             self._scan.checked = False
