@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import operator
 import time
 import weakref
@@ -180,33 +179,6 @@ class DecodeGraphEntry(CaptureRecord):
 _deref = weakref.ReferenceType.__call__
 
 
-@contextlib.contextmanager
-def without_blas_workspace():
-    """cuBLAS / cuBLASLt given no workspace while a graph is warmed up and captured; yields whether it applied.
-
-    Why: with a workspace, cuBLAS's Hopper GEMMs use a dynamic tile scheduler whose counters it clears with a memset
-    before each GEMM, and a captured graph records all of them (257 of a 1024x1024 step's 662 kernels). Without
-    one it picks the static-schedule variant of the same kernel and records none, so a replay launches fewer
-    kernels (`CUBLAS_WORKSPACE_CONFIG=:0:0` for the whole process measured the same step with ~half the host time:
-    bench/results/workspace-off-20261202T1954.log). Only the capture's own streams see the setting: the size is
-    restored before any other GEMM of the process runs, and torch re-sizes a stream's workspace when the setting
-    changes. Needs `torch.backends.cuda.cublas_workspace_size` (torch 2.13 and later); on older torch the graph keeps
-    the memsets, correct either way.
-    """
-    cuda = torch.backends.cuda
-    if not (hasattr(cuda, "cublas_workspace_size") and hasattr(cuda, "cublaslt_workspace_size")):
-        yield False
-        return
-    saved = cuda.cublas_workspace_size(), cuda.cublaslt_workspace_size()
-    cuda.cublas_workspace_size(0)
-    cuda.cublaslt_workspace_size(0)
-    try:
-        yield True
-    finally:
-        cuda.cublas_workspace_size(saved[0])
-        cuda.cublaslt_workspace_size(saved[1])
-
-
 class CudaGraphBackend:
     """Captures and replays with `torch.cuda.CUDAGraph`, every entry of a manager sharing one memory pool.
 
@@ -215,6 +187,9 @@ class CudaGraphBackend:
     """
 
     name = "cuda-graph"
+
+    def __init__(self):
+        self._pool = None
 
     def reset_pool(self) -> None:
         """Forget the pool once no captured graph uses it: the allocator frees a private pool with its last graph,
@@ -233,17 +208,7 @@ class CudaGraphBackend:
 
         return static_reason(transformer, params)
 
-    def __init__(self):
-        self._pool = None
-        # Captures get no cuBLAS workspace (see `without_blas_workspace`); off only to measure the difference.
-        self.capture_without_blas_workspace = True
-
     def capture(self, entry: DecodeGraphEntry, body) -> None:
-        workspace_off = without_blas_workspace() if self.capture_without_blas_workspace else contextlib.nullcontext()
-        with workspace_off:
-            self._capture(entry, body)
-
-    def _capture(self, entry: DecodeGraphEntry, body) -> None:
         device = entry.inputs.hidden.device
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
