@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import operator
 import time
 import weakref
@@ -179,6 +180,36 @@ class DecodeGraphEntry(CaptureRecord):
 _deref = weakref.ReferenceType.__call__
 
 
+@contextlib.contextmanager
+def without_blas_workspace():
+    """cuBLAS / cuBLASLt given no workspace while a graph is warmed up and captured; yields whether it applied.
+
+    Why: with a workspace, cuBLAS's Hopper GEMMs use a dynamic tile scheduler whose counters it clears with a memset
+    before each GEMM, and a captured graph records all of them (257 of a 1024x1024 step's 662 kernels). Without
+    one it picks the static-schedule variant of the same kernel and records none, so a replay launches 435 kernels
+    and issues in less host time at the same device time (bench/results/capture-workspace-20261203T0614.log,
+    decode-20261203T062902.md against decode-20261203T062044.md). Setting the size for the whole process instead
+    (`CUBLAS_WORKSPACE_CONFIG=:0:0`) would also take split-K GEMMs away from every other model in it. Here only the
+    warm-up and the capture run without, the sizes are restored before the caller runs another GEMM, and torch
+    re-sizes a stream's workspace when the setting changes. A GEMM another thread ran in that window would only
+    get a kernel without the workspace, the same result up to rounding. Needs
+    `torch.backends.cuda.cublas_workspace_size` (torch 2.13 and later); on older torch the graph keeps the memsets,
+    correct either way.
+    """
+    cuda = torch.backends.cuda
+    if not (hasattr(cuda, "cublas_workspace_size") and hasattr(cuda, "cublaslt_workspace_size")):
+        yield False
+        return
+    saved = cuda.cublas_workspace_size(), cuda.cublaslt_workspace_size()
+    cuda.cublas_workspace_size(0)
+    cuda.cublaslt_workspace_size(0)
+    try:
+        yield True
+    finally:
+        cuda.cublas_workspace_size(saved[0])
+        cuda.cublaslt_workspace_size(saved[1])
+
+
 class CudaGraphBackend:
     """Captures and replays with `torch.cuda.CUDAGraph`, every entry of a manager sharing one memory pool.
 
@@ -190,6 +221,8 @@ class CudaGraphBackend:
 
     def __init__(self):
         self._pool = None
+        # Captures get no cuBLAS workspace (see `without_blas_workspace`); off only to measure the difference.
+        self.capture_without_blas_workspace = True
 
     def reset_pool(self) -> None:
         """Forget the pool once no captured graph uses it: the allocator frees a private pool with its last graph,
@@ -209,6 +242,11 @@ class CudaGraphBackend:
         return static_reason(transformer, params)
 
     def capture(self, entry: DecodeGraphEntry, body) -> None:
+        workspace_off = without_blas_workspace() if self.capture_without_blas_workspace else contextlib.nullcontext()
+        with workspace_off:
+            self._capture(entry, body)
+
+    def _capture(self, entry: DecodeGraphEntry, body) -> None:
         device = entry.inputs.hidden.device
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

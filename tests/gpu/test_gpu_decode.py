@@ -265,3 +265,38 @@ def test_next_prompt_replays_the_captured_prefix_pass(cuda_models, cuda_generato
     assert (stats.prefill_captures, stats.prefill_replays, dict(stats.eager_prefills)) == (1, 2, {})
     for a, b in zip(second.k + second.v, eager.k + eager.v):
         assert (a - b).abs().max().item() <= GRAPH_ATOL
+
+
+def test_capture_records_no_blas_workspace_memsets_and_restores_the_size():
+    """A capture runs its GEMMs without a cuBLAS workspace, so the graph records none of the dynamic scheduler's
+    memsets that a capture with the usual workspace records, and the process's workspace size is back afterwards.
+    Outputs: the static-schedule kernel may accumulate in another order than the eager one, so the bound is two bf16
+    ulps of the output's largest value (2**-7 relative)."""
+    import types
+
+    import torch.nn.functional as F
+
+    from graph_runtime.bench.profile import kernel_names
+    from graph_runtime.decode.capture_record import CaptureRecord
+
+    cuda = torch.backends.cuda
+    if not hasattr(cuda, "cublas_workspace_size"):
+        pytest.skip("this torch has no torch.backends.cuda.cublas_workspace_size (2.13+): captures keep the workspace")
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=g)
+    w = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16, generator=g) * 0.02
+    expected = F.linear(x, w)
+    before = cuda.cublas_workspace_size(), cuda.cublaslt_workspace_size()
+    memsets = {}
+    for without in (False, True):
+        record = CaptureRecord()
+        record.inputs = types.SimpleNamespace(hidden=x)
+        backend = CudaGraphBackend()
+        backend.capture_without_blas_workspace = without
+        backend.capture(record, lambda inputs: F.linear(inputs.hidden, w))
+        assert (cuda.cublas_workspace_size(), cuda.cublaslt_workspace_size()) == before
+        memsets[without] = sum("memset" in n.lower() for n in kernel_names(record.graph.replay, "cuda"))
+        out = backend.replay(record)
+        assert torch.allclose(out.float(), expected.float(), rtol=0, atol=expected.abs().max().item() * 2 ** -7)
+    assert memsets[False] > 0 and memsets[True] == 0
+    assert torch.equal(F.linear(x, w), expected)  # eager GEMMs after the captures: the usual workspace and kernel
