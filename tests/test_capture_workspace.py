@@ -44,3 +44,14 @@ def test_torch_without_the_setting_captures_unchanged(monkeypatch):
     monkeypatch.setattr(graph_entry.torch.backends, "cuda", types.SimpleNamespace())
     with graph_entry.without_blas_workspace() as applied:
         assert applied is False
+
+
+def test_backend_capture_settings_follow_its_switch(fake_cuda):
+    """The settings a capture runs under are what the benchmark's replay-against-body check runs the body under."""
+    backend = graph_entry.CudaGraphBackend()
+    with backend.capture_settings():
+        assert fake_cuda == {"cublas": 0, "cublaslt": 0}
+    backend.capture_without_blas_workspace = False
+    with backend.capture_settings():
+        assert fake_cuda == {"cublas": 32 << 20, "cublaslt": 1 << 20}
+    assert fake_cuda == {"cublas": 32 << 20, "cublaslt": 1 << 20}

@@ -214,13 +214,17 @@ def run_scenario(transformer, scenario, path_specs, engines, refs, device, iters
 
 def _replay_vs_body(path, inputs, prefixes) -> float:
     """Max abs difference between each branch's graph replay and the same body run eagerly on the same static
-    buffers: the graph's own correctness, apart from any difference between decode bodies."""
+    buffers, under the settings the capture ran with (so cuBLAS picks the graph's GEMM kernels): the graph's own
+    correctness, apart from any difference between decode bodies or kernel choices."""
     worst = 0.0
+    manager = path.engine.manager
     for branch in inputs.branches:
         prefix = prefixes[branch.name]
         replayed = path.engine.decode(prefix, inputs.latents, inputs.timestep, "graph").output
-        entry = path.engine.manager.entries[prefix.graph_key]
-        worst = max(worst, (path.engine.step(entry.inputs) - replayed).abs().max().item())
+        entry = manager.entries[prefix.graph_key]
+        with manager.backend.capture_settings():
+            body = path.engine.step(entry.inputs)
+        worst = max(worst, (body - replayed).abs().max().item())
     return worst
 
 

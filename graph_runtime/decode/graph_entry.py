@@ -241,9 +241,13 @@ class CudaGraphBackend:
 
         return static_reason(transformer, params)
 
+    def capture_settings(self):
+        """What a warm-up and capture run under. The same body run eagerly under these settings launches the
+        graph's kernels, so it is what a replay is compared with exactly."""
+        return without_blas_workspace() if self.capture_without_blas_workspace else contextlib.nullcontext()
+
     def capture(self, entry: DecodeGraphEntry, body) -> None:
-        workspace_off = without_blas_workspace() if self.capture_without_blas_workspace else contextlib.nullcontext()
-        with workspace_off:
+        with self.capture_settings():
             self._capture(entry, body)
 
     def _capture(self, entry: DecodeGraphEntry, body) -> None:
