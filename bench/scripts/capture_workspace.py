@@ -5,7 +5,7 @@ time to issue a replay, sustained and after-idle device time, and the output's d
 capture and that an eager GEMM outside the graph still gets the workspace kernel (with its memset).
 
 Run: python bench/scripts/capture_workspace.py (full-size random weights on the GPU)."""
-import json, statistics, time
+import json, time
 import torch
 import torch.nn.functional as F
 
@@ -14,7 +14,7 @@ from graph_runtime.bench.paths import OursPath, PathSpec
 from graph_runtime.bench.profile import kernel_names
 from graph_runtime.bench.runner import _prefixes
 from graph_runtime.bench.scenarios import Scenario, build_inputs
-from graph_runtime.bench.timing import after_idle_ms, host_ms
+from graph_runtime.bench.timing import after_idle_ms, host_ms, sustained_ms
 
 T0 = time.time()
 cuda = torch.backends.cuda
@@ -39,17 +39,13 @@ with torch.no_grad():
             entry = path.engine.manager.entries[prefixes["cond"].graph_key]
             names = kernel_names(entry.graph.replay, "cuda")
             eager_names = kernel_names(lambda: F.linear(a, w), "cuda")
-            times, end = [], time.perf_counter() + 3.0
-            while time.perf_counter() < end:
-                s, e = torch.cuda.Event(True), torch.cuda.Event(True)
-                s.record(); entry.graph.replay(); e.record(); e.synchronize()
-                times.append(s.elapsed_time(e))
+            sustained = sustained_ms(entry.graph.replay, "cuda")
             reference = out if reference is None else reference
             print(json.dumps({
                 "size": size, "capture": "no workspace" if off else "usual workspace",
                 "memsets": sum("memset" in n.lower() for n in names), "kernels": len(names),
                 "host_ms": round(host_ms(step, "cuda", iters=50), 3),
-                "sustained_ms": round(statistics.median(times[len(times) // 2:]), 2),
+                "sustained_ms": round(sustained, 2),
                 "after_idle_ms": round(after_idle_ms(step, "cuda"), 2),
                 "max_abs_vs_first": (out.float() - reference.float()).abs().max().item(),
                 "workspace_restored": (cuda.cublas_workspace_size() == before) if api else None,

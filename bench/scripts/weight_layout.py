@@ -9,7 +9,7 @@ sampler's prefill (the captured prefix pass of a 128-token prompt, the eager pas
 GEMM kernels each layout gets and the output's difference from the usual layout's.
 
 Run: python bench/scripts/weight_layout.py (full-size random weights on the GPU)."""
-import json, statistics, time
+import json, time
 import torch
 
 from graph_runtime.bench.model import build_transformer
@@ -17,7 +17,7 @@ from graph_runtime.bench.paths import OursPath, PathSpec
 from graph_runtime.bench.profile import kernel_names
 from graph_runtime.bench.runner import _prefixes, sampler_prefill
 from graph_runtime.bench.scenarios import Scenario, build_inputs
-from graph_runtime.bench.timing import after_idle_ms, device_ms
+from graph_runtime.bench.timing import after_idle_ms, device_ms, sustained_ms
 
 
 def rehome(model, transposed: bool):
@@ -37,12 +37,7 @@ def measure(path, inputs, prefixes):
     for name in kernel_names(entry.graph.replay, "cuda"):
         if "nvjet" in name or "gemm" in name.lower():
             kernels[name[:48]] = kernels.get(name[:48], 0) + 1
-    times, end = [], time.perf_counter() + 3.0
-    while time.perf_counter() < end:
-        a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-        a.record(); entry.graph.replay(); b.record(); b.synchronize()
-        times.append(a.elapsed_time(b))
-    row = {"sustained_ms": round(statistics.median(times[len(times) // 2:]), 2),
+    row = {"sustained_ms": round(sustained_ms(entry.graph.replay, "cuda"), 2),
            "after_idle_ms": round(after_idle_ms(step, "cuda"), 2), "gemm_kernels": kernels}
     path.engine.release()
     return row, out

@@ -10,13 +10,13 @@ Run: python bench/scripts/workspace_off.py (full-size random weights on the GPU)
 import json, os, subprocess, sys, time
 
 CHILD = r"""
-import json, statistics, time, torch
+import json, time, torch
 from graph_runtime.bench.model import build_transformer
 from graph_runtime.bench.profile import kernel_names
 from graph_runtime.bench.paths import OursPath, PathSpec
 from graph_runtime.bench.runner import _prefixes
 from graph_runtime.bench.scenarios import Scenario, build_inputs
-from graph_runtime.bench.timing import after_idle_ms, host_ms
+from graph_runtime.bench.timing import after_idle_ms, host_ms, sustained_ms
 
 tr = build_transformer()
 path = OursPath(PathSpec("graph"), tr)
@@ -30,13 +30,7 @@ with torch.no_grad():
         step()
         entry = path.engine.manager.entries[prefixes["cond"].graph_key]
         memsets = sum("memset" in name.lower() for name in kernel_names(entry.graph.replay, "cuda"))
-        # Back to back for ~4 s (the card settles at its power limit), timing each replay with CUDA events.
-        times, end = [], time.perf_counter() + 4.0
-        while time.perf_counter() < end:
-            a, b = torch.cuda.Event(True), torch.cuda.Event(True)
-            a.record(); entry.graph.replay(); b.record(); b.synchronize()
-            times.append(a.elapsed_time(b))
-        out[size] = {"sustained_ms": round(statistics.median(times[len(times) // 2:]), 2),
+        out[size] = {"sustained_ms": round(sustained_ms(entry.graph.replay, "cuda", seconds=4.0), 2),
                      "after_idle_ms": round(after_idle_ms(step, "cuda"), 2),
                      "host_ms": round(host_ms(step, "cuda", iters=50), 3), "memsets": memsets}
         path.engine.release()

@@ -14,26 +14,41 @@ def _sync(device):
         torch.cuda.synchronize(device)
 
 
+def _call_ms(fn, cuda: bool) -> float:
+    """One call of `fn` in ms: between CUDA events on GPU, wall time on CPU (where calls are synchronous)."""
+    if cuda:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+    t0 = time.perf_counter()
+    fn()
+    return (time.perf_counter() - t0) * 1e3
+
+
 def device_ms(fn, device, iters: int = 10, warmup: int = 2) -> float:
     """Median device time of `fn` in ms (CUDA events on GPU; wall time with sync on CPU)."""
     for _ in range(warmup):
         fn()
     _sync(device)
-    times = []
-    if torch.device(device).type == "cuda":
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        for _ in range(iters):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-    else:
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
+    cuda = torch.device(device).type == "cuda"
+    return statistics.median(_call_ms(fn, cuda) for _ in range(iters))
+
+
+def sustained_ms(fn, device, seconds: float = 3.0) -> float:
+    """Median device time of `fn` called back to back for `seconds`, over the second half of the calls only.
+
+    Back to back the card climbs to its power limit within the first second or so and the driver lowers the clock;
+    the second half is the settled state (timed like `device_ms`).
+    """
+    cuda = torch.device(device).type == "cuda"
+    _sync(device)
+    times, stop = [], time.perf_counter() + seconds
+    while time.perf_counter() < stop:
+        times.append(_call_ms(fn, cuda))
+    return statistics.median(times[len(times) // 2:])
 
 
 def after_idle_ms(fn, device, pause_s: float = 3.0) -> float:
@@ -45,12 +60,7 @@ def after_idle_ms(fn, device, pause_s: float = 3.0) -> float:
     """
     _sync(device)
     time.sleep(pause_s)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end)
+    return _call_ms(fn, cuda=True)
 
 
 def host_ms(fn, device, iters: int = 10) -> float:
