@@ -30,7 +30,6 @@ def test_timed_calls_records_each_call_and_restores_the_methods():
     assert len(times["add"]) == 2
 
 
-
 def test_sustained_ms_reports_the_settled_second_half(monkeypatch):
     """Calls run back to back for the given time and only the second half of them counts: a card settles at its
     power limit within the first calls, so slow early calls must not move the figure. A fake clock makes it exact:

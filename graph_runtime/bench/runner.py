@@ -217,15 +217,19 @@ def _replay_vs_body(path, inputs, prefixes) -> float:
     buffers, under the settings the capture ran with (so cuBLAS picks the graph's GEMM kernels): the graph's own
     correctness, apart from any difference between decode bodies or kernel choices."""
     worst = 0.0
-    manager = path.engine.manager
     for branch in inputs.branches:
         prefix = prefixes[branch.name]
         replayed = path.engine.decode(prefix, inputs.latents, inputs.timestep, "graph").output
-        entry = manager.entries[prefix.graph_key]
-        with manager.backend.capture_settings():
-            body = path.engine.step(entry.inputs)
+        body = _body_as_captured(path, path.engine.manager.entries[prefix.graph_key])
         worst = max(worst, (body - replayed).abs().max().item())
     return worst
+
+
+def _body_as_captured(path, entry):
+    """The entry's step body run eagerly on its static buffers under the settings its capture ran with (on torch
+    2.13+ no cuBLAS workspace), so it launches the kernels a replay runs."""
+    with path.engine.manager.backend.capture_settings():
+        return path.engine.step(entry.inputs)
 
 
 IDLE_S = 3.0
@@ -353,10 +357,7 @@ def _profile(transformer, spec, device, context, channels) -> str:
         prefixes = _prefixes(transformer, inputs)
         path.step(inputs, prefixes)()
         entry = next(e for e in path.engine.manager.entries.values() if hasattr(e, "inputs"))
-        # Under the capture's settings the body launches the kernels the graph recorded (on torch 2.13+ the GEMMs
-        # without a cuBLAS workspace), so the table describes what a replay runs.
-        with path.engine.manager.backend.capture_settings():
-            table = kernel_table(lambda: path.engine.step(entry.inputs), device)
+        table = kernel_table(lambda: _body_as_captured(path, entry), device)
     layout = inputs.branches[0].layout
     rates = op_rates(transformer, layout.target_tokens, layout.seq_len, device)
     path.engine.release()
