@@ -1,0 +1,192 @@
+"""The LoRA set merged into one loaded transformer, and the runs that use it.
+
+One `LoraMerge` lives on each transformer (attached like its decode engine, see `registry.py`), so every workflow
+and every import of the pack that drives the model sees the same merged set. A run asks for its set with `using`:
+when it differs from the merged one, the weights are restored and the new set merged (in place, see `weights.py`);
+the same set again does nothing. Runs that want the merged set may overlap; a run that wants another set waits
+until they end, so weights never change under a prompt that is sampling.
+
+The set is what the user chained: each LoRA file by identity (path, size, mtime) with its strength. It is compared
+in a canonical order (the sum of the deltas does not depend on the chain's order), and strength-0 entries are left
+out (they change nothing), so strength 0 and no LoRA are the same set: the original weights, restored bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from .file import LoraFile
+from .weights import weight_slot
+
+logger = logging.getLogger("kvgraph")
+
+_STATE_ATTR = "_kvgraph_lora_merge"
+
+
+@dataclass(frozen=True, eq=False)
+class LoraChoice:
+    """One KV-Graph Load LoRA node's pick: a read LoRA file and the strength to merge it at."""
+
+    lora: LoraFile
+    strength: float
+
+    @property
+    def key(self) -> tuple:
+        return (self.lora.identity, self.strength)
+
+    def describe(self) -> dict:
+        return {"name": self.lora.name, "path": self.lora.path, "strength": self.strength}
+
+
+def canonical(choices) -> tuple[LoraChoice, ...]:
+    """The choices that change the model, in an order that depends only on the set."""
+    return tuple(sorted((c for c in choices if c.strength != 0.0), key=lambda c: repr(c.key)))
+
+
+class LoraMerge:
+    def __init__(self, transformer: torch.nn.Module):
+        self._model = weakref.ref(transformer)
+        self._slots: dict[str, object] = {}  # parameter name -> PlainWeight / QuantizedWeight, holding its original
+        self.merged: tuple[LoraChoice, ...] = ()
+        self._changed = threading.Condition()
+        self._runs = 0
+        self.merges = 0  # times the weights were changed (a merge, a switch or a restore)
+        self.last_merge_ms = 0.0
+
+    def __reduce__(self):
+        # A deep copy of the transformer copies its weights as they are (merged) and gets no LoRA state of its own:
+        # its "original" is what it was copied with. Sharing this one would restore the wrong model's weights.
+        return (_no_state, ())
+
+    @property
+    def merged_key(self) -> tuple:
+        return tuple(c.key for c in self.merged)
+
+    @contextlib.contextmanager
+    def using(self, choices):
+        """Hold `choices` merged for the duration of a run: merge them first if another set is merged (waiting
+        for the runs using that one to end). Yields True when this call changed the weights."""
+        wanted = canonical(choices)
+        key = tuple(c.key for c in wanted)
+        with self._changed:
+            while self._runs and key != self.merged_key:
+                self._changed.wait()
+            changed = key != self.merged_key
+            if changed:
+                self._switch(wanted)
+            self._runs += 1
+        try:
+            yield changed
+        finally:
+            with self._changed:
+                self._runs -= 1
+                self._changed.notify_all()
+
+    def apply(self, choices) -> bool:
+        """Merge `choices` now (restore and re-merge when the set differs). Returns True when the weights changed."""
+        with self.using(choices) as changed:
+            return changed
+
+    def _switch(self, wanted: tuple[LoraChoice, ...]) -> None:
+        model = self._model()
+        if model is None:
+            return
+        started = time.perf_counter()
+        patches: dict[str, list] = {}
+        for choice in wanted:
+            for name, items in choice.lora.patches.items():
+                patches.setdefault(name, []).extend((choice.strength, patch) for patch in items)
+        try:
+            self._write(model, patches)
+        except BaseException:
+            # Never leave a half-merged model behind: back to the originals, so the next run starts clean.
+            self.merged = ()
+            self._write(model, {})
+            raise
+        self.merged = wanted
+        self.merges += 1
+        self.last_merge_ms = (time.perf_counter() - started) * 1e3
+        if wanted:
+            names = ", ".join(f"{c.lora.name} ({c.strength:g})" for c in wanted)
+            logger.info("KV-Graph: merged %s into %d weights of %s in %.0f ms.", names, len(patches),
+                        type(model).__name__, self.last_merge_ms)
+        else:
+            logger.info("KV-Graph: restored the original weights of %s (no LoRA) in %.0f ms.", type(model).__name__,
+                        self.last_merge_ms)
+
+    def _write(self, model, patches: dict[str, list]) -> None:
+        """Restore every weight not in `patches`, merge every weight in it (from its original)."""
+        # ComfyUI runs nodes under inference mode; the weights are normal tensors and must stay so.
+        with torch.inference_mode(False), torch.no_grad():
+            for name, slot in self._slots.items():
+                if name not in patches:
+                    slot.restore()
+            for name, items in patches.items():
+                slot = self._slots.get(name)
+                if slot is None:
+                    slot = self._slots[name] = weight_slot(model, name)  # keeps the original before changing it
+                device = _device_of(slot)
+                delta = items[0][1].delta(device, items[0][0])
+                for strength, patch in items[1:]:
+                    delta.add_(patch.delta(device, strength))
+                slot.merge(delta)
+            if not patches:
+                self._slots.clear()  # every weight is its original again: the host copies can go
+            if next(model.parameters()).device.type == "cuda":
+                torch.cuda.synchronize()
+
+    def originals_bytes(self) -> int:
+        return sum(slot.nbytes for slot in self._slots.values())
+
+    def describe(self) -> dict:
+        with self._changed:
+            return {"loras": [c.describe() for c in self.merged], "weights": len(self._slots),
+                    "originals_bytes": self.originals_bytes(), "merges": self.merges,
+                    "last_merge_ms": round(self.last_merge_ms, 1)}
+
+
+def _no_state():
+    return None
+
+
+def _device_of(slot) -> torch.device:
+    tensor = getattr(slot, "param", None)
+    if tensor is None:
+        tensor = next(iter(slot.tensors.values()))
+    return tensor.device
+
+
+def merge_state(transformer: torch.nn.Module, create: bool = True) -> LoraMerge | None:
+    """The transformer's LoRA state, created on first use (None without `create` when there is none yet)."""
+    state = getattr(transformer, _STATE_ATTR, None)
+    if state is None and create:
+        from ..registry import process_registry
+
+        with process_registry().lock:
+            state = getattr(transformer, _STATE_ATTR, None)
+            if state is None:
+                state = LoraMerge(transformer)
+                # Not a submodule: nn.Module.__setattr__ would try to register it.
+                object.__setattr__(transformer, _STATE_ATTR, state)
+    return state
+
+
+def loras_in_use(transformer: torch.nn.Module, choices):
+    """Context manager for a sampling run on `transformer` with `choices` merged. A model that never had a LoRA
+    and is asked for none is left untouched (no state is attached to it)."""
+    state = merge_state(transformer, create=bool(canonical(choices)))
+    return contextlib.nullcontext(False) if state is None else state.using(choices)
+
+
+def merged_loras(transformer: torch.nn.Module) -> dict:
+    """What the status route reports: the merged LoRAs and the host memory their originals hold."""
+    state = merge_state(transformer, create=False)
+    return state.describe() if state is not None else {"loras": [], "weights": 0, "originals_bytes": 0,
+                                                        "merges": 0, "last_merge_ms": 0.0}

@@ -1,0 +1,119 @@
+"""One merged weight: its original kept on the host, a merge computed from that original, and an exact restore.
+
+Every write goes into the weight's existing storage (`copy_`), so captured CUDA graphs, which read weights at fixed
+addresses, see the merged values on their next replay without a new capture. The original is copied out before the
+first merge (pinned host memory when the weight is on a GPU, so restoring is a fast copy back) and every later merge
+starts from it: the result never depends on which LoRA sets came before, and restoring copies the original bits back
+rather than subtracting a delta (which would round).
+
+Two kinds of weight:
+- a plain floating-point Parameter: `W = round(fp32(W0) + delta)`, rounded once to the weight's dtype;
+- a module that stores its weight quantized and exposes `dequantized_weight(dtype)` and `requantize_(weight)` (the
+  INT8 ConvRot Linear: `requantize_` writes into the existing int8 weight and scale storages): the original
+  quantized tensors are restored, dequantized to fp32, the delta added, and the sum re-quantized in place.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("kvgraph")
+_warned_unpinned = []
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of `tensor` in host memory: pinned for a GPU tensor (a plain copy if pinning fails), plain on the CPU."""
+    if tensor.device.type == "cpu":
+        return tensor.detach().clone()
+    try:
+        out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    except RuntimeError as exc:  # the host could not lock that much memory: slower restores, same results
+        if not _warned_unpinned:
+            _warned_unpinned.append(True)
+            logger.warning("KV-Graph: could not pin host memory for the LoRA originals (%s); keeping pageable "
+                           "copies, which restore more slowly.", exc)
+        out = torch.empty(tensor.shape, dtype=tensor.dtype)
+    out.copy_(tensor.detach())
+    return out
+
+
+def writable(tensor: torch.Tensor):
+    """The grad mode in which `tensor` may be written in place: ComfyUI loads models under inference mode, so their
+    weights are inference tensors, which only inference mode may change; weights loaded elsewhere are normal
+    tensors, which must not become inference tensors' dependents."""
+    return torch.inference_mode(tensor.is_inference())
+
+
+class PlainWeight:
+    """A floating-point weight: merged as one fp32 sum rounded once to its dtype."""
+
+    def __init__(self, param: torch.Tensor):
+        self.param = param
+        self.original = host_copy(param)
+        self.pristine = True  # the weight holds its original values
+
+    @property
+    def nbytes(self) -> int:
+        return self.original.numel() * self.original.element_size()
+
+    def merge(self, delta: torch.Tensor) -> None:
+        """`weight = original + delta`, with `delta` fp32 on the weight's device (consumed)."""
+        # A pristine weight is its own original: no host-to-device copy.
+        original = self.param if self.pristine else self.original.to(self.param.device, non_blocking=True)
+        with writable(self.param):
+            self.param.copy_(delta.add_(original))
+        self.pristine = False
+
+    def restore(self) -> None:
+        if not self.pristine:
+            with writable(self.param):
+                self.param.copy_(self.original)
+            self.pristine = True
+
+
+class QuantizedWeight:
+    """A module whose weight is stored quantized: dequantize the original, add, re-quantize into the same storage.
+
+    What is kept to restore is every tensor the module owns directly (the quantized weight and its scales).
+    """
+
+    def __init__(self, module: torch.nn.Module):
+        self.module = module
+        owned = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
+        self.tensors = {name: t for name, t in owned}
+        self.originals = {name: host_copy(t) for name, t in owned}
+        self.pristine = True
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.originals.values())
+
+    def merge(self, delta: torch.Tensor) -> None:
+        self.restore()  # start from the file's quantized weight, not an earlier merge's re-quantization
+        weight = self.module.dequantized_weight(torch.float32)
+        with writable(next(iter(self.tensors.values()))):
+            self.module.requantize_(weight.add_(delta))
+        self.pristine = False
+
+    def restore(self) -> None:
+        if not self.pristine:
+            for name, tensor in self.tensors.items():
+                with writable(tensor):
+                    tensor.copy_(self.originals[name])
+            self.pristine = True
+
+
+def is_quantized(module: torch.nn.Module) -> bool:
+    return callable(getattr(module, "dequantized_weight", None)) and callable(getattr(module, "requantize_", None))
+
+
+def weight_slot(model: torch.nn.Module, param_name: str):
+    """The slot that merges into `param_name` of `model`: the quantized path for a module exposing
+    `dequantized_weight`/`requantize_` (for its `weight`), else the plain path."""
+    module_name, _, leaf = param_name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if leaf == "weight" and is_quantized(module):
+        return QuantizedWeight(module)
+    return PlainWeight(getattr(module, leaf))
