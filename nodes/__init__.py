@@ -10,10 +10,12 @@ from comfy_api.latest import ComfyExtension, io
 from .cache import CACHE_NODES
 from .encode import KVGraphTextEncode
 from .loaders import LOADER_NODES
+from .lora import LORA_NODES
 from .sampler import KVGraphSampler
 from .vae import VAE_NODES
 
-NODE_LIST: list[type[io.ComfyNode]] = [*LOADER_NODES, KVGraphTextEncode, KVGraphSampler, *VAE_NODES, *CACHE_NODES]
+NODE_LIST: list[type[io.ComfyNode]] = [*LOADER_NODES, *LORA_NODES, KVGraphTextEncode, KVGraphSampler, *VAE_NODES,
+                                       *CACHE_NODES]
 
 
 class KVGraphExtension(ComfyExtension):

@@ -52,7 +52,9 @@ def get_or_load(key: tuple, load: Callable[[], object]):
 
 def adopt(handle) -> None:
     """Put a handle that is being used back in the cache if it was released while ComfyUI's own output cache still
-    held it: it is loaded again, so later workflows loading the same file must get it rather than a second copy."""
+    held it: it is loaded again, so later workflows loading the same file must get it rather than a second copy.
+    A handle with LoRAs chained on goes back as the loader's own handle: the cache holds models, not LoRA sets."""
+    handle = getattr(handle, "base", None) or handle
     key = getattr(handle, "key", None)
     if not key:
         return

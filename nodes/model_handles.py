@@ -7,6 +7,7 @@ make room, and ComfyUI can later unload ours the same way when another model wan
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 
@@ -16,6 +17,7 @@ import comfy.model_management as mm
 import comfy.model_patcher
 
 from ..graph_runtime.encoding.prompt import PromptEncoder
+from ..graph_runtime.lora import merged_loras
 from ..graph_runtime.registry import engine_for
 
 logger = logging.getLogger("kvgraph")
@@ -180,10 +182,21 @@ class ModelHandle:
 @dataclass(eq=False)
 class TransformerHandle(ModelHandle):
     scheduler_config: dict | None = None
+    # The LoRAs chained onto this handle by KV-Graph Load LoRA nodes (LoraChoice each, in chain order); the sampler
+    # merges them into the shared model at the start of its run. `base` is the loader's handle they were chained on.
+    loras: tuple = ()
+    base: "TransformerHandle | None" = field(default=None, repr=False)
 
     @property
     def engine(self):
         return engine_for(self.module)
+
+    def with_lora(self, choice) -> "TransformerHandle":
+        """The same loaded model with `choice` added to its LoRA chain (this handle is left as it is)."""
+        return dataclasses.replace(self, loras=(*self.loras, choice), base=self.base or self)
+
+    def describe(self) -> dict:
+        return {**super().describe(), "loras": merged_loras(self.module)["loras"]}
 
     def _weights_leaving(self, patcher) -> None:
         # Captured graphs and their static buffers are worthless once the weights move; free the buffers with

@@ -16,6 +16,7 @@ from ..graph_runtime.comfy_interop import (
 )
 from ..graph_runtime.decode.graph_manager import DECODE_MODES
 from ..graph_runtime.errors import InputError
+from ..graph_runtime.lora import loras_in_use
 from ..graph_runtime.sampling.sampler import Cancelled, SamplingRequest, sample
 from ..graph_runtime.sampling.schedule import SIGMA_PRESETS, TURBO_SIGMAS
 from . import events, in_flight
@@ -81,7 +82,8 @@ class KVGraphSampler(io.ComfyNode):
                 "from the KV-Graph encode node or core's Text Encode Qwen Image 2.1."
             ),
             inputs=[
-                Transformer.Input("model", tooltip="From a KV-Graph transformer or diffusers loader."),
+                Transformer.Input("model", tooltip="From a KV-Graph transformer or diffusers loader, or a Load LoRA "
+                                                   "node (its LoRAs are merged at the start of the run)."),
                 io.Conditioning.Input("positive", tooltip="The prompt's conditioning (KV-Graph or core Qwen-Image-2.1 "
                                                           "encode node)."),
                 io.Conditioning.Input("negative", optional=True,
@@ -126,7 +128,8 @@ class KVGraphSampler(io.ComfyNode):
         prompt_id, node_id = events.executing_ids()
         total = len(TURBO_SIGMAS) if sigma_preset == "turbo" else int(steps)
 
-        with in_flight.sampling(engine, prompt_id, node_id, total) as record:
+        # The handle's LoRA set is merged (or the originals restored) before the run and held until it ends.
+        with loras_in_use(model.module, model.loras), in_flight.sampling(engine, prompt_id, node_id, total) as record:
             progress = SamplerProgress(total, record)
             try:
                 result = sample(engine, request, on_step=progress.on_step, should_stop=progress.should_stop,

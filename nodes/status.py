@@ -6,6 +6,7 @@ read through `engine.status()`, which holds the manager's lock.
 
 from __future__ import annotations
 
+from ..graph_runtime.lora import merged_loras
 from ..graph_runtime.registry import process_registry
 from . import in_flight, model_cache
 
@@ -51,6 +52,7 @@ def status_payload() -> dict:
             "bytes_held": state["bytes_held"],
             "max_entries": state["max_entries"],
             "compiled": state.get("compiled", False),
+            "lora": merged_loras(engine.transformer),
         })
     loaded = []
     for handle in handles:
@@ -105,6 +107,11 @@ def status_report() -> str:
                      f"{model['captures']} captures, {model['replays']} replays, eager steps: {eager}; prefills: "
                      f"{model['prefill_captures']} captured, {model['prefill_replays']} replayed, eager: "
                      f"{eager_prefills}")
+        lora = model["lora"]
+        if lora["loras"]:
+            names = ", ".join(f"{item['name']} ({item['strength']:g})" for item in lora["loras"])
+            lines.append(f"  LoRAs merged: {names}; {lora['weights']} weights, originals "
+                         f"{lora['originals_bytes'] / 2**20:.1f} MiB on the host")
         for entry in model["entries"]:
             key = entry["key"]
             shape = f"{key['branch']} batch {key['batch']}, {key['prefix_tokens']}+{key['target_tokens']} tokens"

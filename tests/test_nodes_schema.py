@@ -16,7 +16,7 @@ from comfy_fake import PACK_ROOT, load_pack, unload_pack  # noqa: E402
 from comfy_fake.fixtures import comfy_env  # noqa: E402,F401
 
 EXPECTED_NODES = {
-    "KVGraphLoadDiffusers", "KVGraphLoadTransformer", "KVGraphLoadTextEncoder", "KVGraphLoadVAE",
+    "KVGraphLoadDiffusers", "KVGraphLoadTransformer", "KVGraphLoadTextEncoder", "KVGraphLoadVAE", "KVGraphLoadLoRA",
     "KVGraphTextEncode", "KVGraphSampler", "KVGraphVAEDecode", "KVGraphVAEEncode", "KVGraphCacheStatus",
     "KVGraphReleaseCaches",
 }

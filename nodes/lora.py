@@ -1,0 +1,75 @@
+"""KVGraphLoadLoRA: chains a LoRA onto a transformer handle; the sampler merges the chain into the weights.
+
+The node only reads and checks the file (so a wrong file fails here, naming it) and returns the same loaded model
+with its LoRA list extended. Merging waits for the sampler: several workflows can share one loaded model with
+different LoRA sets, and each prompt's sampler merges its own set in place (graphs keep replaying; see
+graph_runtime/lora).
+"""
+
+from __future__ import annotations
+
+import math
+
+from comfy_api.latest import io
+
+from ..graph_runtime.comfy_interop import file_identity
+from ..graph_runtime.errors import InputError
+from ..graph_runtime.lora import LoraChoice, read_lora
+from . import model_files
+from .types import LOADERS, Transformer
+
+LORA_FOLDER = "loras"
+# The name the example workflow uses; offered first so a fresh node shows what a LoRA file looks like.
+EXAMPLE_LORA = "qwen_image_2.1_lora.safetensors"
+MAX_STRENGTH = 10.0
+
+
+def lora_choices() -> list[str]:
+    """The .safetensors files in ComfyUI's loras folder (other formats cannot be read safely)."""
+    return [n for n in model_files.file_choices(LORA_FOLDER, EXAMPLE_LORA) if n.endswith(".safetensors")]
+
+
+class KVGraphLoadLoRA(io.ComfyNode):
+    @classmethod
+    def define_schema(cls):
+        return io.Schema(
+            node_id="KVGraphLoadLoRA",
+            display_name="KV-Graph Load LoRA",
+            category=LOADERS,
+            description=(
+                "Adds a Qwen-Image-2.1 LoRA from models/loras to a KV-Graph transformer; chain several for several "
+                "LoRAs. The sampler merges them into the weights in place at the start of its run (once per change "
+                "of LoRAs or strengths), so decode runs at full speed and captured CUDA graphs keep replaying."
+            ),
+            inputs=[
+                Transformer.Input("model", tooltip="A KV-Graph transformer, from a loader or another Load LoRA node."),
+                io.Combo.Input("lora_name", options=lora_choices(), default=EXAMPLE_LORA,
+                               tooltip="A Qwen-Image-2.1 LoRA (.safetensors) in models/loras: PEFT/diffusers, "
+                                       "kohya/ComfyUI or DiffSynth key layouts, or full-weight diff files."),
+                io.Float.Input("strength", default=1.0, min=-MAX_STRENGTH, max=MAX_STRENGTH, step=0.01,
+                               tooltip="How much of the LoRA to merge: 1 as trained, 0 none (the original "
+                                       "weights), negative values subtract it."),
+            ],
+            outputs=[Transformer.Output(display_name="model",
+                                        tooltip="The same loaded transformer with this LoRA added to its chain; "
+                                                "connect it to the KV-Graph sampler or another Load LoRA node.")],
+        )
+
+    @classmethod
+    def fingerprint_inputs(cls, model, lora_name, strength):
+        # Run again when the file changes on disk, not only when the widgets change.
+        try:
+            return (file_identity(model_files.full_path(LORA_FOLDER, lora_name, "lora_name")), strength)
+        except Exception:  # noqa: BLE001 - a missing file is reported by execute, with a proper message
+            return (lora_name, strength)
+
+    @classmethod
+    def execute(cls, model, lora_name, strength) -> io.NodeOutput:
+        if not math.isfinite(strength) or abs(strength) > MAX_STRENGTH:
+            raise InputError("strength", strength, f"a finite number in [-{MAX_STRENGTH:g}, {MAX_STRENGTH:g}]")
+        path = model_files.full_path(LORA_FOLDER, lora_name, "lora_name")
+        lora = read_lora(path, model.module)
+        return io.NodeOutput(model.with_lora(LoraChoice(lora, float(strength))))
+
+
+LORA_NODES = [KVGraphLoadLoRA]
