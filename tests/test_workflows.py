@@ -18,8 +18,9 @@ from comfy_fake.fixtures import comfy_env  # noqa: E402,F401
 ROOT = Path(__file__).resolve().parents[1]
 UI_FILES = sorted((ROOT / "example_workflows").glob("*.json"))
 EXPECTED = {"qwen_image_2.1_text_to_image", "qwen_image_2.1_turbo_8_steps", "qwen_image_2.1_edit_one_reference",
-            "qwen_image_2.1_edit_two_references", "qwen_image_2.1_cfg_negative_prompt"}
+            "qwen_image_2.1_edit_two_references", "qwen_image_2.1_cfg_negative_prompt", "qwen_image_2.1_lora"}
 REAL_FILES = {"qwen_image_2.1_bf16.safetensors", "qwen3vl_8b_bf16.safetensors", "qwen_image_2.1_vae_bf16.safetensors"}
+LORA_FILE = "qwen_image_2.1_lora.safetensors"  # the LoRA example's file (users put their own in models/loras)
 WIDGETS = ("BOOLEAN", "INT", "FLOAT", "STRING", "COMBO")
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
 # Core nodes: widget names as the UI stores them (LoadImage adds the upload button's value), and socket types.
@@ -85,7 +86,7 @@ def socket_types(env, node_type):
     return inputs, [o.io_type for o in schema.outputs]
 
 
-def test_the_five_examples_exist_with_api_twins():
+def test_the_examples_exist_with_api_twins():
     assert {p.stem for p in UI_FILES} == EXPECTED
     for path in UI_FILES:
         assert (ROOT / "example_workflows" / "api" / path.name).is_file()
@@ -105,7 +106,7 @@ def test_ui_workflow_matches_node_schemas(comfy_env, path):
         assert [(i["name"], i["type"]) for i in node["inputs"]] == [
             (i["name"], inputs[i["name"]]) for i in node["inputs"]], node["type"]
         assert [o["type"] for o in node["outputs"]] == outputs, node["type"]
-    assert files == REAL_FILES
+    assert files - {LORA_FILE} == REAL_FILES and (LORA_FILE in files) == ("lora" in path.stem)
     link_ids = set()
     for link_id, src, src_slot, dst, dst_slot, link_type in workflow["links"]:
         link_ids.add(link_id)
@@ -154,3 +155,11 @@ def test_examples_cover_the_documented_cases(comfy_env):
                                                                                 range(count)]
         assert "vae" in encode["inputs"]
         assert sum(n["class_type"] == "LoadImage" for n in api.values()) == count
+
+
+def test_the_lora_example_puts_the_lora_between_the_loader_and_the_sampler():
+    api = load(ROOT / "example_workflows" / "api" / "qwen_image_2.1_lora.json")
+    ids = {n["class_type"]: node_id for node_id, n in api.items()}
+    lora = api[ids["KVGraphLoadLoRA"]]
+    assert lora["inputs"] == {"lora_name": LORA_FILE, "strength": 1.0, "model": [ids["KVGraphLoadTransformer"], 0]}
+    assert api[ids["KVGraphSampler"]]["inputs"]["model"] == [ids["KVGraphLoadLoRA"], 0]

@@ -23,6 +23,7 @@ PACK_FOLDER = "kv_graph_e2e"  # any folder name works; ComfyUI imports the pack 
 REFERENCE_IMAGES = ("kvgraph_example_reference_1.png", "kvgraph_example_reference_2.png")
 REFERENCE_SIZES = ((200, 150, "RGB"), (120, 180, "RGBA"))  # width, height, mode
 SMALL = 128  # output / reference resolution for end-to-end runs
+LORA_FILE = "qwen_image_2.1_lora.safetensors"  # the LoRA example's file: a tiny random LoRA for the tiny model
 
 
 def prepare_base(base: Path) -> Path:
@@ -30,6 +31,7 @@ def prepare_base(base: Path) -> Path:
     import numpy as np
     from PIL import Image
 
+    from graph_runtime.lora.tiny import write_tiny_lora
     from graph_runtime.tiny import write_comfyui_files, write_diffusers_folder
 
     (base / "custom_nodes").mkdir(parents=True, exist_ok=True)
@@ -37,6 +39,7 @@ def prepare_base(base: Path) -> Path:
     write_comfyui_files(base / "models")
     write_diffusers_folder(base / "models" / "diffusers" / "qwen-image-2.1-tiny")
     (base / "models" / "diffusion_models" / "kvgraph_broken.safetensors").write_bytes(b"\x00" * 128)
+    write_tiny_lora(base / "models" / "loras" / LORA_FILE)
     (base / "input").mkdir(exist_ok=True)
     rng = np.random.RandomState(0)
     for name, (width, height, mode) in zip(REFERENCE_IMAGES, REFERENCE_SIZES):

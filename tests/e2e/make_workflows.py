@@ -17,6 +17,8 @@ OUT = ROOT / "example_workflows"
 TRANSFORMER_FILE = "qwen_image_2.1_bf16.safetensors"
 TEXT_ENCODER_FILE = "qwen3vl_8b_bf16.safetensors"
 VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
+# The LoRA workflow's file in models/loras (users pick their own; the end-to-end test writes a tiny one there).
+LORA_FILE = "qwen_image_2.1_lora.safetensors"
 # The edit workflows load these from ComfyUI's input folder (the end-to-end test puts them there).
 REFERENCE_IMAGES = ("kvgraph_example_reference_1.png", "kvgraph_example_reference_2.png")
 
@@ -27,6 +29,7 @@ OUTPUTS = {
     "KVGraphLoadTransformer": [("transformer", "KVGRAPH_TRANSFORMER")],
     "KVGraphLoadTextEncoder": [("text_encoder", "KVGRAPH_TEXT_ENCODER")],
     "KVGraphLoadVAE": [("vae", "KVGRAPH_VAE")],
+    "KVGraphLoadLoRA": [("model", "KVGRAPH_TRANSFORMER")],
     "KVGraphTextEncode": [("positive", "CONDITIONING"), ("negative", "CONDITIONING"), ("latent", "LATENT")],
     "KVGraphSampler": [("latent", "LATENT")],
     "KVGraphVAEDecode": [("image", "IMAGE")],
@@ -34,6 +37,7 @@ OUTPUTS = {
     "SaveImage": [],
 }
 SOCKETS = {
+    "KVGraphLoadLoRA": [("model", "KVGRAPH_TRANSFORMER")],
     "KVGraphTextEncode": [("text_encoder", "KVGRAPH_TEXT_ENCODER"), ("vae", "KVGRAPH_VAE"), ("image1", "IMAGE"),
                           ("image2", "IMAGE"), ("image3", "IMAGE")],
     "KVGraphSampler": [("model", "KVGRAPH_TRANSFORMER"), ("positive", "CONDITIONING"),
@@ -46,6 +50,7 @@ TITLES = {
     "KVGraphLoadVAE": "KV-Graph Load VAE", "KVGraphTextEncode": "KV-Graph Text Encode (Qwen-Image-2.1)",
     "KVGraphSampler": "KV-Graph Sampler (Qwen-Image-2.1)", "KVGraphVAEDecode": "KV-Graph VAE Decode",
     "LoadImage": "Load Image", "SaveImage": "Save Image",
+    "KVGraphLoadLoRA": "KV-Graph Load LoRA",
 }
 
 
@@ -79,6 +84,19 @@ def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="dynamic", refere
     return nodes
 
 
+def with_lora(nodes, lora_name=LORA_FILE, strength=1.0):
+    """`nodes` with a KV-Graph Load LoRA between the transformer loader and the sampler."""
+    lora = (8, "KVGraphLoadLoRA", [("lora_name", lora_name), ("strength", strength)], {"model": (1, 0)}, (40, 600))
+    out = []
+    for node_id, node_type, widgets, links, pos in nodes:
+        if node_type == "KVGraphSampler":
+            links = {**links, "model": (lora[0], 0)}
+        out.append((node_id, node_type, widgets, links, pos))
+        if node_id == 3:
+            out.append(lora)
+    return out
+
+
 WORKFLOWS = {
     "qwen_image_2.1_text_to_image": graph(
         "text_to_image", "A capybara wearing a wizard hat, reading a spell book by candlelight, oil painting."),
@@ -94,6 +112,8 @@ WORKFLOWS = {
     "qwen_image_2.1_cfg_negative_prompt": graph(
         "cfg_negative", "A cozy reading nook with a large window, soft morning light, watercolor.",
         negative="blurry, low quality, distorted, text, watermark", cfg=4.0),
+    "qwen_image_2.1_lora": with_lora(graph(
+        "lora", "A lighthouse on a rocky coast at dusk, dramatic clouds, in the style the LoRA was trained on.")),
 }
 
 

@@ -22,7 +22,7 @@ from comfy_server import (  # noqa: E402
 pytestmark = pytest.mark.comfyui
 
 EXAMPLES = ["qwen_image_2.1_text_to_image", "qwen_image_2.1_turbo_8_steps", "qwen_image_2.1_edit_one_reference",
-            "qwen_image_2.1_edit_two_references", "qwen_image_2.1_cfg_negative_prompt"]
+            "qwen_image_2.1_edit_two_references", "qwen_image_2.1_cfg_negative_prompt", "qwen_image_2.1_lora"]
 T_FILE = "qwen_image_2.1_bf16.safetensors"
 WIDGET_TYPES = ("INT", "FLOAT", "STRING", "BOOLEAN", "COMBO")
 
@@ -57,7 +57,7 @@ def test_real_server_schema_matches_the_examples(server):
     info = server.get("/object_info")
     ours = {k for k, v in info.items() if v["category"].startswith("KV-Graph")}
     assert {"KVGraphSampler", "KVGraphTextEncode", "KVGraphLoadTransformer", "KVGraphLoadTextEncoder",
-            "KVGraphLoadVAE", "KVGraphLoadDiffusers", "KVGraphVAEDecode", "KVGraphVAEEncode",
+            "KVGraphLoadVAE", "KVGraphLoadDiffusers", "KVGraphLoadLoRA", "KVGraphVAEDecode", "KVGraphVAEEncode",
             "KVGraphCacheStatus", "KVGraphReleaseCaches"} == ours
     sampler = info["KVGraphSampler"]["input"]
     assert sampler["required"]["steps"][1]["default"] == 40 and sampler["required"]["cfg"][1]["default"] == 1.0
