@@ -174,7 +174,8 @@ def test_a_merge_that_fails_halfway_restores_the_originals(model, loras, monkeyp
     assert state.merged == () and state.originals_bytes() == 0
     monkeypatch.setattr(WeightPatch, "delta", real)
     assert state.apply([LoraChoice(loras["a"][0], 1.0)]) is True  # the next good run merges normally
-    assert not torch.equal(model.transformer_blocks[0].attn.to_q.weight, before["transformer_blocks.0.attn.to_q.weight"])
+    name = "transformer_blocks.0.attn.to_q.weight"
+    assert not torch.equal(model.get_parameter(name), before[name])
 
 
 def test_a_deep_copy_of_a_merged_model_has_no_lora_state(model, loras):

@@ -123,8 +123,10 @@ class LoraMerge:
 
     def _write(self, model, patches: dict[str, list]) -> None:
         """Restore every weight not in `patches`, merge every weight in it (from its original)."""
-        # ComfyUI runs nodes under inference mode; the weights are normal tensors and must stay so.
-        with torch.inference_mode(False), torch.no_grad():
+        # Deltas and host copies are made as normal tensors (ComfyUI runs nodes under inference mode; each weight is
+        # written in its own mode, see weights.writable), and in true fp32 (TF32 would round the products to
+        # 10-bit mantissas).
+        with torch.inference_mode(False), torch.no_grad(), _ieee_fp32_matmul():
             for name, slot in self._slots.items():
                 if name not in patches:
                     slot.restore()
@@ -150,6 +152,17 @@ class LoraMerge:
             return {"loras": [c.describe() for c in self.merged], "weights": len(self._slots),
                     "originals_bytes": self.originals_bytes(), "merges": self.merges,
                     "last_merge_ms": round(self.last_merge_ms, 1)}
+
+
+@contextlib.contextmanager
+def _ieee_fp32_matmul():
+    matmul = torch.backends.cuda.matmul
+    saved = matmul.allow_tf32
+    matmul.allow_tf32 = False
+    try:
+        yield
+    finally:
+        matmul.allow_tf32 = saved
 
 
 def _no_state():
