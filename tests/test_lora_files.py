@@ -128,6 +128,39 @@ def test_a_quantized_module_merges_by_dequantize_add_requantize(tmp_path):
     slot.restore()
     assert torch.equal(holder.proj.weight, weight) and torch.equal(holder.proj.weight_scale, scale)
     assert (holder.proj.weight.data_ptr(), holder.proj.weight_scale.data_ptr()) == addresses
+    slot.merge(delta.clone())
+    holder.proj._buffers["weight_scale"] = holder.proj.weight_scale.clone()  # what moving the module to a device does
+    slot.restore()
+    assert torch.equal(holder.proj.weight, weight) and torch.equal(holder.proj.weight_scale, scale)
+
+
+def test_weights_replaced_by_a_device_move_are_found_again(model, tmp_path):
+    """Moving a module between devices may give it new parameter tensors: a restore writes into the weight the
+    module holds now, not into the one it held when it was merged."""
+    write_layout(tmp_path / "k.safetensors", "kohya", model, dtype=torch.bfloat16)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    state = merge_state(model)
+    state.apply([LoraChoice(read_lora(tmp_path / "k.safetensors", model), 1.0)])
+    attn = model.transformer_blocks[0].attn.to_q
+    attn._parameters["weight"] = torch.nn.Parameter(attn.weight.detach().clone(), requires_grad=False)
+    state.apply([])
+    assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
+
+
+def test_forget_after_the_weights_were_reloaded(model, tmp_path):
+    """When the weights were put back to the file's values by a reload, `forget` clears the merged set, and the
+    next merge starts from the reloaded weights instead of adding the LoRA twice."""
+    expected = write_layout(tmp_path / "k.safetensors", "kohya", model, dtype=torch.bfloat16)
+    original = {name: p.detach().clone() for name, p in model.named_parameters()}
+    reference = reference_weights(model, [(1.0, expected)])
+    choice = [LoraChoice(read_lora(tmp_path / "k.safetensors", model), 1.0)]
+    state = merge_state(model)
+    state.apply(choice)
+    model.load_state_dict(original)  # a reload from the file
+    state.forget()
+    assert state.merged == () and state.originals_bytes() == 0
+    assert state.apply(choice) is True
+    assert all(torch.equal(model.get_parameter(name), want) for name, want in reference.items())
 
 
 def _refused(path, model) -> str:

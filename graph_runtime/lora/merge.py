@@ -134,7 +134,7 @@ class LoraMerge:
                 slot = self._slots.get(name)
                 if slot is None:
                     slot = self._slots[name] = weight_slot(model, name)  # keeps the original before changing it
-                device = _device_of(slot)
+                device = slot.device
                 delta = items[0][1].delta(device, items[0][0])
                 for strength, patch in items[1:]:
                     delta.add_(patch.delta(device, strength))
@@ -144,14 +144,22 @@ class LoraMerge:
             if next(model.parameters()).device.type == "cuda":
                 torch.cuda.synchronize()
 
+    def forget(self) -> None:
+        """Call when the weights were put back to the file's values by other means (a reload from the file or
+        from a pinned copy made at load): nothing is merged any more, and the kept originals are dropped."""
+        with self._changed:
+            self._slots.clear()
+            self.merged = ()
+
     def originals_bytes(self) -> int:
-        return sum(slot.nbytes for slot in self._slots.values())
+        return sum(slot.nbytes for slot in list(self._slots.values()))  # list(): one C-level snapshot of the dict
 
     def describe(self) -> dict:
-        with self._changed:
-            return {"loras": [c.describe() for c in self.merged], "weights": len(self._slots),
-                    "originals_bytes": self.originals_bytes(), "merges": self.merges,
-                    "last_merge_ms": round(self.last_merge_ms, 1)}
+        """Read without the lock: the status route runs on ComfyUI's event loop and must not wait for a merge (it
+        then reports the set merged before it)."""
+        return {"loras": [c.describe() for c in self.merged], "weights": len(self._slots),
+                "originals_bytes": self.originals_bytes(), "merges": self.merges,
+                "last_merge_ms": round(self.last_merge_ms, 1)}
 
 
 @contextlib.contextmanager
@@ -167,13 +175,6 @@ def _ieee_fp32_matmul():
 
 def _no_state():
     return None
-
-
-def _device_of(slot) -> torch.device:
-    tensor = getattr(slot, "param", None)
-    if tensor is None:
-        tensor = next(iter(slot.tensors.values()))
-    return tensor.device
 
 
 def merge_state(transformer: torch.nn.Module, create: bool = True) -> LoraMerge | None:

@@ -46,13 +46,28 @@ def writable(tensor: torch.Tensor):
     return torch.inference_mode(tensor.is_inference())
 
 
+def _owned(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer `name` of `module` as it is now: looked up at each use, because moving a module
+    between devices replaces its buffers (and, with some settings, its parameters) by new tensors."""
+    tensor = module._parameters.get(name)
+    return module._buffers[name] if tensor is None else tensor
+
+
 class PlainWeight:
     """A floating-point weight: merged as one fp32 sum rounded once to its dtype."""
 
-    def __init__(self, param: torch.Tensor):
-        self.param = param
-        self.original = host_copy(param)
+    def __init__(self, module: torch.nn.Module, name: str):
+        self.module, self.name = module, name
+        self.original = host_copy(self.param)
         self.pristine = True  # the weight holds its original values
+
+    @property
+    def param(self) -> torch.Tensor:
+        return _owned(self.module, self.name)
+
+    @property
+    def device(self) -> torch.device:
+        return self.param.device
 
     @property
     def nbytes(self) -> int:
@@ -60,16 +75,18 @@ class PlainWeight:
 
     def merge(self, delta: torch.Tensor) -> None:
         """`weight = original + delta`, with `delta` fp32 on the weight's device (consumed)."""
+        param = self.param
         # A pristine weight is its own original: no host-to-device copy.
-        original = self.param if self.pristine else self.original.to(self.param.device, non_blocking=True)
-        with writable(self.param):
-            self.param.copy_(delta.add_(original))
+        original = param if self.pristine else self.original.to(param.device, non_blocking=True)
+        with writable(param):
+            param.copy_(delta.add_(original))
         self.pristine = False
 
     def restore(self) -> None:
         if not self.pristine:
-            with writable(self.param):
-                self.param.copy_(self.original)
+            param = self.param
+            with writable(param):
+                param.copy_(self.original)
             self.pristine = True
 
 
@@ -82,9 +99,12 @@ class QuantizedWeight:
     def __init__(self, module: torch.nn.Module):
         self.module = module
         owned = [*module.named_parameters(recurse=False), *module.named_buffers(recurse=False)]
-        self.tensors = {name: t for name, t in owned}
         self.originals = {name: host_copy(t) for name, t in owned}
         self.pristine = True
+
+    @property
+    def device(self) -> torch.device:
+        return self.module.weight.device
 
     @property
     def nbytes(self) -> int:
@@ -93,15 +113,16 @@ class QuantizedWeight:
     def merge(self, delta: torch.Tensor) -> None:
         self.restore()  # start from the file's quantized weight, not an earlier merge's re-quantization
         weight = self.module.dequantized_weight(torch.float32)
-        with writable(next(iter(self.tensors.values()))):
+        with writable(self.module.weight):
             self.module.requantize_(weight.add_(delta))
         self.pristine = False
 
     def restore(self) -> None:
         if not self.pristine:
-            for name, tensor in self.tensors.items():
+            for name, original in self.originals.items():
+                tensor = _owned(self.module, name)
                 with writable(tensor):
-                    tensor.copy_(self.originals[name])
+                    tensor.copy_(original)
             self.pristine = True
 
 
@@ -116,4 +137,4 @@ def weight_slot(model: torch.nn.Module, param_name: str):
     module = model.get_submodule(module_name)
     if leaf == "weight" and is_quantized(module):
         return QuantizedWeight(module)
-    return PlainWeight(getattr(module, leaf))
+    return PlainWeight(module, leaf)
