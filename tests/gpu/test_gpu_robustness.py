@@ -22,14 +22,6 @@ GRAPH_ATOL = 1e-5
 GOOD = dict(prompt="a red cube", width=128, height=128, steps=6, seed=3)
 
 
-@pytest.fixture(scope="module")
-def cuda_models(tiny_parts):
-    parts = {k: (copy.deepcopy(v).to("cuda") if isinstance(v, torch.nn.Module) else v) for k, v in tiny_parts.items()}
-    return types.SimpleNamespace(transformer=parts["transformer"], vae=parts["vae"],
-                                 text_encoder=parts["text_encoder"], processor=parts["processor"],
-                                 scheduler_config=dict(parts["scheduler"].config))
-
-
 def test_nan_weights_stop_a_graph_run_and_the_next_request_replays_correctly(cuda_models):
     """A good graph run captures; the same weights made NaN in place (same storage, so the graph stays valid and
     replays the NaN) stop the next run at step 1; restored in place, the next run replays and equals the first."""
