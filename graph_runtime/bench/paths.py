@@ -3,8 +3,7 @@
 `diffusers` is the reference: the transformer's own `kv_cache_mode="cached"` forward, eager, host syncs included.
 The others are this project's decode step: eager, captured, and captured with compiled blocks; `--paths all` adds
 the compiled path without our kernels, to measure them. (Fused q/k/v and gate/up GEMMs, a pinned cuDNN attention
-backend, max-autotune GEMMs and FP8 GEMMs were measured too and not kept: see
-bench/results/levers-20261202T113910.md and the README's performance section.)
+backend, max-autotune GEMMs and FP8 GEMMs were measured too and not kept: docs/performance.md says what each gave.)
 """
 
 from __future__ import annotations
