@@ -233,6 +233,17 @@ def test_files_other_than_safetensors_are_refused(model, tmp_path):
     assert "truncated" in _refused(truncated, model)
 
 
+@pytest.mark.parametrize("raw", ["{not json", "[" * 100_000 + "]" * 100_000])
+def test_unreadable_peft_metadata_is_refused(model, tmp_path, raw):
+    from safetensors.torch import save_file
+
+    path = tmp_path / "meta.safetensors"
+    save_file({"transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 32),
+               "transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.zeros(32, 4)}, str(path),
+              metadata={"lora_adapter_metadata": raw})
+    assert "lora_adapter_metadata metadata that is not valid JSON" in _refused(path, model)
+
+
 def test_a_refused_file_leaves_the_model_and_the_next_lora_working(model, tmp_path):
     before = _snapshot(model)
     _refused(write_keys(tmp_path / "bad.safetensors", {"foo.lora_A.weight": (4, 4)}), model)

@@ -128,7 +128,7 @@ def _peft_config(path: str, metadata: dict) -> dict:
         return {}
     try:
         config = json.loads(raw)
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested deep enough to exhaust the parser
         raise CheckpointError(path, f"has {PEFT_METADATA} metadata that is not valid JSON.", EXPECTED) from None
     if not isinstance(config, dict):
         return {}
