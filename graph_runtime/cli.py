@@ -90,11 +90,13 @@ def cmd_generate(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
-    from .tiny import write_comfyui_files, write_diffusers_folder
+    from .tiny import write_comfyui_files, write_comfyui_int8_files, write_diffusers_folder
 
     if args.comfyui_models:
         for name, path in write_comfyui_files(args.comfyui_models).items():
             print(f"wrote {name}: {path}")
+        for name, path in write_comfyui_int8_files(args.comfyui_models).items():
+            print(f"wrote {name} (INT8 ConvRot): {path}")
     if args.dir:
         print(f"wrote diffusers folder: {write_diffusers_folder(args.dir)}")
     if not args.dir and not args.comfyui_models:
@@ -142,7 +144,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random Qwen-Image-2.1 for tests")
     tiny.add_argument("dir", nargs="?", help="diffusers folder to write")
-    tiny.add_argument("--comfyui-models", help="a ComfyUI models/ folder to write the single files into")
+    tiny.add_argument("--comfyui-models", help="a ComfyUI models/ folder to write the single files into (bf16 and "
+                                               "INT8 ConvRot, under the released file names)")
     tiny.set_defaults(func=cmd_make_tiny)
 
     bench = sub.add_parser("bench", help="decode-step benchmark on the GPU (full-size random weights)")
