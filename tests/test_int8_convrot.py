@@ -396,3 +396,21 @@ def test_quantized_vae_file_is_refused_naming_its_format(files, bad_dir):
     save_file(tensors, str(path))
     with pytest.raises(CheckpointError, match="int8 ConvRot"):
         load_vae(path)
+
+
+def test_cli_generates_from_the_int8_files(files, tmp_path, capsys):
+    """`make-tiny --comfyui-models` writes the INT8 files too, and `generate` runs them (int8 mode)."""
+    from PIL import Image
+
+    from graph_runtime.cli import main
+
+    models = tmp_path / "models"
+    assert main(["make-tiny", "--comfyui-models", str(models)]) == 0
+    assert "INT8 ConvRot" in capsys.readouterr().out
+    out = tmp_path / "int8.png"
+    assert main(["generate", "--out", str(out), "--width", "64", "--height", "64", "--steps", "2",
+                 "--transformer", str(models / INT8_FILES["transformer"]),
+                 "--vae", str(models / "vae" / "qwen_image_2.1_vae_bf16.safetensors"),
+                 "--text-encoder", str(models / INT8_FILES["text_encoder"]),
+                 "--tokenizer", str(files["tokenizer"])]) == 0
+    assert Image.open(out).size == (64, 64)

@@ -34,3 +34,20 @@ def quantize_linears_(model: torch.nn.Module, group_size: int,
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, ConvRotInt8Linear.from_linear(linear, group_size))
     return len(targets)
+
+
+def dequantize_linears_(model: torch.nn.Module, dtype: torch.dtype | None = None) -> int:
+    """Replace every ConvRotInt8Linear of `model` by an ordinary Linear holding its dequantized weight (in `dtype`,
+    default: the layer's bias dtype, else bf16) and its bias, in place; returns how many were replaced. The same
+    weights the loaders' dequantize mode gives, for models quantized in memory."""
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, ConvRotInt8Linear)]
+    for name, layer in targets:
+        out_dtype = dtype or (layer.bias.dtype if layer.bias is not None else torch.bfloat16)
+        linear = torch.nn.Linear(layer.in_features, layer.out_features, bias=layer.bias is not None,
+                                 device="meta")
+        linear.weight = torch.nn.Parameter(layer.dequantized_weight(out_dtype), requires_grad=False)
+        if layer.bias is not None:
+            linear.bias = torch.nn.Parameter(layer.bias.detach().to(out_dtype), requires_grad=False)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, linear)
+    return len(targets)

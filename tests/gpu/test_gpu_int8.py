@@ -19,7 +19,7 @@ import torch
 from graph_runtime.decode.engine import DecodeEngine
 from graph_runtime.decode.layout import TokenLayout
 from graph_runtime.encoding.prompt import PromptEmbeds
-from graph_runtime.quantized import ConvRotInt8Linear, int8_modules, quantize_linears_
+from graph_runtime.quantized import dequantize_linears_, int8_modules, quantize_linears_
 from graph_runtime.sampling.sampler import SamplingRequest, initial_noise, pack, sample
 from graph_runtime.sampling.schedule import build_schedule
 
@@ -47,13 +47,7 @@ def _wide_transformer(seed=0):
 
 def _dequantized_twin(int8_model):
     twin = copy.deepcopy(int8_model)
-    for name, module in list(twin.named_modules()):
-        if isinstance(module, ConvRotInt8Linear):
-            linear = torch.nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                                     device="cuda", dtype=torch.bfloat16).requires_grad_(False)
-            linear.weight.copy_(module.dequantized_weight(torch.bfloat16))
-            parent, _, child = name.rpartition(".")
-            setattr(twin.get_submodule(parent), child, linear)
+    assert dequantize_linears_(twin, torch.bfloat16) == 14
     return twin
 
 
