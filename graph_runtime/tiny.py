@@ -126,11 +126,12 @@ def tiny_text_encoder_config():
     )
 
 
-def random_tiny_transformer():
-    """The tiny transformer with random weights drawn from torch's global generator (seed it first)."""
+def random_tiny_transformer(config: dict | None = None):
+    """The tiny transformer (or one of another `config`) with random weights drawn from torch's global generator
+    (seed it first)."""
     from diffusers import QwenImage21Transformer2DModel
 
-    transformer = QwenImage21Transformer2DModel(**TINY_TRANSFORMER).eval()
+    transformer = QwenImage21Transformer2DModel(**(config or TINY_TRANSFORMER)).eval()
     # Zero-init weights would make the model trivially constant; give every weight real variation.
     with torch.no_grad():
         for name, p in transformer.named_parameters():

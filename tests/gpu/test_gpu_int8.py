@@ -32,17 +32,10 @@ PROMPT_TOKENS = 24
 
 
 def _wide_transformer(seed=0):
-    from diffusers import QwenImage21Transformer2DModel
+    from graph_runtime.tiny import random_tiny_transformer
 
     torch.manual_seed(seed)
-    model = QwenImage21Transformer2DModel(**WIDE).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name and p.dim() == 1:
-                p.normal_(0.0, 0.1)
-            else:
-                p.normal_(0.0, 0.5 / max(1, p.shape[-1]) ** 0.5)
-    return model.to("cuda", torch.bfloat16).requires_grad_(False)
+    return random_tiny_transformer(WIDE).to("cuda", torch.bfloat16).requires_grad_(False)
 
 
 def _dequantized_twin(int8_model):
