@@ -4,9 +4,8 @@
 The others are this project's decode step: eager, captured, and captured with compiled blocks; `--paths all` adds
 the compiled path without our kernels, to measure them, and the INT8 ConvRot paths: the blocks' Linear layers quantized
 on the GPU with comfy-kitchen from the same random bf16 weights and run int8 (W8A8, `graph-int8`) or dequantized
-back to bf16 at load (`graph-dequantized`). (Fused q/k/v and gate/up GEMMs, a pinned cuDNN attention
-backend, max-autotune GEMMs and FP8 GEMMs were measured too and not kept: see
-bench/results/levers-20261202T113910.md and the README's performance section.)
+back to bf16 at load (`graph-dequantized`). (Fused q/k/v and gate/up GEMMs, a pinned cuDNN attention backend,
+max-autotune GEMMs and FP8 GEMMs were measured too and not kept: docs/performance.md says what each gave.)
 """
 
 from __future__ import annotations

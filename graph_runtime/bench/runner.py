@@ -375,9 +375,9 @@ def _profile(transformer, spec, device, context, channels) -> str:
     return "\n".join(lines)
 
 
-# Summed decode times this close are run-to-run noise: one path's step varied by up to 8% between alternated rounds
-# (bench/results/compile-or-not-20261202T1738.log), and the graph with and without compiled blocks swapped places
-# between two whole runs, 0.1% apart (decode-20261202T160810.md and decode-20261202T172919.md).
+# Summed decode times this close are run-to-run noise: the same path's step moves by a few percent between runs with
+# the clock the card's power cap leaves, and paths within this margin swap places from one run to the next
+# (docs/performance.md).
 TIE = 0.01
 
 

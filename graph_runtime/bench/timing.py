@@ -55,8 +55,8 @@ def after_idle_ms(fn, device, pause_s: float = 3.0) -> float:
     """Device time of one call of `fn` after the card idled `pause_s` seconds, on CUDA.
 
     Back-to-back steps at 512x512 and up draw the card's 700 W limit, and the driver then holds the SM clock near
-    1.5 GHz; after a pause one step runs at the boost clock (bench/results/prefill-host-and-clocks-*.log). This
-    is that step: the same code at the clock the card is rated for, next to `device_ms`'s sustained figure.
+    1.5 GHz; after a pause one step runs at the boost clock (docs/performance.md). This is that step: the same code
+    at the clock the card is rated for, next to `device_ms`'s sustained figure.
     """
     _sync(device)
     time.sleep(pause_s)

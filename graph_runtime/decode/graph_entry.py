@@ -186,13 +186,12 @@ def without_blas_workspace():
 
     Why: with a workspace, cuBLAS's Hopper GEMMs use a dynamic tile scheduler whose counters it clears with a memset
     before each GEMM, and a captured graph records all of them (257 of a 1024x1024 step's 662 kernels). Without
-    one it picks the static-schedule variant of the same kernel and records none, so a replay launches 435 kernels
-    and issues in less host time at the same device time (bench/results/capture-workspace-20261203T0614.log,
-    decode-20261203T062902.md against decode-20261203T062044.md). Setting the size for the whole process instead
-    (`CUBLAS_WORKSPACE_CONFIG=:0:0`) would also take split-K GEMMs away from every other model in it. Here only the
-    warm-up and the capture run without, the sizes are restored before the caller runs another GEMM, and torch
-    re-sizes a stream's workspace when the setting changes. A GEMM another thread ran in that window would only
-    get a kernel without the workspace, the same result up to rounding. Needs
+    one it picks the static-schedule variant of the same kernel and records none, so a replay launches a third fewer
+    kernels and issues in less host time at the same device time (docs/performance.md). Setting the size for the
+    whole process instead (`CUBLAS_WORKSPACE_CONFIG=:0:0`) would also take split-K GEMMs away from every other model
+    in it. Here only the warm-up and the capture run without, the sizes are restored before the caller runs another
+    GEMM, and torch re-sizes a stream's workspace when the setting changes. A GEMM another thread ran in that window
+    would only get a kernel without the workspace, the same result up to rounding. Needs
     `torch.backends.cuda.cublas_workspace_size` (torch 2.13 and later); on older torch the graph keeps the memsets,
     correct either way.
     """

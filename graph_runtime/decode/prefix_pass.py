@@ -5,9 +5,8 @@ Run eagerly it is about fifteen launches per block for a few hundred rows, so at
 on the host (43 ms of host time for a few ms of kernels on the H200's host). A request with a short prefix that
 claimed a graph entry therefore replays a captured prefix pass (`PrefixGraph`), captured the first time the
 entry's key is prefilled: its K/V land straight in the entry's static buffers, as the eager pass's do. A long
-prefix (reference images) keeps the GPU busy on its own: its replay ran no faster than the eager pass (132 vs
-130 ms at 4224 tokens, bench/results/decode-20261202T150833.md) while its capture cost ~190 ms more, so it runs
-eagerly.
+prefix (reference images) keeps the GPU busy on its own: its replay runs no faster than the eager pass while its
+capture costs a first prompt more (docs/performance.md), so it runs eagerly.
 """
 
 from __future__ import annotations
@@ -38,10 +37,9 @@ class PrefixInputs:
 
 # Up to this many prefix tokens (a text-only prompt) the pass is host-bound: it is captured and replayed, and its
 # masked attention runs on the memory-efficient kernel. SDPA would pick cuDNN, which generates a kernel for every
-# new prompt length: ~80 ms on the first prefill of each length, 2.4 s on the first one in the process, for
-# attention that is a sliver of a short pass. A long
-# prefix (reference images) keeps cuDNN, 40 ms faster per pass at 4224 tokens
-# (bench/results/prefix-attention-backend-20261202T1505.log).
+# new prompt length: tens of milliseconds on the first prefill of each length and seconds on the first one in the
+# process, for attention that is a sliver of a short pass. A long prefix (reference images) keeps cuDNN, which is
+# faster there (docs/performance.md).
 SHORT_PREFIX_TOKENS = 1024
 
 

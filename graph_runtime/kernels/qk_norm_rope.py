@@ -1,10 +1,9 @@
 """One pass over a block's fresh q/k/v: q/k RMSNorm, RoPE, and the target K/V written into the static buffer.
 
-Inductor fuses these into a single reduction kernel too, but at the 1024x1024 decode shape that kernel ran at a
-quarter of memory bandwidth (134-150 us per block, of ~40 us the traffic needs): it reads the interleaved (real,
-imag) RoPE pairs with strided gathers and re-reads its input across a looped reduction. Here each program owns
-whole 128-wide heads of one token, so the head's norm is a register reduction and each byte moves once (53 us;
-bench/results/kernel-levers-20261202T1305.log).
+Inductor fuses these into a single reduction kernel too, but at the decode shapes that kernel runs at a quarter of
+memory bandwidth: it reads the interleaved (real, imag) RoPE pairs with strided gathers and re-reads its input
+across a looped reduction. Here each program owns whole 128-wide heads of one token, so the head's norm is a
+register reduction and each byte moves once (the timings are in docs/performance.md).
 
 Rounding follows the eager body (diffusers' `RMSNorm` then `apply_rotary_emb_qwen`): normed values are rounded
 to the model dtype, scaled by the bf16/fp16 weight and rounded again, then rotated in fp32 and rounded once more.

@@ -1,10 +1,9 @@
 """The SwiGLU product `silu(gate) * up` of the block's MLP, between its gate/up and down projections.
 
-Inductor's kernel for this line ran at about half of memory bandwidth at the decode shapes (127 us per block at
-1024x1024, 54 us at 512x512, where the eager two-kernel version took 131 and 43 us); a flat one-dimensional kernel
-moving 1024 elements per program runs the same bytes in 88 and 37 us
-(bench/results/residual-handoff-and-swiglu-20261202T1556.log). Arithmetic is fp32 with one rounding, like
-inductor's fused code (equal outputs: max abs 0 against it); the CPU implementation is the same math in PyTorch.
+Inductor's kernel for this line runs at about half of memory bandwidth at the decode shapes; a flat
+one-dimensional kernel moving 1024 elements per program moves the same bytes in about two thirds of its time
+(docs/performance.md). Arithmetic is fp32 with one rounding, like inductor's fused code (equal outputs: max abs 0
+against it); the CPU implementation is the same math in PyTorch.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The forward maps (`*_from_comfy_state_dict`) turn a ComfyUI file into the state 
 class; the reverse maps (`*_to_comfy_state_dict`) are what `graph_runtime.tiny.write_comfyui_files` uses to write the
 tiny model the way ComfyUI's repackaged files are laid out. Forward(reverse(sd)) == sd exactly (tests check it).
 Everything here is pure key/tensor shuffling: it works the same on real tensors and on `meta` tensors, which is how
-the loaders infer a config from a header before reading any data. Where each layout comes from: LAYOUTS.md.
+the loaders infer a config from a header before reading any data. Where each layout comes from: docs/checkpoints.md.
 """
 
 from __future__ import annotations

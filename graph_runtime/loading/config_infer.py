@@ -3,7 +3,8 @@ tiny test model and the full 7B / 8B models the same way.
 
 Each function takes {tensor name: shape} already in diffusers / transformers names. Values that no tensor
 determines (RoPE axes, rope theta, vision head count, DeepStack tap layers) come from the released models' known
-configs, with a rule that also reproduces the tiny model's values; LAYOUTS.md lists which value came from where.
+configs, with a rule that also reproduces the tiny model's values; docs/checkpoints.md lists which value came from
+where.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The point is the error message: when a user picks the wrong file in a ComfyUI dropdown, "this is a Qwen-Image 1.x
 transformer, not 2.1" is actionable where "missing key transformer_blocks.0.img_mlp.gate_layer.weight" is not. The
-signatures follow the keys ComfyUI's own detection keys on (see LAYOUTS.md), so a file ComfyUI recognises is
+signatures follow the keys ComfyUI's own detection keys on (see docs/checkpoints.md), so a file ComfyUI recognises is
 recognised here the same way.
 """
 

@@ -42,8 +42,8 @@ class SamplingRequest:
     denoise: float = 1.0
     init_latents: torch.Tensor | None = None  # [B, C, h, w] normalized space, for denoise < 1
     decode_mode: str = "auto"
-    # Compiled blocks: the same step time as the captured eager blocks once our kernels do the fusing, and ~6 s more
-    # on a first prompt (bench/results/compile-or-not-20261202T1738.log); skipped automatically off CUDA.
+    # Compiled blocks: the same step time as the captured eager blocks once our kernels do the fusing, and seconds
+    # more on a first prompt (docs/performance.md), so off by default; skipped automatically off CUDA.
     compile: bool = False
     scheduler_config: dict | None = None
 
