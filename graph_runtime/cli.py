@@ -8,6 +8,10 @@ import logging
 import os
 import sys
 import time
+from dataclasses import dataclass
+
+from .errors import InputError, KVGraphError
+from .validation import check_cfg, check_count, check_reference_resolution, check_seed, check_size
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -24,23 +28,108 @@ def _default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def load_models(args):
+# What `--out` may end with; JPEG has no alpha channel.
+OUTPUT_FORMATS = {".png": "PNG", ".webp": "WEBP", ".jpg": "JPEG", ".jpeg": "JPEG"}
+MODEL_FLAGS = (("--model", "model"), ("--transformer", "transformer"), ("--vae", "vae"),
+               ("--text-encoder", "text_encoder"), ("--tokenizer", "tokenizer"))
+
+
+@dataclass
+class GenerateInputs:
+    """`generate`'s arguments once checked: nothing here needs a model."""
+
+    device: str
+    images: list
+    out_format: str
+
+
+def check_device(value: str | None) -> str:
+    """`--device`: cpu, or a CUDA device this machine has (default: cuda when there is one)."""
+    import torch
+
+    if value is None:
+        return _default_device()
+    cuda_count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    have = "cpu" + (f" or cuda:0..cuda:{cuda_count - 1}" if cuda_count else " (no CUDA device is available here)")
+    try:
+        device = torch.device(value)
+    except (RuntimeError, ValueError):
+        raise InputError("--device", value, f"a device of this machine: {have}") from None
+    if device.type == "cpu" or (device.type == "cuda" and (device.index or 0) < cuda_count):
+        return value
+    raise InputError("--device", value, f"a device of this machine: {have}")
+
+
+def check_out(path: str, keep_alpha: bool) -> str:
+    """`--out`: a known image extension (checked before anything is generated); returns the PIL format."""
+    ext = os.path.splitext(path)[1].lower()
+    fmt = OUTPUT_FORMATS.get(ext)
+    if fmt is None:
+        raise InputError("--out", path, f"a file name ending in {', '.join(OUTPUT_FORMATS)}")
+    if keep_alpha and fmt == "JPEG":
+        raise InputError("--out", path, "a .png or .webp file with --keep-alpha (JPEG has no alpha channel)")
+    if os.path.isdir(path):
+        raise InputError("--out", path, "a file name, not a folder")
+    return fmt
+
+
+def open_image(path: str, reference_resolution: int):
+    """`--image`: a readable image whose shape a reference can take (its sides differ by at most 200x)."""
+    from PIL import Image
+
+    from .encoding.images import reference_size
+
+    try:
+        image = Image.open(path)
+        image.load()
+    except FileNotFoundError:
+        raise InputError("--image", path, "an existing image file") from None
+    except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
+        raise InputError("--image", path, f"a PNG, JPEG or WebP image file ({type(exc).__name__}: {exc})") from None
+    reference_size(image, reference_resolution, name=f"--image {path}")
+    return image
+
+
+def check_generate_args(args) -> GenerateInputs:
+    """Every `generate` argument, checked before a model is loaded, so a typo fails in a second, not after a load."""
+    check_count("--repeat", args.repeat)
+    check_count("--steps", args.steps)
+    check_count("--batch", args.batch)
+    check_seed(args.seed, "--seed")
+    check_cfg(args.cfg, "--cfg")
+    check_reference_resolution(args.reference_resolution, "--reference-resolution")
+    for flag, value in (("--width", args.width), ("--height", args.height)):
+        if value is not None:
+            check_size(flag, value)
+    out_format = check_out(args.out, args.keep_alpha)
+    for flag, attr in MODEL_FLAGS:
+        path = getattr(args, attr)
+        if path is not None and not os.path.exists(os.path.expanduser(path)):
+            raise InputError(flag, path, "an existing file or folder")
+    files = (args.transformer, args.vae, args.text_encoder)
+    if any(files) and not all(files):
+        missing = [flag for flag, value in zip(("--transformer", "--vae", "--text-encoder"), files) if not value]
+        raise InputError(", ".join(missing), None, "all three single files (--transformer, --vae, --text-encoder) "
+                                                   "when loading single files")
+    if args.model and any(files):
+        raise InputError("--model", args.model, "either --model or the three single files, not both")
+    device = check_device(args.device)
+    images = [open_image(path, args.reference_resolution) for path in args.image]
+    return GenerateInputs(device=device, images=images, out_format=out_format)
+
+
+def load_models(args, device: str):
     """Models from --model DIR, from the three single files, or the tiny built-in default."""
     import torch
 
     from .loading import QwenImageModels, load_pipeline_folder, load_text_encoder, load_transformer, load_vae
     from .tiny import build_tiny_components
 
-    device = args.device or _default_device()
-    dtype = _dtype(args.dtype) if args.dtype else (torch.bfloat16 if device == "cuda" else torch.float32)
-    files = (args.transformer, args.vae, args.text_encoder)
+    dtype = _dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     if args.model:
         print(f"model: diffusers folder {args.model} ({args.dtype or dtype}, {device})")
         return load_pipeline_folder(args.model, dtype=dtype, device=device)
-    if any(files):
-        missing = [flag for flag, value in zip(("--transformer", "--vae", "--text-encoder"), files) if not value]
-        if missing:
-            raise SystemExit(f"single-file loading needs all three files; missing {', '.join(missing)}")
+    if args.transformer:
         print(f"model: single files ({dtype}, {device})")
         text_encoder, processor = load_text_encoder(args.text_encoder, dtype=dtype, device=device,
                                                     tokenizer_dir=args.tokenizer)
@@ -59,52 +148,74 @@ def load_models(args):
     )
 
 
-def cmd_generate(args) -> int:
-    from PIL import Image
+def output_paths(out: str, count: int) -> list[str]:
+    if count == 1:
+        return [out]
+    stem, ext = os.path.splitext(out)
+    return [f"{stem}_{i}{ext}" for i in range(count)]
 
+
+def cmd_generate(args) -> int:
     from .generate import QwenImageGenerator
 
+    checked = check_generate_args(args)
     start = time.perf_counter()
-    models = load_models(args)
+    models = load_models(args, checked.device)
     load_s = time.perf_counter() - start
     generator = QwenImageGenerator(models)
-    images = [Image.open(path) for path in args.image]
     for run in range(args.repeat):
         result = generator.generate(
-            args.prompt, negative_prompt=args.negative, cfg=args.cfg, images=images, width=args.width,
+            args.prompt, negative_prompt=args.negative, cfg=args.cfg, images=checked.images, width=args.width,
             height=args.height, steps=args.steps, seed=args.seed, sigma_preset=args.sigmas, decode_mode=args.decode,
             compile=args.compile == "blocks", batch_size=args.batch, reference_resolution=args.reference_resolution,
+            keep_alpha=args.keep_alpha,
         )
         timings = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.timings.items()}
         print(f"run {run + 1}: load {load_s:.2f} s (first run only) | " + " | ".join(
             f"{k} {v}" for k, v in timings.items()))
         print(f"run {run + 1}: graph statistics for this run: {json.dumps(result.stats)}")
-    out = args.out
-    for i, image in enumerate(result.images):
-        path = out if len(result.images) == 1 else f"{os.path.splitext(out)[0]}_{i}{os.path.splitext(out)[1]}"
+    for path, image in zip(output_paths(args.out, len(result.images)), result.images):
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        image.save(path)
-        print(f"wrote {path} ({image.size[0]}x{image.size[1]})")
+        image.save(path, format=checked.out_format)
+        print(f"wrote {path} ({image.size[0]}x{image.size[1]} {image.mode})")
     print("graph manager: " + json.dumps(generator.engine.status()))
     return 0
 
 
 def cmd_make_tiny(args) -> int:
-    from .tiny import write_comfyui_files, write_comfyui_int8_files, write_diffusers_folder
+    from .tiny import (check_writable, comfyui_file_paths, comfyui_int8_file_paths, write_comfyui_files,
+                       write_comfyui_int8_files, write_diffusers_folder)
 
-    if args.comfyui_models:
-        for name, path in write_comfyui_files(args.comfyui_models).items():
-            print(f"wrote {name}: {path}")
-        for name, path in write_comfyui_int8_files(args.comfyui_models).items():
-            print(f"wrote {name} (INT8 ConvRot): {path}")
-    if args.dir:
-        print(f"wrote diffusers folder: {write_diffusers_folder(args.dir)}")
     if not args.dir and not args.comfyui_models:
         raise SystemExit("make-tiny needs DIR and/or --comfyui-models DIR")
+    # Both targets are checked before either is written, so a refusal leaves nothing half done.
+    if args.comfyui_models:
+        check_writable([*comfyui_file_paths(args.comfyui_models).values(),
+                        *comfyui_int8_file_paths(args.comfyui_models).values()], args.force)
+    if args.dir:
+        check_writable([args.dir], args.force)
+    if args.comfyui_models:
+        for name, path in write_comfyui_files(args.comfyui_models, force=args.force).items():
+            print(f"wrote {name}: {path}")
+        for name, path in write_comfyui_int8_files(args.comfyui_models, force=args.force).items():
+            print(f"wrote {name} (INT8 ConvRot): {path}")
+    if args.dir:
+        folder = write_diffusers_folder(args.dir, force=args.force)
+        print(f"wrote diffusers folder: {folder}")
+        for path in sorted(p for p in folder.rglob("*") if p.is_file()):
+            print(f"  {path.relative_to(folder)}")
     return 0
 
 
 def cmd_bench(args) -> int:
+    import torch
+
+    if not args.tiny and not (torch.cuda.is_available() and args.device.startswith("cuda")):
+        # Off the GPU the full-size run would build the 7B model in host memory and be killed for it.
+        none = "" if torch.cuda.is_available() else ", and this machine has none"
+        raise InputError("--device", args.device, f"a CUDA device: the full-size benchmark builds the 7B model on "
+                                                  f"it{none}; for a CPU smoke run use `python -m graph_runtime bench "
+                                                  "--tiny --device cpu`")
     from .bench.runner import main as bench_main
 
     return bench_main(args)
@@ -139,13 +250,18 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on CPU")
     gen.add_argument("--device", default=None, help="default cuda when available")
     gen.add_argument("--repeat", type=int, default=1, help="generate N times in one process (shows graph reuse)")
-    gen.add_argument("--out", required=True, help="output PNG path")
+    gen.add_argument("--out", required=True,
+                     help=f"output image path ({', '.join(OUTPUT_FORMATS)}); RGB over white unless --keep-alpha")
+    gen.add_argument("--keep-alpha", action="store_true",
+                     help="keep the VAE's alpha channel (RGBA; .png or .webp), instead of compositing over white as "
+                          "the ComfyUI nodes show the image")
     gen.set_defaults(func=cmd_generate)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random Qwen-Image-2.1 for tests")
     tiny.add_argument("dir", nargs="?", help="diffusers folder to write")
     tiny.add_argument("--comfyui-models", help="a ComfyUI models/ folder to write the single files into (bf16 and "
-                                               "INT8 ConvRot, under the released file names)")
+                                               "INT8 ConvRot, under the real files' names)")
+    tiny.add_argument("--force", action="store_true", help="overwrite existing files (refused otherwise)")
     tiny.set_defaults(func=cmd_make_tiny)
 
     bench = sub.add_parser("bench", help="decode-step benchmark on the GPU (full-size random weights)")
@@ -167,13 +283,9 @@ def main(argv=None) -> int:
         diffusers_logging.set_verbosity_error()
     try:
         return args.func(args)
-    except Exception as exc:  # noqa: BLE001 - the CLI reports input errors without a traceback
-        from .errors import KVGraphError
-
-        if isinstance(exc, KVGraphError):
-            print(f"error: {exc}", file=sys.stderr)
-            return 2
-        raise
+    except KVGraphError as exc:  # the CLI reports input errors without a traceback
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from .decode.layout import TOKENS_PER_SLOT
+from .encoding.images import vae_decode, vae_encode
 from .encoding.prompt import PromptEmbeds
 from .errors import InputError
 
@@ -237,12 +238,15 @@ def prompt_to_conditioning(embeds: PromptEmbeds, reference_latents=()) -> list:
     return [[cond, extras]]
 
 
-@torch.no_grad()
 def encode_pixels_raw(vae, pixels: torch.Tensor) -> torch.Tensor:
     """[B, C, 1, H, W] in [-1, 1] -> raw latents [B, z, H/16, W/16] (the distribution's mode, not normalized):
-    what a ComfyUI LATENT and core's `reference_latents` hold."""
-    param = next(vae.parameters())
-    return vae.encode(pixels.to(param.device, param.dtype)).latent_dist.mode()[:, :, 0]
+    what a ComfyUI LATENT and core's `reference_latents` hold. Serialized per VAE, as every runtime VAE call is."""
+    return vae_encode(vae, pixels)
+
+
+def decode_raw_latents(vae, raw: torch.Tensor) -> torch.Tensor:
+    """Raw latents [B, z, h, w] (a ComfyUI LATENT's samples) -> the VAE's output [B, C, 16h, 16w] in [-1, 1]."""
+    return vae_decode(vae, raw)
 
 
 # -- pixels --------------------------------------------------------------------------------------------------------
@@ -328,7 +332,7 @@ def fit_preview_projection(vae, size: int = 128) -> PreviewProjection:
     """
     param = next(vae.parameters())
     pixels = _calibration_images(size).to(param.device, param.dtype)
-    raw = vae.encode(pixels).latent_dist.mode()[:, :, 0].float()
+    raw = vae_encode(vae, pixels).float()
     latents = raw_to_normalized(raw, latent_stats(vae))
     target = torch.nn.functional.avg_pool2d(pixels[:, :3, 0].float(), VAE_SCALE)
     x = latents.movedim(1, -1).reshape(-1, latents.shape[1]).cpu()

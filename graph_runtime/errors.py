@@ -31,3 +31,12 @@ class InputError(KVGraphError):
     def __init__(self, name: str, value, expected: str):
         self.name, self.value, self.expected = name, value, expected
         super().__init__(f"{name}={value!r} is invalid: expected {expected}.")
+
+
+class NonFiniteError(KVGraphError):
+    """A run produced NaN or infinite values from finite inputs: the message names the step and the likely cause, so a
+    black or unchanged image is never reported as a success."""
+
+    def __init__(self, what: str, cause: str):
+        self.what, self.cause = what, cause
+        super().__init__(f"{what} holds NaN or infinite values: {cause}.")

@@ -12,17 +12,14 @@ import torch
 
 from .encoding.images import decode_latents, encode_pixels, prepare_references, reference_size, to_pil
 from .encoding.prompt import PromptEncoder
-from .errors import InputError
+from .errors import NonFiniteError
 from .registry import engine_for
 from .sampling.sampler import SamplingRequest, sample
+from .validation import check_cfg, check_count, check_reference_resolution, check_seed, check_size
+
+__all__ = ["DEFAULT_SIZE", "GenerationResult", "QwenImageGenerator", "check_size"]
 
 DEFAULT_SIZE = 1024
-
-
-def check_size(name: str, value: int) -> int:
-    if not isinstance(value, int) or value < 16 or value % 16:
-        raise InputError(name, value, "a positive multiple of 16 pixels (the VAE compresses 16x)")
-    return value
 
 
 @dataclass
@@ -48,15 +45,26 @@ class QwenImageGenerator:
     def generate(self, prompt: str, negative_prompt: str | None = None, cfg: float = 1.0, images=(),
                  width: int | None = None, height: int | None = None, steps: int = 40, seed: int = 0,
                  sigma_preset: str = "dynamic", decode_mode: str = "auto", compile: bool = False,
-                 batch_size: int = 1, reference_resolution: int = DEFAULT_SIZE, on_step=None,
-                 on_event=None) -> GenerationResult:
+                 batch_size: int = 1, reference_resolution: int = DEFAULT_SIZE, keep_alpha: bool = False,
+                 on_step=None, on_event=None) -> GenerationResult:
+        """`width`/`height` None: the last reference's size, or 1024. The images are RGB over white (as the ComfyUI
+        nodes show them) unless `keep_alpha`. Every argument is checked before any model runs."""
         timings = {}
         images = list(images or [])
+        check_reference_resolution(reference_resolution)
+        cfg = check_cfg(cfg)
+        check_seed(seed)
+        check_count("steps", steps)
+        check_count("batch_size", batch_size)
         if images and (width is None or height is None):
-            auto_w, auto_h = reference_size(images[-1], reference_resolution)
-            width, height = width or auto_w, height or auto_h
-        width = check_size("width", width or DEFAULT_SIZE)
-        height = check_size("height", height or DEFAULT_SIZE)
+            auto_w, auto_h = reference_size(images[-1], reference_resolution, name=f"image{len(images)}")
+            width = auto_w if width is None else width
+            height = auto_h if height is None else height
+        width = check_size("width", DEFAULT_SIZE if width is None else width)
+        height = check_size("height", DEFAULT_SIZE if height is None else height)
+        self.encoder.check_prompt(prompt, len(images))
+        if negative_prompt is not None and cfg > 1.0:
+            self.encoder.check_prompt(negative_prompt, len(images), "negative_prompt")
 
         start = time.perf_counter()
         refs = prepare_references(images, reference_resolution) if images else []
@@ -64,7 +72,8 @@ class QwenImageGenerator:
         positive = self.encoder.encode(prompt, vision_images, device=self.encoder.device)
         negative = None
         if negative_prompt is not None and cfg > 1.0:
-            negative = self.encoder.encode(negative_prompt, vision_images, device=self.encoder.device)
+            negative = self.encoder.encode(negative_prompt, vision_images, device=self.encoder.device,
+                                           name="negative_prompt")
         reference_latents = [encode_pixels(self.models.vae, r.vae_pixels) for r in refs]
         timings["encode_ms"] = (time.perf_counter() - start) * 1e3
 
@@ -81,7 +90,11 @@ class QwenImageGenerator:
 
         start = time.perf_counter()
         pixels = decode_latents(self.models.vae, result.latents)
-        pil = to_pil(pixels)
+        if not bool(torch.isfinite(pixels).all()):
+            # The latents were finite after every step (the sampler checks), so the VAE produced these.
+            raise NonFiniteError("the decoded image", "the sampled latents were finite, so the VAE's weights are the "
+                                                      "likely cause (a damaged or wrongly converted checkpoint)")
+        pil = to_pil(pixels, keep_alpha=keep_alpha)
         timings["vae_decode_ms"] = (time.perf_counter() - start) * 1e3
         return GenerationResult(images=pil, latents=result.latents, timings=timings, stats=result.stats,
                                 paths=result.paths)

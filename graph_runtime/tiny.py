@@ -17,6 +17,8 @@ from pathlib import Path
 
 import torch
 
+from .errors import InputError
+
 # The real Qwen2/Qwen3 special tokens, in id order from 151643.
 QWEN_SPECIAL_TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|object_ref_start|>", "<|object_ref_end|>",
@@ -160,16 +162,33 @@ def build_tiny_components(seed: int = 0):
                 scheduler=scheduler)
 
 
+def check_writable(paths, force: bool = False) -> None:
+    """Refuse to write over anything that exists (a file, or a folder that is not empty) unless `force`.
+
+    The tiny files take the real checkpoints' names, so writing them into a real ComfyUI models/ folder would
+    silently replace 30 GB of weights with random toys.
+    """
+    if force:
+        return
+    for path in map(Path, paths):
+        empty_folder = path.is_dir() and not any(path.iterdir())
+        if os.path.lexists(path) and not empty_folder:
+            raise InputError("make-tiny output", str(path), "a path with nothing there yet: it would be "
+                                                            "overwritten (pass --force, or force=True, to replace it)")
+
+
 def write_diffusers_folder(out_dir: str | os.PathLike, seed: int = 0,
-                           text_encoder_dtype: torch.dtype | None = None) -> Path:
+                           text_encoder_dtype: torch.dtype | None = None, force: bool = False) -> Path:
     """Write a complete tiny Qwen-Image-2.1 in the Hugging Face diffusers layout and return its path.
 
     `text_encoder_dtype=torch.bfloat16` halves the folder (the text encoder's 151936-row embedding table is 39 MB in
-    fp32); the default keeps every component fp32, identical to `build_tiny_components(seed)`.
+    fp32); the default keeps every component fp32, identical to `build_tiny_components(seed)`. A folder that exists
+    and is not empty is refused unless `force`.
     """
     from diffusers import QwenImage21Pipeline
 
     out = Path(out_dir)
+    check_writable([out], force)
     parts = build_tiny_components(seed)
     if text_encoder_dtype is not None:
         parts["text_encoder"] = parts["text_encoder"].to(text_encoder_dtype)
@@ -178,24 +197,30 @@ def write_diffusers_folder(out_dir: str | os.PathLike, seed: int = 0,
     return out
 
 
-def write_comfyui_files(models_dir: str | os.PathLike, seed: int = 0) -> dict[str, Path]:
+def comfyui_file_paths(models_dir: str | os.PathLike) -> dict[str, Path]:
+    """Where `write_comfyui_files` writes: the file names ComfyUI's own Qwen-Image-2.1 template downloads."""
+    root = Path(models_dir)
+    return {
+        "transformer": root / "diffusion_models" / "qwen_image_2.1_bf16.safetensors",
+        "text_encoder": root / "text_encoders" / "qwen3vl_8b_bf16.safetensors",
+        "vae": root / "vae" / "qwen_image_2.1_vae_bf16.safetensors",
+    }
+
+
+def write_comfyui_files(models_dir: str | os.PathLike, seed: int = 0, force: bool = False) -> dict[str, Path]:
     """Write the tiny model as the single files ComfyUI's own Qwen-Image-2.1 template uses.
 
-    Layout: `diffusion_models/qwen_image_2.1_bf16.safetensors`, `text_encoders/qwen3vl_8b_bf16.safetensors`,
-    `vae/qwen_image_2.1_vae_bf16.safetensors`, each in ComfyUI's key layout and bf16.
+    Layout: see `comfyui_file_paths`; each file in ComfyUI's key layout and bf16. If any of them exists, nothing is
+    written unless `force`.
     """
     from .loading.comfy_layout import (
         text_encoder_to_comfy_state_dict, transformer_to_comfy_state_dict, vae_to_comfy_state_dict,
     )
     from safetensors.torch import save_file
 
+    files = comfyui_file_paths(models_dir)
+    check_writable(list(files.values()), force)
     parts = build_tiny_components(seed)
-    root = Path(models_dir)
-    files = {
-        "transformer": root / "diffusion_models" / "qwen_image_2.1_bf16.safetensors",
-        "text_encoder": root / "text_encoders" / "qwen3vl_8b_bf16.safetensors",
-        "vae": root / "vae" / "qwen_image_2.1_vae_bf16.safetensors",
-    }
     state_dicts = {
         "transformer": transformer_to_comfy_state_dict(parts["transformer"].state_dict()),
         "text_encoder": text_encoder_to_comfy_state_dict(parts["text_encoder"].state_dict()),
@@ -252,17 +277,24 @@ def quantize_state_dict(state_dict, select, group_size: int, nested=lambda key: 
     return out
 
 
+def comfyui_int8_file_paths(models_dir: str | os.PathLike) -> dict[str, Path]:
+    """Where `write_comfyui_int8_files` writes: the released INT8 ConvRot file names (INT8_FILES)."""
+    return {name: Path(models_dir) / relative for name, relative in INT8_FILES.items()}
+
+
 def write_comfyui_int8_files(models_dir: str | os.PathLike, seed: int = 0, turbo_seed: int = TINY_TURBO_SEED,
-                             group_size: int = TINY_CONVROT_GROUP, parts: dict | None = None) -> dict[str, Path]:
+                             group_size: int = TINY_CONVROT_GROUP, parts: dict | None = None,
+                             force: bool = False) -> dict[str, Path]:
     """Write the tiny model as ComfyUI's INT8 ConvRot single files under the released names (see INT8_FILES): the
     DiT and the text encoder from `build_tiny_components(seed)` (the same weights as `write_comfyui_files(seed)`
     before quantization; `parts`: those components when the caller has them already), the Turbo DiT from
     `turbo_seed`. Quantized with comfy-kitchen from the fp32 weights, in ComfyUI's key layout, with `.weight_scale`
-    / `.comfy_quant` next to every quantized weight."""
+    / `.comfy_quant` next to every quantized weight. A file that exists already is not written unless `force`."""
     from .loading.comfy_layout import text_encoder_to_comfy_state_dict, transformer_to_comfy_state_dict
     from safetensors.torch import save_file
 
-    root = Path(models_dir)
+    files = comfyui_int8_file_paths(models_dir)
+    check_writable(list(files.values()), force)
     base = parts or build_tiny_components(seed)
     torch.manual_seed(turbo_seed)
     turbo = random_tiny_transformer()
@@ -275,9 +307,7 @@ def write_comfyui_int8_files(models_dir: str | os.PathLike, seed: int = 0, turbo
                                             _quantized_text_encoder_key, group_size,
                                             nested=lambda key: key.startswith("model.visual.")),
     }
-    files = {}
-    for name, relative in INT8_FILES.items():
-        path = files[name] = root / relative
+    for name, path in files.items():
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(state_dicts[name], str(path), metadata={"format": "pt"})
     return files

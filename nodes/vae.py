@@ -8,7 +8,8 @@ import comfy.model_management as mm
 from comfy_api.latest import io
 
 from ..graph_runtime.comfy_interop import (
-    comfy_image_to_vae_pixels, crop_to_multiple, latent_samples, vae_pixels_to_comfy_image,
+    comfy_image_to_vae_pixels, crop_to_multiple, decode_raw_latents, encode_pixels_raw, latent_samples,
+    vae_pixels_to_comfy_image,
 )
 from .types import LATENT, Vae
 
@@ -21,12 +22,9 @@ def encode_raw(vae, pixels: torch.Tensor) -> torch.Tensor:
     """[B, 4, 1, H, W] in [-1, 1] -> raw latents [B, 64, H/16, W/16] (the distribution's mode), on the
     intermediate device."""
     vae.ensure_loaded(memory_required=pixels.shape[-1] * pixels.shape[-2] * _BYTES_PER_PIXEL // 4)
-    module = vae.module
-    param = next(module.parameters())
     out = []
     for i in range(pixels.shape[0]):  # one image at a time bounds the VAE's activation memory
-        z = module.encode(pixels[i:i + 1].to(param.device, param.dtype)).latent_dist.mode()[:, :, 0]
-        out.append(z.to(mm.intermediate_device()))
+        out.append(encode_pixels_raw(vae.module, pixels[i:i + 1]).to(mm.intermediate_device()))
     return torch.cat(out)
 
 
@@ -34,12 +32,9 @@ def encode_raw(vae, pixels: torch.Tensor) -> torch.Tensor:
 def decode_raw(vae, raw: torch.Tensor) -> torch.Tensor:
     """Raw latents [B, 64, h, w] -> VAE output [B, 4, 16h, 16w] in [-1, 1], on the intermediate device."""
     vae.ensure_loaded(memory_required=raw.shape[-1] * raw.shape[-2] * 256 * _BYTES_PER_PIXEL)
-    module = vae.module
-    param = next(module.parameters())
     out = []
     for i in range(raw.shape[0]):
-        x = module.decode(raw[i:i + 1].to(param.device, param.dtype).unsqueeze(2), return_dict=False)[0][:, :, 0]
-        out.append(x.float().to(mm.intermediate_device()))
+        out.append(decode_raw_latents(vae.module, raw[i:i + 1]).float().to(mm.intermediate_device()))
     return torch.cat(out)
 
 

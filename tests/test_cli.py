@@ -36,9 +36,176 @@ def test_generate_from_a_diffusers_folder_and_from_single_files(tmp_path, tiny_f
 def test_bad_size_is_a_clear_error_not_a_traceback(tmp_path, capsys):
     assert main(["generate", "--out", str(tmp_path / "x.png"), "--width", "250", "--height", "256",
                  "--steps", "2"]) == 2
-    assert "width=250 is invalid: expected a positive multiple of 16" in capsys.readouterr().err
+    assert "--width=250 is invalid: expected a multiple of 16 pixels" in capsys.readouterr().err
 
 
-def test_single_file_loading_needs_all_three_files(tmp_path):
-    with pytest.raises(SystemExit, match="missing --vae, --text-encoder"):
-        main(["generate", "--out", str(tmp_path / "x.png"), "--transformer", "t.safetensors"])
+def test_single_file_loading_needs_all_three_files(tmp_path, capsys):
+    transformer = tmp_path / "t.safetensors"
+    transformer.write_bytes(b"")
+    assert main(["generate", "--out", str(tmp_path / "x.png"), "--transformer", str(transformer)]) == 2
+    assert "--vae, --text-encoder=None is invalid: expected all three single files" in capsys.readouterr().err
+
+
+# -- arguments are checked before any model is loaded ---------------------------------------------------------------
+
+
+@pytest.fixture
+def no_model_loading(monkeypatch):
+    """Fail the test if the CLI gets as far as loading a model."""
+    import graph_runtime.cli as cli
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the arguments were checked")
+
+    monkeypatch.setattr(cli, "load_models", refuse)
+
+
+@pytest.fixture
+def bad_files(tmp_path):
+    text = tmp_path / "notes.png"
+    text.write_text("not an image")
+    strip = tmp_path / "strip.png"
+    Image.new("RGB", (1, 6000), (10, 20, 30)).save(strip)
+    return {"text": str(text), "strip": str(strip), "missing": str(tmp_path / "missing.png")}
+
+
+@pytest.mark.parametrize("extra,message", [
+    (["--repeat", "0"], "--repeat=0 is invalid: expected an integer >= 1"),
+    (["--steps", "0"], "--steps=0 is invalid"),
+    (["--batch", "0"], "--batch=0 is invalid"),
+    (["--reference-resolution", "0"], "--reference-resolution=0 is invalid"),
+    (["--seed", "-1"], "--seed=-1 is invalid: expected an integer in [0, 18446744073709551615]"),
+    (["--seed", str(2**64)], "--seed=18446744073709551616 is invalid"),
+    (["--cfg", "nan"], "--cfg=nan is invalid: expected a finite number >= 1"),
+    (["--cfg", "0.5"], "--cfg=0.5 is invalid"),
+    (["--width", "0"], "--width=0 is invalid: expected a multiple of 16 pixels"),
+    (["--height", "0"], "--height=0 is invalid"),
+    (["--device", "gpu"], "--device='gpu' is invalid: expected a device of this machine"),
+    (["--image", "{missing}"], "--image='{missing}' is invalid: expected an existing image file"),
+    (["--image", "{text}"], "--image='{text}' is invalid: expected a PNG, JPEG or WebP image file"),
+    (["--image", "{strip}"], "--image {strip}='1x6000 px' is invalid: expected an image whose sides differ by at"),
+    (["--model", "{missing}"], "--model='{missing}' is invalid: expected an existing file or folder"),
+    (["--keep-alpha", "--out", "{out}.jpg"], "--out='{out}.jpg' is invalid: expected a .png or .webp file with "
+                                             "--keep-alpha"),
+    (["--out", "{out}.gif"], "--out='{out}.gif' is invalid: expected a file name ending in .png, .webp, .jpg, .jpeg"),
+    (["--out", "{out}"], "--out='{out}' is invalid: expected a file name ending in"),
+])
+def test_bad_arguments_fail_before_any_model_is_loaded(tmp_path, capsys, no_model_loading, bad_files, extra,
+                                                       message):
+    names = dict(bad_files, out=str(tmp_path / "x"))
+    extra = [e.format(**names) for e in extra]
+    argv = ["generate", "--out", str(tmp_path / "x.png")] + extra
+    assert main(argv) == 2
+    assert message.format(**names) in capsys.readouterr().err
+
+
+def test_device_cuda_without_cuda_is_refused_before_loading(tmp_path, capsys, no_model_loading, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert main(["generate", "--out", str(tmp_path / "x.png"), "--device", "cuda"]) == 2
+    assert ("--device='cuda' is invalid: expected a device of this machine: cpu (no CUDA device is available here)"
+            in capsys.readouterr().err)
+
+
+def _pixels(path):
+    import numpy as np
+
+    return np.asarray(Image.open(path))
+
+
+def test_a_good_run_after_refused_arguments_equals_the_first(tmp_path, capsys, bad_files):
+    import numpy as np
+
+    good = ["generate", "--width", "64", "--height", "64", "--steps", "2", "--seed", "5"]
+    assert main(good + ["--out", str(tmp_path / "first.png")]) == 0
+    for bad in (["--seed", "-1"], ["--image", bad_files["strip"]], ["--cfg", "inf"], ["--prompt", "x " * 20000]):
+        assert main(good + bad + ["--out", str(tmp_path / "bad.png")]) == 2
+    assert main(good + ["--out", str(tmp_path / "again.png")]) == 0
+    assert np.array_equal(_pixels(tmp_path / "first.png"), _pixels(tmp_path / "again.png"))
+    assert not (tmp_path / "bad.png").exists()
+    assert "prompt='40000 characters" in capsys.readouterr().err
+
+
+# -- the written image ----------------------------------------------------------------------------------------------
+
+
+def test_png_is_rgb_over_white_by_default_and_keep_alpha_keeps_the_alpha(tmp_path):
+    """What the nodes show: the VAE's RGBA composited over white. The tolerance is two 8-bit roundings (the RGBA file
+    rounds colour and alpha once each before this test composites them again)."""
+    import numpy as np
+
+    args = ["generate", "--width", "64", "--height", "64", "--steps", "2"]
+    assert main(args + ["--out", str(tmp_path / "rgb.png")]) == 0
+    assert main(args + ["--out", str(tmp_path / "rgba.png"), "--keep-alpha"]) == 0
+    rgb, rgba = Image.open(tmp_path / "rgb.png"), Image.open(tmp_path / "rgba.png")
+    assert rgb.mode == "RGB" and rgba.mode == "RGBA"
+    colour = np.asarray(rgba)[..., :3].astype(float) / 255
+    alpha = np.asarray(rgba)[..., 3:].astype(float) / 255
+    assert alpha.min() < 0.98  # not opaque: compositing changes the picture, so the test can tell the two apart
+    over_white = colour * alpha + (1 - alpha)
+    assert np.abs(np.asarray(rgb) / 255 - over_white).max() <= 2 / 255 + 1e-9
+
+
+def test_jpeg_output_is_written_as_rgb(tmp_path, capsys):
+    out = tmp_path / "out" / "x.jpg"
+    assert main(["generate", "--width", "64", "--height", "64", "--steps", "2", "--out", str(out)]) == 0
+    image = Image.open(out)
+    assert image.format == "JPEG" and image.mode == "RGB" and image.size == (64, 64)
+    assert f"wrote {out} (64x64 RGB)" in capsys.readouterr().out
+
+
+# -- make-tiny never overwrites ------------------------------------------------------------------------------------
+
+
+def test_make_tiny_refuses_to_overwrite_a_real_checkpoint_unless_forced(tmp_path, capsys):
+    models = tmp_path / "models"
+    real = models / "diffusion_models" / "qwen_image_2.1_bf16.safetensors"
+    real.parent.mkdir(parents=True)
+    real.write_bytes(b"thirty gigabytes of real weights")
+    assert main(["make-tiny", "--comfyui-models", str(models)]) == 2
+    assert f"make-tiny output='{real}' is invalid" in capsys.readouterr().err
+    assert real.read_bytes() == b"thirty gigabytes of real weights"
+    assert not (models / "vae").exists()  # nothing at all was written
+
+    assert main(["make-tiny", "--comfyui-models", str(models), "--force"]) == 0
+    printed = capsys.readouterr().out
+    for name in ("diffusion_models/qwen_image_2.1_bf16.safetensors", "vae/qwen_image_2.1_vae_bf16.safetensors",
+                 "text_encoders/qwen3vl_8b_bf16.safetensors"):
+        assert f"{models / name}" in printed
+        assert (models / name).stat().st_size > 1000
+    assert real.read_bytes() != b"thirty gigabytes of real weights"
+
+
+def test_make_tiny_refuses_a_folder_that_is_not_empty(tmp_path, capsys):
+    folder = tmp_path / "pipe"
+    folder.mkdir()
+    (folder / "model_index.json").write_text("{}")
+    assert main(["make-tiny", str(folder), "--comfyui-models", str(tmp_path / "models")]) == 2
+    assert f"make-tiny output='{folder}' is invalid" in capsys.readouterr().err
+    assert not (tmp_path / "models").exists()  # both targets are checked before either is written
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["make-tiny", str(empty)]) == 0
+    printed = capsys.readouterr().out
+    assert f"wrote diffusers folder: {empty}" in printed and "model_index.json" in printed
+
+
+# -- bench without CUDA ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [[], ["--device", "cpu"]])
+def test_bench_without_cuda_stops_at_once_and_points_to_tiny(monkeypatch, capsys, extra):
+    import torch
+
+    import graph_runtime.bench.runner as runner
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the benchmark built its model")
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(runner, "build_transformer", refuse)
+    assert main(["bench"] + extra) == 2
+    err = capsys.readouterr().err
+    assert "--device=" in err and "expected a CUDA device" in err and "--tiny --device cpu" in err

@@ -10,11 +10,9 @@ from dataclasses import dataclass
 
 import torch
 from diffusers.image_processor import VaeImageProcessor
-from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
 
-VAE_SCALE = 16
-# Condition images are sized in 32 px steps: one vision-encoder slot is 2x2 latent tokens.
-REFERENCE_MULTIPLE = 32
+from ..validation import REFERENCE_MULTIPLE, VAE_SCALE, check_reference_size
+from .vae_lock import vae_lock
 
 
 def image_processor() -> VaeImageProcessor:
@@ -29,24 +27,37 @@ class PreparedReference:
     height: int
 
 
-def reference_size(image, resolution: int = 1024) -> tuple[int, int]:
-    """(width, height) the pipeline gives a reference: area `resolution**2`, its aspect ratio, multiples of 32."""
-    width, height, _ = calculate_dimensions(resolution * resolution, image.size[0] / image.size[1])
+def reference_size(image, resolution: int = 1024, name: str = "image") -> tuple[int, int]:
+    """(width, height) the pipeline gives a reference: area `resolution**2`, its aspect ratio, multiples of 32.
+
+    An image too thin for that (a 1x6000 strip would get a side of 0 px) is refused, naming `name`.
+    """
+    # Imported here: the pipeline module takes seconds to import, and the pack imports this module at start-up.
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_dimensions
+
+    original = tuple(image.size)
+    if min(original) < 1:
+        check_reference_size(name, original, (0, 0))
+    width, height, _ = calculate_dimensions(resolution * resolution, original[0] / original[1])
+    check_reference_size(name, original, (int(width), int(height)))
     return int(width), int(height)
 
 
 def prepare_references(images, resolution: int = 1024) -> list[PreparedReference]:
-    """Resize each reference once for both the vision encoder and the VAE, as `QwenImage21Pipeline` does."""
+    """Resize each reference once for both the vision encoder and the VAE, as `QwenImage21Pipeline` does.
+
+    Errors name the images `image1`, `image2`... in the order given, as the ComfyUI encode node's inputs are named.
+    """
     from PIL import Image
 
     processor = image_processor()
     prepared = []
-    for img in images:
+    for index, img in enumerate(images):
         if not isinstance(img, Image.Image):
             img = Image.fromarray(img)
         if img.mode != "RGBA":
             img = img.convert("RGBA")
-        width, height = reference_size(img, resolution)
+        width, height = reference_size(img, resolution, name=f"image{index + 1}")
         prepared.append(PreparedReference(
             vision_image=processor.resize(img, width=width, height=height),
             vae_pixels=processor.preprocess(img, width=width, height=height).unsqueeze(2),
@@ -64,23 +75,47 @@ def _stats(vae, like: torch.Tensor):
 
 
 @torch.no_grad()
+def vae_encode(vae, pixels: torch.Tensor) -> torch.Tensor:
+    """[B, C, 1, H, W] in [-1, 1] -> raw latents [B, z, H/16, W/16] (the distribution's mode, not normalized).
+
+    Every runtime encode goes through here or `vae_decode`, under the VAE's lock (see `vae_lock`)."""
+    param = next(vae.parameters())
+    with vae_lock(vae):
+        return vae.encode(pixels.to(param.device, param.dtype)).latent_dist.mode()[:, :, 0]
+
+
+@torch.no_grad()
+def vae_decode(vae, raw: torch.Tensor) -> torch.Tensor:
+    """Raw latents [B, z, h, w] -> the VAE's output [B, C, 16h, 16w] in [-1, 1], under the VAE's lock."""
+    param = next(vae.parameters())
+    with vae_lock(vae):
+        return vae.decode(raw.to(param.device, param.dtype).unsqueeze(2), return_dict=False)[0][:, :, 0]
+
+
 def encode_pixels(vae, pixels: torch.Tensor) -> torch.Tensor:
     """[B, C, 1, H, W] in [-1, 1] -> normalized latents [B, z, H/16, W/16] (the distribution's mode)."""
-    param = next(vae.parameters())
-    latents = vae.encode(pixels.to(param.device, param.dtype)).latent_dist.mode()[:, :, 0]
+    latents = vae_encode(vae, pixels)
     mean, std = _stats(vae, latents)
     return (latents - mean) / std
 
 
-@torch.no_grad()
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """Normalized latents [B, z, h, w] -> images [B, C, 16h, 16w] in [-1, 1]."""
     param = next(vae.parameters())
     latents = latents.to(param.device, param.dtype)
     mean, std = _stats(vae, latents)
-    return vae.decode((latents * std + mean).unsqueeze(2), return_dict=False)[0][:, :, 0]
+    return vae_decode(vae, latents * std + mean)
 
 
-def to_pil(images: torch.Tensor) -> list:
-    """[-1, 1] RGBA (or RGB) tensors -> PIL images."""
-    return image_processor().postprocess(images.float(), output_type="pil")
+def to_pil(images: torch.Tensor, keep_alpha: bool = False) -> list:
+    """The VAE's [-1, 1] RGBA (or RGB) output -> PIL images.
+
+    By default RGB with the alpha composited over white, as the ComfyUI nodes show them (the same conversion);
+    `keep_alpha` keeps the VAE's alpha channel (mostly transparent for a Qwen-Image-2.1 text-to-image).
+    """
+    if keep_alpha:
+        return image_processor().postprocess(images.float(), output_type="pil")
+    from ..comfy_interop import comfy_image_to_pil, vae_pixels_to_comfy_image
+
+    rgb = vae_pixels_to_comfy_image(images)
+    return [comfy_image_to_pil(rgb[i:i + 1]) for i in range(rgb.shape[0])]

@@ -2,6 +2,10 @@
 
 The raw template string (not `apply_chat_template`, which tokenizes differently), left padding, the last decoder
 layer's hidden states *before* the final norm, the system turn dropped, and a mask of the image-slot positions.
+
+Unlike the pipeline, which calls the whole `Qwen3VLForConditionalGeneration`, only its base model runs here: the LM
+head would turn every token into 151,936 logits nobody reads (8.5-12 GB for a long prompt), and neither a KV cache
+nor every layer's hidden states are kept. The embeddings are the same tensors the pipeline reads.
 """
 
 from __future__ import annotations
@@ -9,6 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..errors import InputError
+from ..validation import check_prompt_tokens
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 TEMPLATE = (
@@ -86,32 +93,47 @@ class PromptEncoder:
     def device(self) -> torch.device:
         return next(self.text_encoder.parameters()).device
 
+    def check_prompt(self, prompt, num_images: int = 0, name: str = "prompt") -> None:
+        """Refuse a prompt that is not a string or is longer than `MAX_PROMPT_TOKENS`, by tokenizing it alone (no
+        image processing, no model): the count is of the tokens the transformer will read, template included."""
+        if not isinstance(prompt, str):
+            raise InputError(name, type(prompt).__name__, "a string")
+        ids = self.processor.tokenizer(prompt_text(prompt, num_images), add_special_tokens=False).input_ids
+        text_tokens = sum(1 for i in ids[self.drop_idx:] if i != self.image_token_id)
+        check_prompt_tokens(name, len(prompt), text_tokens)
+
     @torch.no_grad()
-    def encode(self, prompts: str | list[str], images: list | None = None, device=None) -> PromptEmbeds:
-        """Encode one or more prompts, each with the same reference images (already resized, PIL)."""
+    def encode(self, prompts: str | list[str], images: list | None = None, device=None,
+               name: str = "prompt") -> PromptEmbeds:
+        """Encode one or more prompts, each with the same reference images (already resized, PIL).
+
+        A prompt longer than `MAX_PROMPT_TOKENS` is refused (naming `name`) before the encoder runs.
+        """
         prompts = [prompts] if isinstance(prompts, str) else list(prompts)
         images = list(images or [])
+        for prompt in prompts:
+            self.check_prompt(prompt, len(images), name)
         device = device or self.device
         texts = [prompt_text(p, len(images)) for p in prompts]
         kwargs = {"text": texts, "padding": True, "padding_side": "left", "return_tensors": "pt"}
         if images:
             kwargs["images"] = [_flatten_alpha(img) for _ in prompts for img in images]
         inputs = self.processor(**kwargs).to(device)
-        forward = {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask,
-                   "output_hidden_states": True}
+        forward = {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask, "use_cache": False}
         if images and "pixel_values" in inputs:
             forward.update(pixel_values=inputs.pixel_values, image_grid_thw=inputs.image_grid_thw)
         if "mm_token_type_ids" in inputs:
             forward["mm_token_type_ids"] = inputs.mm_token_type_ids
 
-        # The transformer was trained on the last decoder layer *before* the final RMSNorm. transformers 5 ties
-        # `hidden_states[-1]` to the normed output, so a forward hook returning the norm's input undoes it for
-        # this call, on any transformers version.
+        # The transformer was trained on the last decoder layer's output *before* the final RMSNorm. A forward hook
+        # returning the norm's input makes the base model's `last_hidden_state` exactly that, for this call: the
+        # tensor the pipeline reads as `hidden_states[-1]` (transformers 5 ties that entry to the normed output,
+        # which the same hook undoes there). The base model stops before the LM head.
         model = self.text_encoder.model
         text_model = getattr(model, "language_model", model)
         handle = text_model.norm.register_forward_hook(lambda module, args, output: args[0])
         try:
-            hidden = self.text_encoder(**forward).hidden_states[-1]
+            hidden = model(**forward).last_hidden_state
         finally:
             handle.remove()
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -12,7 +11,7 @@ import torch
 
 from ..errors import CheckpointError
 from .processor import tokenizer_folder
-from .sources import pipeline_component_dir
+from .sources import pipeline_component_dir, read_json
 
 COMPONENTS = ("transformer", "vae", "text_encoder")
 EXPECTED = "a diffusers Qwen-Image-2.1 pipeline folder (model_index.json, transformer/, vae/, text_encoder/, processor/)"
@@ -52,10 +51,7 @@ def read_scheduler_config(folder: str | os.PathLike) -> dict[str, Any] | None:
     path = Path(folder) / "scheduler" / "scheduler_config.json"
     if not path.is_file():
         return None
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(path, f"cannot be read as JSON ({exc}).", "a diffusers scheduler_config.json") from None
+    return read_json(path, "a diffusers scheduler_config.json")
 
 
 def load_pipeline_folder(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,

@@ -107,6 +107,9 @@ def read_header(path: str | os.PathLike, expected: str | None = None) -> Safeten
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise CheckpointError(path, "has a header that is not valid JSON: it is not a safetensors file, or a "
                                     "damaged one.", expected) from None
+    except RecursionError:
+        # A real header is one flat object of flat entries; nesting deep enough to exhaust the parser is no header.
+        raise CheckpointError(path, "has a header of deeply nested JSON: not a safetensors file.", expected) from None
     if not isinstance(parsed, dict):
         raise CheckpointError(path, "has a header that is not a JSON object: not a safetensors file.", expected)
 

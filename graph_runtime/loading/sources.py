@@ -32,18 +32,25 @@ class WeightSource:
     info: CheckpointInfo
 
 
-def _read_json(path: Path, expected: str) -> dict:
+def read_json(path: Path, expected: str) -> dict:
+    """A JSON object from `path`, or a CheckpointError (a deeply nested document exhausts Python's parser stack,
+    which `json` reports as RecursionError)."""
     try:
-        return json.loads(path.read_text(encoding="utf-8"))
+        parsed = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise CheckpointError(path, f"cannot be read as JSON ({exc}).", expected) from None
+    except RecursionError:
+        raise CheckpointError(path, "cannot be read as JSON (it is nested too deeply).", expected) from None
+    if not isinstance(parsed, dict):
+        raise CheckpointError(path, "is not a JSON object.", expected)
+    return parsed
 
 
 def pipeline_component_dir(path: Path, component: str, expected: str) -> Path | None:
     """`path/component` when `path` is a diffusers pipeline folder, else None."""
     index = path / "model_index.json"
     if index.is_file():
-        name = _read_json(index, expected).get("_class_name", "")
+        name = read_json(index, expected).get("_class_name", "")
         if name in QWEN_IMAGE_1X_PIPELINES:
             raise CheckpointError(path, f"is a Qwen-Image 1.x pipeline folder ({name}), a different architecture "
                                         "from Qwen-Image-2.1.", expected)
@@ -55,11 +62,28 @@ def pipeline_component_dir(path: Path, component: str, expected: str) -> Path | 
     return None
 
 
+def _shard_path(folder: Path, index: Path, name, expected: str) -> Path:
+    """`folder/name` for a shard name that stays inside `folder`, read without touching the file system.
+
+    Names are judged as written, as ComfyUI's `folder_paths` judges model names: no absolute path, no `..` that
+    climbs out. A symbolic link that lives inside the folder is followed wherever it points, as ComfyUI follows it.
+    Any other name gets one message that says nothing about the path it names (not even whether it exists).
+    """
+    if isinstance(name, str) and name and "\x00" not in name and not os.path.isabs(name):
+        parts = Path(os.path.normpath(name)).parts
+        if parts and ".." not in parts and not os.path.splitdrive(name)[0]:
+            return folder.joinpath(*parts)
+    raise CheckpointError(index, "names a shard that is not a file in its folder (shards must sit next to the "
+                                 "index).", expected)
+
+
 def _weight_files(folder: Path, expected: str) -> list[Path]:
     indexes = sorted(folder.glob("*.safetensors.index.json"))
     if indexes:
-        weight_map = _read_json(indexes[0], expected).get("weight_map", {})
-        shards = sorted({folder / name for name in weight_map.values()})
+        weight_map = read_json(indexes[0], expected).get("weight_map", {})
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(indexes[0], "has a weight_map that is not a JSON object.", expected)
+        shards = sorted({_shard_path(folder, indexes[0], name, expected) for name in weight_map.values()})
         if not shards:
             raise CheckpointError(indexes[0], "lists no shards in its weight_map.", expected)
         for shard in shards:
@@ -95,7 +119,7 @@ def resolve(path: str | os.PathLike, component: str, expected: str) -> WeightSou
     if not config_path.is_file():
         raise CheckpointError(folder, "is a folder without config.json or model_index.json: not a diffusers "
                                       "pipeline or component folder.", expected)
-    config = _read_json(config_path, expected)
+    config = read_json(config_path, expected)
     files = _weight_files(folder, expected)
     header = read_headers(files, expected)
     return WeightSource(path=folder, files=files, config=config, header=header, info=inspect_shapes(header.shapes))

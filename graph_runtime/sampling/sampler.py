@@ -17,6 +17,8 @@ from ..decode.engine import DecodeEngine
 from ..decode.layout import TokenLayout
 from ..encoding.prompt import PromptEmbeds
 from ..errors import InputError
+from ..validation import check_cfg, check_count, check_denoise, check_finite, check_positions, check_seed
+from .finite_watch import FiniteWatch
 from .schedule import build_schedule, euler_step, resolve_sigmas
 
 logger = logging.getLogger("kvgraph")
@@ -76,15 +78,35 @@ def initial_noise(seed: int, batch: int, channels: int, height: int, width: int,
 
 
 def _validate(req: SamplingRequest, in_channels: int) -> None:
+    """Refuse every request the loop could not run as asked, before any work (a NaN input would otherwise give a
+    black or unchanged image reported as a success)."""
     if req.latent_height < 1 or req.latent_width < 1:
         raise InputError("latent size", (req.latent_height, req.latent_width), "at least 1x1 latent tokens (16 px)")
-    if req.batch_size < 1:
-        raise InputError("batch_size", req.batch_size, "an integer >= 1")
-    if req.steps < 1:
-        raise InputError("steps", req.steps, "an integer >= 1")
+    check_count("batch_size", req.batch_size)
+    check_count("steps", req.steps)
+    check_seed(req.seed)
+    check_cfg(req.cfg)
+    check_denoise(req.denoise)
+    branches = [("positive", req.positive)] + ([("negative", req.negative)] if req.do_cfg else [])
+    for name, embeds in branches:
+        check_finite(name, embeds.embeds, "NaN/inf prompt embeddings come from the text encoder's weights")
     for i, ref in enumerate(req.reference_latents):
         if ref.dim() != 4 or ref.shape[1] != in_channels:
             raise InputError(f"reference latent {i}", tuple(ref.shape), f"[1, {in_channels}, h, w]")
+        check_finite(f"reference latent {i}", ref, "NaN/inf reference latents come from the VAE's weights or the "
+                                                   "reference image")
+    img_shapes = [(1, r.shape[2], r.shape[3]) for r in req.reference_latents] + [
+        (1, req.latent_height, req.latent_width)]
+    for name, embeds in branches:
+        check_positions(int((~embeds.image_mask[0].bool()).sum()), img_shapes)
+    if req.init_latents is not None:
+        init = req.init_latents
+        expected = (f"a tensor [1 or {req.batch_size}, {in_channels}, {req.latent_height}, {req.latent_width}] "
+                    "(the requested batch and latent size)")
+        if (not isinstance(init, torch.Tensor) or init.dim() != 4 or init.shape[0] not in (1, req.batch_size)
+                or tuple(init.shape[1:]) != (in_channels, req.latent_height, req.latent_width)):
+            raise InputError("input latent", tuple(getattr(init, "shape", ())) or type(init).__name__, expected)
+        check_finite("input latent", init, "an input latent with NaN/inf, e.g. from a VAE with damaged weights")
 
 
 def sample(
@@ -134,6 +156,7 @@ def sample(
         paths: list[str] = []
         timings = {"steps": len(timesteps)}
         total = len(timesteps)
+        watch = FiniteWatch(device, total)
         loop_start = _now(device)
         decode_start = loop_start
         try:
@@ -170,8 +193,10 @@ def sample(
                 if "uncond" in preds:
                     noise_pred = preds["uncond"] + req.cfg * (noise_pred - preds["uncond"])
                 latents = euler_step(latents, noise_pred, sigmas[i], sigmas[i + 1])
+                watch.after_step(i + 1, latents)
                 if on_step is not None:
                     on_step(i + 1, total, unpack(latents, height, width))
+            watch.finish()
         finally:
             for prefix in prefixes.values():
                 prefix.release()

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
-from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
 
 from ..errors import InputError
+from ..validation import check_count, check_denoise
 
 # Qwen-Image-2.1 Turbo's fixed 8-step grid.
 TURBO_SIGMAS = (1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568)
@@ -23,13 +23,17 @@ DEFAULT_SCHEDULER_CONFIG = {
 def resolve_sigmas(preset: str | None, steps: int, sigmas=None) -> list[float] | None:
     """Explicit sigmas win; 'turbo' is the fixed grid; 'dynamic' (None) lets the pipeline's default apply."""
     if sigmas is not None:
-        values = [float(s) for s in sigmas]
-        if not values or any(not (0.0 < s <= 1.0) for s in values) or values != sorted(values, reverse=True):
-            raise InputError("sigmas", sigmas, "a non-empty, decreasing list of values in (0, 1]")
+        expected = "a non-empty, strictly decreasing list of values in (0, 1]"
+        try:
+            values = [float(s) for s in sigmas]
+        except (TypeError, ValueError):
+            raise InputError("sigmas", sigmas, expected) from None
+        if (not values or any(not (0.0 < s <= 1.0) for s in values)
+                or any(a <= b for a, b in zip(values, values[1:]))):
+            raise InputError("sigmas", sigmas, expected)
         return values
     if preset in (None, "dynamic"):
-        if steps < 1:
-            raise InputError("steps", steps, "an integer >= 1")
+        check_count("steps", steps)
         return None
     if preset == "turbo":
         return list(TURBO_SIGMAS)
@@ -42,18 +46,29 @@ def build_schedule(scheduler_config: dict | None, steps: int, image_seq_len: int
 
     `denoise < 1` keeps the last `steps` steps of a `round(steps / denoise)`-step schedule, as ComfyUI's samplers
     do for img2img.
+
+    One step is the one place we differ from the pipeline on purpose. Its default grid for one step is the single
+    point sigma = 1, and the scheduler's terminal stretch (`stretch_shift_to_terminal`, which rescales the schedule so
+    its last point lands on `shift_terminal`) divides by `1 - last point` = 0: the pipeline then samples with
+    sigma NaN and returns a NaN (black) image. A one-point schedule has no "last point before the end" to stretch,
+    so here it skips the stretch: the dynamic shift still applies (it maps sigma 1 to 1), giving sigmas [1, 0], one
+    Euler step from pure noise to the clean image, the first step of every longer schedule taken all the way.
     """
-    if not (0.0 < denoise <= 1.0):
-        raise InputError("denoise", denoise, "a value in (0, 1]")
+    denoise = check_denoise(denoise)
     config = dict(DEFAULT_SCHEDULER_CONFIG)
     config.update(scheduler_config or {})
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
     if sigmas is None:
         total = steps if denoise >= 1.0 else max(steps, int(round(steps / denoise)))
         sigmas = np.linspace(1.0, 1 / total, total)
     else:
         total = len(sigmas)
         steps = total if denoise >= 1.0 else max(1, int(round(total * denoise)))
+    if float(sigmas[-1]) >= 1.0:
+        config["shift_terminal"] = None
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    # Imported here: the pipeline module takes seconds to import, and the pack imports this module at start-up.
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+
     mu = calculate_shift(
         image_seq_len,
         config.get("base_image_seq_len", 256),
@@ -63,6 +78,9 @@ def build_schedule(scheduler_config: dict | None, steps: int, image_seq_len: int
     )
     scheduler.set_timesteps(sigmas=sigmas, device=device, mu=mu)
     timesteps, all_sigmas = scheduler.timesteps, scheduler.sigmas
+    if not bool(torch.isfinite(all_sigmas).all()):
+        raise InputError("sigmas", [float(s) for s in sigmas], "a schedule the flow-match scheduler maps to finite "
+                                                               "sigmas")
     if len(timesteps) > steps:
         timesteps, all_sigmas = timesteps[-steps:], all_sigmas[-(steps + 1):]
     return timesteps, all_sigmas

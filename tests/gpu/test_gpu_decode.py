@@ -27,17 +27,6 @@ COMPILE_ATOL = 1e-3
 
 
 @pytest.fixture(scope="module")
-def cuda_models(tiny_parts):
-    import copy
-    import types
-
-    parts = {k: (copy.deepcopy(v).to("cuda") if isinstance(v, torch.nn.Module) else v) for k, v in tiny_parts.items()}
-    return types.SimpleNamespace(transformer=parts["transformer"], vae=parts["vae"],
-                                 text_encoder=parts["text_encoder"], processor=parts["processor"],
-                                 scheduler_config=dict(parts["scheduler"].config))
-
-
-@pytest.fixture(scope="module")
 def cuda_generator(cuda_models):
     return QwenImageGenerator(cuda_models)
 
