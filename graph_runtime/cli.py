@@ -183,18 +183,22 @@ def cmd_generate(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
-    from .tiny import check_writable, comfyui_file_paths, write_comfyui_files, write_diffusers_folder
+    from .tiny import (check_writable, comfyui_file_paths, comfyui_int8_file_paths, write_comfyui_files,
+                       write_comfyui_int8_files, write_diffusers_folder)
 
     if not args.dir and not args.comfyui_models:
         raise SystemExit("make-tiny needs DIR and/or --comfyui-models DIR")
     # Both targets are checked before either is written, so a refusal leaves nothing half done.
     if args.comfyui_models:
-        check_writable(list(comfyui_file_paths(args.comfyui_models).values()), args.force)
+        check_writable([*comfyui_file_paths(args.comfyui_models).values(),
+                        *comfyui_int8_file_paths(args.comfyui_models).values()], args.force)
     if args.dir:
         check_writable([args.dir], args.force)
     if args.comfyui_models:
         for name, path in write_comfyui_files(args.comfyui_models, force=args.force).items():
             print(f"wrote {name}: {path}")
+        for name, path in write_comfyui_int8_files(args.comfyui_models, force=args.force).items():
+            print(f"wrote {name} (INT8 ConvRot): {path}")
     if args.dir:
         folder = write_diffusers_folder(args.dir, force=args.force)
         print(f"wrote diffusers folder: {folder}")
@@ -255,8 +259,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random Qwen-Image-2.1 for tests")
     tiny.add_argument("dir", nargs="?", help="diffusers folder to write")
-    tiny.add_argument("--comfyui-models", help="a ComfyUI models/ folder to write the single files into (under the "
-                                               "real files' names)")
+    tiny.add_argument("--comfyui-models", help="a ComfyUI models/ folder to write the single files into (bf16 and "
+                                               "INT8 ConvRot, under the real files' names)")
     tiny.add_argument("--force", action="store_true", help="overwrite existing files (refused otherwise)")
     tiny.set_defaults(func=cmd_make_tiny)
 

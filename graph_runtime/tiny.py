@@ -33,6 +33,12 @@ TINY_TRANSFORMER = dict(
     context_in_dim=64, mlp_ratio=3, axes_dims_rope=(4, 6, 6), eps=1e-6, causal_condition=True,
 )
 TINY_VAE = dict(base_dim=8, decoder_base_dim=8, z_dim=64, num_res_blocks=1)
+# The tiny INT8 ConvRot files rotate in groups of 16: the smallest power of 4 (comfy-kitchen's Hadamard sizes) that
+# divides every quantized layer's input width (DiT 32 / 96, text model 64 / 128, vision 32 / 64 / 128). The released
+# files use larger groups (ComfyUI's default is 256) on 4096+ wide layers.
+TINY_CONVROT_GROUP = 16
+# The Turbo checkpoint is a separately distilled model of the same architecture: its tiny stand-in has other weights.
+TINY_TURBO_SEED = 1
 
 # Qwen2's pre-tokenizer split pattern (contractions, letters, single digits, punctuation runs, whitespace).
 _QWEN_SPLIT = (
@@ -122,13 +128,12 @@ def tiny_text_encoder_config():
     )
 
 
-def build_tiny_components(seed: int = 0):
-    """Random tiny transformer, VAE, text encoder, processor and scheduler (fp32, CPU)."""
-    from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler, QwenImage21Transformer2DModel
-    from transformers import Qwen3VLForConditionalGeneration
+def random_tiny_transformer(config: dict | None = None):
+    """The tiny transformer (or one of another `config`) with random weights drawn from torch's global generator
+    (seed it first)."""
+    from diffusers import QwenImage21Transformer2DModel
 
-    torch.manual_seed(seed)
-    transformer = QwenImage21Transformer2DModel(**TINY_TRANSFORMER).eval()
+    transformer = QwenImage21Transformer2DModel(**(config or TINY_TRANSFORMER)).eval()
     # Zero-init weights would make the model trivially constant; give every weight real variation.
     with torch.no_grad():
         for name, p in transformer.named_parameters():
@@ -136,6 +141,16 @@ def build_tiny_components(seed: int = 0):
                 p.normal_(0.0, 0.1)
             else:
                 p.normal_(0.0, 0.5 / max(1, p.shape[-1]) ** 0.5)
+    return transformer
+
+
+def build_tiny_components(seed: int = 0):
+    """Random tiny transformer, VAE, text encoder, processor and scheduler (fp32, CPU)."""
+    from diffusers import AutoencoderKLQwenImage21, FlowMatchEulerDiscreteScheduler
+    from transformers import Qwen3VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    transformer = random_tiny_transformer()
     vae = AutoencoderKLQwenImage21(**TINY_VAE).eval()
     text_encoder = Qwen3VLForConditionalGeneration(tiny_text_encoder_config()).eval()
     processor = build_processor()
@@ -215,4 +230,84 @@ def write_comfyui_files(models_dir: str | os.PathLike, seed: int = 0, force: boo
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in state_dicts[name].items()}
         save_file(tensors, str(path), metadata={"format": "pt"})
+    return files
+
+
+# The ComfyUI file names of the released INT8 ConvRot checkpoints (ComfyUI's Qwen-Image-2.1 templates load these).
+INT8_FILES = {
+    "transformer": "diffusion_models/qwen_image_2.1_int8_convrot.safetensors",
+    "turbo_transformer": "diffusion_models/qwen_image_2.1_turbo_int8_convrot.safetensors",
+    "text_encoder": "text_encoders/qwen3vl_8b_int8_convrot.safetensors",
+}
+
+
+def _quantized_transformer_key(key: str) -> bool:
+    # Every Linear of the blocks, as the released file does, and the shared modulation (outside the blocks: the
+    # loader dequantizes it even in int8 mode, so the tiny file exercises that path too).
+    return key.endswith(".weight") and (".transformer_blocks." in key and ".norm_" not in key
+                                        or key.endswith("modulation.1.weight"))
+
+
+def _quantized_text_encoder_key(key: str) -> bool:
+    # The language model's projections and its embedding table, and the vision tower's Linear layers (their records
+    # use ComfyUI's nested "params" spelling, which the loader reads too).
+    if not key.endswith(".weight") or "norm" in key:
+        return False
+    return (key.startswith("model.language_model.layers.") or key == "model.language_model.embed_tokens.weight"
+            or (key.startswith("model.visual.") and ("blocks." in key or "merger" in key) and "patch_embed" not in key))
+
+
+def quantize_state_dict(state_dict, select, group_size: int, nested=lambda key: False) -> dict:
+    """A float state dict in a file's key layout -> ComfyUI's INT8 ConvRot layout: each selected 2-D weight `P.weight`
+    becomes int8 with `P.weight_scale` (fp32 per row) and a `P.comfy_quant` record; everything else goes to bf16."""
+    from .quantized import quantize_weight, record_tensor
+
+    out = {}
+    for key, value in state_dict.items():
+        value = value.detach()
+        if select(key) and value.dim() == 2:
+            prefix = key[: -len(".weight")]
+            q, scale = quantize_weight(value, group_size)
+            out[key], out[prefix + ".weight_scale"] = q.contiguous(), scale
+            out[prefix + ".comfy_quant"] = (
+                record_tensor(None, convrot=False, params={"convrot": True, "convrot_groupsize": group_size})
+                if nested(key) else record_tensor(group_size))
+        else:
+            out[key] = value.to(torch.bfloat16).contiguous()
+    return out
+
+
+def comfyui_int8_file_paths(models_dir: str | os.PathLike) -> dict[str, Path]:
+    """Where `write_comfyui_int8_files` writes: the released INT8 ConvRot file names (INT8_FILES)."""
+    return {name: Path(models_dir) / relative for name, relative in INT8_FILES.items()}
+
+
+def write_comfyui_int8_files(models_dir: str | os.PathLike, seed: int = 0, turbo_seed: int = TINY_TURBO_SEED,
+                             group_size: int = TINY_CONVROT_GROUP, parts: dict | None = None,
+                             force: bool = False) -> dict[str, Path]:
+    """Write the tiny model as ComfyUI's INT8 ConvRot single files under the released names (see INT8_FILES): the
+    DiT and the text encoder from `build_tiny_components(seed)` (the same weights as `write_comfyui_files(seed)`
+    before quantization; `parts`: those components when the caller has them already), the Turbo DiT from
+    `turbo_seed`. Quantized with comfy-kitchen from the fp32 weights, in ComfyUI's key layout, with `.weight_scale`
+    / `.comfy_quant` next to every quantized weight. A file that exists already is not written unless `force`."""
+    from .loading.comfy_layout import text_encoder_to_comfy_state_dict, transformer_to_comfy_state_dict
+    from safetensors.torch import save_file
+
+    files = comfyui_int8_file_paths(models_dir)
+    check_writable(list(files.values()), force)
+    base = parts or build_tiny_components(seed)
+    torch.manual_seed(turbo_seed)
+    turbo = random_tiny_transformer()
+    state_dicts = {
+        "transformer": quantize_state_dict(transformer_to_comfy_state_dict(base["transformer"].state_dict()),
+                                           _quantized_transformer_key, group_size),
+        "turbo_transformer": quantize_state_dict(transformer_to_comfy_state_dict(turbo.state_dict()),
+                                                 _quantized_transformer_key, group_size),
+        "text_encoder": quantize_state_dict(text_encoder_to_comfy_state_dict(base["text_encoder"].state_dict()),
+                                            _quantized_text_encoder_key, group_size,
+                                            nested=lambda key: key.startswith("model.visual.")),
+    }
+    for name, path in files.items():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(state_dicts[name], str(path), metadata={"format": "pt"})
     return files

@@ -1,4 +1,5 @@
-"""Loader nodes: a diffusers pipeline folder, or ComfyUI's three single files.
+"""Loader nodes: a diffusers pipeline folder, or ComfyUI's single files (INT8 ConvRot, as ComfyUI's templates load by
+default, or bf16).
 
 Weights load to the offload device (normally the CPU); ComfyUI's model management moves them to the GPU when a node
 first needs them. Loaded models are cached by file identity for the life of the process (see model_cache).
@@ -13,12 +14,18 @@ from ..graph_runtime.comfy_interop import file_identity
 from ..graph_runtime.loading import (
     default_scheduler_config, load_pipeline_folder, load_text_encoder, load_transformer, load_vae,
 )
+from ..graph_runtime.loading.variant import transformer_variant
+from ..graph_runtime.quantized import KEEP_INT8, QUANTIZED_MODES, check_mode, int8_modules
 from . import model_cache, model_files
 from .model_handles import TE_OFFLOAD, TE_PLACEMENTS, TextEncoderHandle, TransformerHandle, VAEHandle
 from .types import DTYPE_TOOLTIP, DTYPES, LOADERS, TextEncoder, Transformer, Vae
 
-TRANSFORMER_FILE = "qwen_image_2.1_bf16.safetensors"
-TEXT_ENCODER_FILE = "qwen3vl_8b_bf16.safetensors"
+# The files ComfyUI's own Qwen-Image-2.1 templates load by default, then the bf16 alternatives their notes name.
+TRANSFORMER_FILE = "qwen_image_2.1_int8_convrot.safetensors"
+TRANSFORMER_FILES = (TRANSFORMER_FILE, "qwen_image_2.1_turbo_int8_convrot.safetensors",
+                     "qwen_image_2.1_bf16.safetensors", "qwen_image_2.1_turbo_bf16.safetensors")
+TEXT_ENCODER_FILE = "qwen3vl_8b_int8_convrot.safetensors"
+TEXT_ENCODER_FILES = (TEXT_ENCODER_FILE, "qwen3vl_8b_bf16.safetensors")
 VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
 
 PLACEMENT_TOOLTIP = (
@@ -28,8 +35,22 @@ PLACEMENT_TOOLTIP = (
 )
 
 
+INT8_TOOLTIP = (
+    "How an INT8 ConvRot file (ComfyUI's *_int8_convrot, the templates' default) runs; a bf16 file loads the same "
+    "either way. int8: kept int8 and run W8A8 through comfy-kitchen, ComfyUI's own kernels, inside the captured "
+    "steps; half the memory (DiT ~7 GB instead of ~14 GB, text encoder ~8.7 GB instead of ~16 GB), the choice for "
+    "16-24 GB cards, and on RTX 40/50 the faster one. dequantize: expanded once at load into ordinary weights of "
+    "'dtype' (bf16 memory, the bf16 fast path); on an H200 comfy-kitchen's int8 GEMMs ran at 0.65-0.99x cuBLAS "
+    "bf16, so with the memory to spare this is the faster choice on Hopper."
+)
+
+
 def _dtype_input():
     return io.Combo.Input("dtype", options=list(DTYPES), default="bf16", tooltip=DTYPE_TOOLTIP)
+
+
+def _int8_input():
+    return io.Combo.Input("int8_weights", options=list(QUANTIZED_MODES), default=KEEP_INT8, tooltip=INT8_TOOLTIP)
 
 
 def _placement_input():
@@ -45,31 +66,49 @@ def _fingerprint(folder: str, name: str, *rest):
         return (name, *rest)
 
 
-def transformer_handle(path: str, dtype_name: str, scheduler_config: dict | None = None) -> TransformerHandle:
+def weights_info(module, int8_weights: str) -> dict:
+    """What the handle reports about its weights: "int8" (int8 layers kept), "dequantized" or "float"."""
+    kept = len(int8_modules(module))
+    if kept:
+        return {"weights": "int8", "int8_layers": kept}
+    return {"weights": "float" if int8_weights == KEEP_INT8 else "float (int8 files dequantized)"}
+
+
+def transformer_handle(path: str, dtype_name: str, scheduler_config: dict | None = None,
+                       int8_weights: str = KEEP_INT8) -> TransformerHandle:
+    check_mode(int8_weights, "int8_weights")
+
     def load():
-        module = load_transformer(path, dtype=DTYPES[dtype_name], device=mm.unet_offload_device())
+        module = load_transformer(path, dtype=DTYPES[dtype_name], device=mm.unet_offload_device(),
+                                  quantized=int8_weights, dequantize_device=mm.get_torch_device())
+        info = {"variant": transformer_variant(path), **weights_info(module, int8_weights)}
         return TransformerHandle.create(
             "transformer", module, path, dtype_name, mm.get_torch_device(), mm.unet_offload_device(),
-            scheduler_config=scheduler_config or default_scheduler_config())
+            scheduler_config=scheduler_config or default_scheduler_config(), info=info)
 
-    return model_cache.get_or_load(model_cache.cache_key("transformer", path, dtype_name), load)
+    return model_cache.get_or_load(model_cache.cache_key("transformer", path, dtype_name, int8_weights), load)
 
 
-def text_encoder_handle(path: str, dtype_name: str, placement: str, tokenizer_dir: str | None):
+def text_encoder_handle(path: str, dtype_name: str, placement: str, tokenizer_dir: str | None,
+                        int8_weights: str = KEEP_INT8):
     if placement not in TE_PLACEMENTS:
         from ..graph_runtime.errors import InputError
 
         raise InputError("text_encoder_placement", placement, f"one of {', '.join(TE_PLACEMENTS)}")
+    check_mode(int8_weights, "int8_weights")
 
     def load():
         load_device = "cpu" if placement == "cpu" else mm.text_encoder_device()
         offload_device = "cpu" if placement == "cpu" else mm.text_encoder_offload_device()
         module, processor = load_text_encoder(path, dtype=DTYPES[dtype_name], device=offload_device,
-                                              tokenizer_dir=tokenizer_dir)
+                                              tokenizer_dir=tokenizer_dir, quantized=int8_weights,
+                                              dequantize_device=load_device)
         return TextEncoderHandle.create("text_encoder", module, path, dtype_name, load_device, offload_device,
-                                        processor=processor, placement=placement, info={"placement": placement})
+                                        processor=processor, placement=placement,
+                                        info={"placement": placement, **weights_info(module, int8_weights)})
 
-    return model_cache.get_or_load(model_cache.cache_key("text_encoder", path, dtype_name, placement), load)
+    key = model_cache.cache_key("text_encoder", path, dtype_name, placement, int8_weights)
+    return model_cache.get_or_load(key, load)
 
 
 def vae_handle(path: str, dtype_name: str) -> VAEHandle:
@@ -88,27 +127,29 @@ class KVGraphLoadTransformer(io.ComfyNode):
             display_name="KV-Graph Load Transformer",
             category=LOADERS,
             description=("Loads the Qwen-Image-2.1 transformer from models/diffusion_models (ComfyUI's "
-                         f"{TRANSFORMER_FILE}). The loaded model, and the decode graphs captured for it, stay cached "
-                         "across prompts and workflows until released."),
+                         f"{TRANSFORMER_FILE}, its Turbo twin, or the bf16 files). The loaded model, and the decode "
+                         "graphs captured for it, stay cached across prompts and workflows until released."),
             inputs=[
                 io.Combo.Input("transformer_name", options=model_files.file_choices("diffusion_models",
-                                                                                    TRANSFORMER_FILE),
+                                                                                    *TRANSFORMER_FILES),
                                default=TRANSFORMER_FILE,
-                               tooltip="The transformer file in models/diffusion_models (bf16; the int8 variant is "
-                                       "not supported)."),
+                               tooltip="The transformer file in models/diffusion_models: ComfyUI's INT8 ConvRot file "
+                                       "(the templates' default) or the bf16 one; a file with 'turbo' in its name is "
+                                       "the 8-step Turbo model (the sampler's auto preset follows it)."),
                 _dtype_input(),
+                _int8_input(),
             ],
             outputs=[Transformer.Output(display_name="transformer")],
         )
 
     @classmethod
-    def fingerprint_inputs(cls, transformer_name, dtype):
-        return _fingerprint("diffusion_models", transformer_name, dtype)
+    def fingerprint_inputs(cls, transformer_name, dtype, int8_weights=KEEP_INT8):
+        return _fingerprint("diffusion_models", transformer_name, dtype, int8_weights)
 
     @classmethod
-    def execute(cls, transformer_name, dtype) -> io.NodeOutput:
+    def execute(cls, transformer_name, dtype, int8_weights=KEEP_INT8) -> io.NodeOutput:
         path = model_files.full_path("diffusion_models", transformer_name, "transformer_name")
-        return io.NodeOutput(transformer_handle(path, dtype))
+        return io.NodeOutput(transformer_handle(path, dtype, int8_weights=int8_weights))
 
 
 class KVGraphLoadTextEncoder(io.ComfyNode):
@@ -122,23 +163,26 @@ class KVGraphLoadTextEncoder(io.ComfyNode):
                          f"{TEXT_ENCODER_FILE}), with ComfyUI's bundled Qwen tokenizer."),
             inputs=[
                 io.Combo.Input("text_encoder_name", options=model_files.file_choices("text_encoders",
-                                                                                     TEXT_ENCODER_FILE),
+                                                                                     *TEXT_ENCODER_FILES),
                                default=TEXT_ENCODER_FILE,
-                               tooltip="The Qwen3-VL-8B file in models/text_encoders."),
+                               tooltip="The Qwen3-VL-8B file in models/text_encoders: ComfyUI's INT8 ConvRot file "
+                                       "(the templates' default) or the bf16 one."),
                 _dtype_input(),
                 _placement_input(),
+                _int8_input(),
             ],
             outputs=[TextEncoder.Output(display_name="text_encoder")],
         )
 
     @classmethod
-    def fingerprint_inputs(cls, text_encoder_name, dtype, text_encoder_placement):
-        return _fingerprint("text_encoders", text_encoder_name, dtype, text_encoder_placement)
+    def fingerprint_inputs(cls, text_encoder_name, dtype, text_encoder_placement, int8_weights=KEEP_INT8):
+        return _fingerprint("text_encoders", text_encoder_name, dtype, text_encoder_placement, int8_weights)
 
     @classmethod
-    def execute(cls, text_encoder_name, dtype, text_encoder_placement) -> io.NodeOutput:
+    def execute(cls, text_encoder_name, dtype, text_encoder_placement, int8_weights=KEEP_INT8) -> io.NodeOutput:
         path = model_files.full_path("text_encoders", text_encoder_name, "text_encoder_name")
-        handle = text_encoder_handle(path, dtype, text_encoder_placement, model_files.bundled_tokenizer_dir())
+        handle = text_encoder_handle(path, dtype, text_encoder_placement, model_files.bundled_tokenizer_dir(),
+                                     int8_weights)
         return io.NodeOutput(handle)
 
 

@@ -11,14 +11,16 @@ from ..graph_runtime.errors import CheckpointError
 DIFFUSERS = "diffusers"
 
 
-def file_choices(folder: str, default: str) -> list[str]:
-    """The files ComfyUI lists in a model folder, with our default name kept first so a fresh node shows it even
-    before the file is downloaded (running then fails with a message naming the file)."""
+def file_choices(folder: str, default: str, *known: str) -> list[str]:
+    """The files ComfyUI lists in a model folder, with our default name kept first (then the other `known` release
+    names) so a fresh node shows them even before the file is downloaded (running then fails with a message naming
+    the file)."""
     try:
         names = list(folder_paths.get_filename_list(folder))
-    except Exception:  # an unknown folder name in an unusual ComfyUI setup: offer the default only
+    except Exception:  # an unknown folder name in an unusual ComfyUI setup: offer the known names only
         names = []
-    return [default] + [n for n in names if n != default]
+    first = list(dict.fromkeys((default, *known)))
+    return first + [n for n in names if n not in first]
 
 
 def full_path(folder: str, name: str, input_name: str) -> str:

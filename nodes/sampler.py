@@ -16,6 +16,7 @@ from ..graph_runtime.comfy_interop import (
 )
 from ..graph_runtime.decode.graph_manager import DECODE_MODES
 from ..graph_runtime.errors import InputError
+from ..graph_runtime.loading.variant import AUTO, TURBO, sigma_preset_for
 from ..graph_runtime.lora import loras_in_use
 from ..graph_runtime.sampling.sampler import Cancelled, SamplingRequest, sample
 from ..graph_runtime.sampling.schedule import SIGMA_PRESETS, TURBO_SIGMAS
@@ -26,6 +27,7 @@ from .types import SAMPLING, Transformer
 logger = logging.getLogger("kvgraph")
 
 COMPILE_OPTIONS = ("off", "blocks")
+NODE_SIGMA_PRESETS = (AUTO, *SIGMA_PRESETS)
 MAX_SEED = 0xFFFFFFFFFFFFFFFF
 
 
@@ -95,13 +97,16 @@ class KVGraphSampler(io.ComfyNode):
                              tooltip="Noise seed; the same seed gives the same image as the diffusers pipeline."),
                 io.Int.Input("steps", default=40, min=1, max=1000,
                              tooltip="Denoising steps for the dynamic schedule (40 is the model's default). The "
-                                     "turbo preset always runs its fixed 8 steps."),
+                                     "turbo preset (auto with a Turbo checkpoint) always runs its fixed 8 steps."),
                 io.Float.Input("cfg", default=1.0, min=1.0, max=20.0, step=0.1,
                                tooltip="Guidance scale. 1 disables CFG (the model's default). Above 1 with a "
                                        "negative connected, runs true CFG at twice the cost."),
-                io.Combo.Input("sigma_preset", options=list(SIGMA_PRESETS), default="dynamic",
-                               tooltip="dynamic: the model's resolution-dependent shifted schedule over 'steps'. "
-                                       f"turbo: the Turbo variant's fixed {len(TURBO_SIGMAS)}-step grid."),
+                io.Combo.Input("sigma_preset", options=list(NODE_SIGMA_PRESETS), default=AUTO,
+                               tooltip="auto: turbo for the Turbo checkpoint (a file with 'turbo' in its name), "
+                                       "dynamic otherwise. dynamic: the model's resolution-dependent shifted "
+                                       "schedule over 'steps'. turbo: the Turbo model's fixed "
+                                       f"{len(TURBO_SIGMAS)}-step grid, used as ComfyUI's Turbo template does "
+                                       "(no shift; use cfg 1)."),
                 io.Float.Input("denoise", default=1.0, min=0.01, max=1.0, step=0.01,
                                tooltip="1 samples from pure noise. Below 1, starts from the input latent and runs the "
                                        "last part of a longer schedule (image-to-image)."),
@@ -126,7 +131,7 @@ class KVGraphSampler(io.ComfyNode):
         model.ensure_loaded(inference_memory(model.module, tokens, request.batch_size, branches))
         engine = model.engine
         prompt_id, node_id = events.executing_ids()
-        total = len(TURBO_SIGMAS) if sigma_preset == "turbo" else int(steps)
+        total = len(TURBO_SIGMAS) if request.sigma_preset == TURBO else int(steps)
 
         # The handle's LoRA set is merged (or the originals restored) before the run and held until it ends.
         with loras_in_use(model.module, model.loras), in_flight.sampling(engine, prompt_id, node_id, total) as record:
@@ -139,8 +144,9 @@ class KVGraphSampler(io.ComfyNode):
                 # expects an interrupted node to end.
                 mm.throw_exception_if_processing_interrupted()
                 raise
+        preset = request.sigma_preset + (f" ({AUTO})" if sigma_preset == AUTO else "")
         logger.info(summary_line(request.latent_width * 16, request.latent_height * 16, request.batch_size, result,
-                                 sigma_preset, cfg))
+                                 preset, cfg))
         out = normalized_to_raw(result.latents.float(), stats).to(mm.intermediate_device())
         return io.NodeOutput({"samples": out})
 
@@ -152,7 +158,8 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
     Returns the request, the latent statistics used to normalize, and the joint sequence length (for memory
     planning).
     """
-    _check_choice("sigma_preset", sigma_preset, SIGMA_PRESETS)
+    _check_choice("sigma_preset", sigma_preset, NODE_SIGMA_PRESETS)
+    preset = sigma_preset_for(sigma_preset, model.info.get("variant"))
     _check_choice("decode_mode", decode_mode, DECODE_MODES)
     _check_choice("compile", compile, COMPILE_OPTIONS)
     if not 0 <= int(seed) <= MAX_SEED:
@@ -183,7 +190,7 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
         positive=pos.embeds, negative=neg.embeds if neg is not None else None, cfg=float(cfg),
         reference_latents=[raw_to_normalized(r, stats) for r in pos.reference_latents],
         latent_height=height, latent_width=width, batch_size=batch, seed=int(seed), steps=int(steps),
-        sigma_preset=sigma_preset, denoise=float(denoise),
+        sigma_preset=preset, denoise=float(denoise),
         init_latents=raw_to_normalized(samples, stats) if denoise < 1.0 else None,
         decode_mode=decode_mode, compile=compile == "blocks", scheduler_config=model.scheduler_config,
     )

@@ -53,11 +53,20 @@ def test_one_reference_edit_matches_pipeline(reference_pipeline, generator, refe
 
 
 def test_turbo_sigmas_match_pipeline(reference_pipeline, generator):
-    """The Turbo 8-step grid goes through the scheduler exactly as the pipeline's `sigmas=` argument does."""
-    from graph_runtime.sampling.schedule import TURBO_SIGMAS
+    """The Turbo preset is the pipeline's `sigmas=` run of the 8-step grid under a scheduler that uses the grid as
+    given (no dynamic shift, no terminal stretch), which is how ComfyUI's Turbo templates sample the Turbo model."""
+    from diffusers import FlowMatchEulerDiscreteScheduler
 
-    ref = reference_pipeline("a lighthouse", height=128, width=128, sigmas=list(TURBO_SIGMAS),
-                             generator=torch.Generator("cpu").manual_seed(1), output_type="latent").images
+    from graph_runtime.sampling.schedule import TURBO_SIGMAS, fixed_grid_scheduler_config
+
+    base = reference_pipeline.scheduler
+    reference_pipeline.scheduler = FlowMatchEulerDiscreteScheduler.from_config(
+        fixed_grid_scheduler_config(dict(base.config)))
+    try:
+        ref = reference_pipeline("a lighthouse", height=128, width=128, sigmas=list(TURBO_SIGMAS),
+                                 generator=torch.Generator("cpu").manual_seed(1), output_type="latent").images
+    finally:
+        reference_pipeline.scheduler = base
     ours = generator.generate("a lighthouse", width=128, height=128, steps=8, seed=1, sigma_preset="turbo",
                               decode_mode="eager")
     assert len(ours.paths) == 8

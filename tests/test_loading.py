@@ -695,9 +695,12 @@ def test_missing_and_misshaped_tensors_are_named(component, loader, drop, missha
     _assert_error(excinfo, misshaped_path, "wrong shape", misshape)
 
 
-def test_int8_convrot_variant_is_refused_with_the_bf16_alternative(comfy, bad_dir):
-    """ComfyUI's int8_convrot file (int8 weights + .weight_scale + .comfy_quant) is recognised as the right model
-    but refused as not supported yet, pointing to the bf16 file."""
+def test_int8_convrot_layer_is_recognised_and_loaded(comfy, bad_dir):
+    """A file with one ComfyUI int8_convrot layer (int8 weight + .weight_scale + .comfy_quant) is recognised as the
+    right model, its format is reported, and it loads with that layer int8 (tests/test_int8_convrot.py covers the
+    format in full)."""
+    from graph_runtime.quantized import ConvRotInt8Linear
+
     tensors = load_file(str(comfy["transformer"]))
     key = "model.diffusion_model.transformer_blocks.0.attn.to_q.weight"
     tensors[key] = torch.zeros_like(tensors[key], dtype=torch.int8)
@@ -706,11 +709,10 @@ def test_int8_convrot_variant_is_refused_with_the_bf16_alternative(comfy, bad_di
     tensors[key.replace(".weight", ".comfy_quant")] = torch.tensor(list(quant), dtype=torch.uint8)
     path = _write(bad_dir / "qwen_image_2.1_int8_convrot.safetensors", tensors)
     info = inspect_checkpoint(path)
-    assert info.kind == "qwen-image-2.1-transformer" and info.quantized
-    with pytest.raises(CheckpointError) as excinfo:
-        load_transformer(path)
-    _assert_error(excinfo, path, "not supported yet", "int8_tensorwise + convrot",
-                  "qwen_image_2.1_bf16.safetensors")
+    assert info.kind == "qwen-image-2.1-transformer" and info.quantized == "int8 ConvRot (group 16)"
+    model = load_transformer(path)
+    assert isinstance(model.transformer_blocks[0].attn.to_q, ConvRotInt8Linear)
+    assert not bool(model.transformer_blocks[0].attn.to_q.weight.any())
 
 
 @pytest.mark.parametrize("component, loader, drop", [

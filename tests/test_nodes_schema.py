@@ -88,7 +88,7 @@ def test_sampler_schema(comfy_env):
     assert (inputs["steps"].default, inputs["steps"].min) == (40, 1)
     assert (inputs["cfg"].default, inputs["cfg"].min) == (1.0, 1.0)
     assert inputs["seed"].control_after_generate and inputs["seed"].max == 2**64 - 1
-    assert inputs["sigma_preset"].options == ["dynamic", "turbo"] and inputs["sigma_preset"].default == "dynamic"
+    assert inputs["sigma_preset"].options == ["auto", "dynamic", "turbo"] and inputs["sigma_preset"].default == "auto"
     assert (inputs["denoise"].default, inputs["denoise"].max) == (1.0, 1.0) and 0 < inputs["denoise"].min < 0.1
     assert inputs["decode_mode"].options == ["auto", "graph", "eager"] and inputs["decode_mode"].default == "auto"
     assert inputs["compile"].options == ["off", "blocks"] and inputs["compile"].default == "off"
@@ -115,8 +115,8 @@ def test_encode_schema(comfy_env):
 
 
 @pytest.mark.parametrize("node_id, name_input, folder_default, out_type", [
-    ("KVGraphLoadTransformer", "transformer_name", "qwen_image_2.1_bf16.safetensors", "KVGRAPH_TRANSFORMER"),
-    ("KVGraphLoadTextEncoder", "text_encoder_name", "qwen3vl_8b_bf16.safetensors", "KVGRAPH_TEXT_ENCODER"),
+    ("KVGraphLoadTransformer", "transformer_name", "qwen_image_2.1_int8_convrot.safetensors", "KVGRAPH_TRANSFORMER"),
+    ("KVGraphLoadTextEncoder", "text_encoder_name", "qwen3vl_8b_int8_convrot.safetensors", "KVGRAPH_TEXT_ENCODER"),
     ("KVGraphLoadVAE", "vae_name", "qwen_image_2.1_vae_bf16.safetensors", "KVGRAPH_VAE"),
 ])
 def test_single_file_loader_schemas(comfy_env, node_id, name_input, folder_default, out_type):

@@ -19,14 +19,20 @@ ROOT = Path(__file__).resolve().parents[1]
 UI_FILES = sorted((ROOT / "example_workflows").glob("*.json"))
 EXPECTED = {"qwen_image_2.1_text_to_image", "qwen_image_2.1_turbo_8_steps", "qwen_image_2.1_edit_one_reference",
             "qwen_image_2.1_edit_two_references", "qwen_image_2.1_cfg_negative_prompt", "qwen_image_2.1_lora"}
-REAL_FILES = {"qwen_image_2.1_bf16.safetensors", "qwen3vl_8b_bf16.safetensors", "qwen_image_2.1_vae_bf16.safetensors"}
 LORA_FILE = "qwen_image_2.1_lora.safetensors"  # the LoRA example's file (users put their own in models/loras)
+# ComfyUI's templates load the INT8 ConvRot files by default; the Turbo example loads the Turbo checkpoint.
+REAL_FILES = {"qwen_image_2.1_int8_convrot.safetensors", "qwen3vl_8b_int8_convrot.safetensors",
+              "qwen_image_2.1_vae_bf16.safetensors"}
+TURBO_FILE = "qwen_image_2.1_turbo_int8_convrot.safetensors"
+BF16_FILES = ("qwen_image_2.1_bf16.safetensors", "qwen3vl_8b_bf16.safetensors")
 WIDGETS = ("BOOLEAN", "INT", "FLOAT", "STRING", "COMBO")
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
 # Core nodes: widget names as the UI stores them (LoadImage adds the upload button's value), and socket types.
 CORE = {
     "LoadImage": {"widgets": ["image", None], "inputs": {}, "outputs": ["IMAGE", "MASK"]},
     "SaveImage": {"widgets": ["filename_prefix"], "inputs": {"images": "IMAGE"}, "outputs": []},
+    # frontend-only: a prompt leaves it out, so it has no API-format twin
+    "MarkdownNote": {"widgets": ["text"], "inputs": {}, "outputs": [], "ui_only": True},
 }
 
 
@@ -106,7 +112,10 @@ def test_ui_workflow_matches_node_schemas(comfy_env, path):
         assert [(i["name"], i["type"]) for i in node["inputs"]] == [
             (i["name"], inputs[i["name"]]) for i in node["inputs"]], node["type"]
         assert [o["type"] for o in node["outputs"]] == outputs, node["type"]
-    assert files - {LORA_FILE} == REAL_FILES and (LORA_FILE in files) == ("lora" in path.stem)
+    expected_files = REAL_FILES
+    if "turbo" in path.stem:
+        expected_files = REAL_FILES - {"qwen_image_2.1_int8_convrot.safetensors"} | {TURBO_FILE}
+    assert files - {LORA_FILE} == expected_files and (LORA_FILE in files) == ("lora" in path.stem)
     link_ids = set()
     for link_id, src, src_slot, dst, dst_slot, link_type in workflow["links"]:
         link_ids.add(link_id)
@@ -128,8 +137,9 @@ def test_ui_workflow_matches_node_schemas(comfy_env, path):
 def test_api_twin_is_the_same_graph(comfy_env, path):
     ui = load(path)
     api = load(ROOT / "example_workflows" / "api" / path.name)
-    assert set(api) == {str(n["id"]) for n in ui["nodes"]}
-    for node in ui["nodes"]:
+    prompt_nodes = [n for n in ui["nodes"] if not CORE.get(n["type"], {}).get("ui_only")]
+    assert set(api) == {str(n["id"]) for n in prompt_nodes}
+    for node in prompt_nodes:
         twin = api[str(node["id"])]
         assert twin["class_type"] == node["type"]
         expected = dict(named_widgets(comfy_env, node))
@@ -142,8 +152,13 @@ def test_api_twin_is_the_same_graph(comfy_env, path):
 def test_examples_cover_the_documented_cases(comfy_env):
     by_name = {p.stem: {n["type"]: named_widgets(comfy_env, n) for n in load(p)["nodes"]} for p in UI_FILES}
     assert by_name["qwen_image_2.1_text_to_image"]["KVGraphSampler"]["steps"] == 40
-    turbo = by_name["qwen_image_2.1_turbo_8_steps"]["KVGraphSampler"]
-    assert turbo["sigma_preset"] == "turbo" and turbo["steps"] == 8
+    turbo = by_name["qwen_image_2.1_turbo_8_steps"]
+    assert turbo["KVGraphSampler"]["sigma_preset"] == "auto" and turbo["KVGraphSampler"]["steps"] == 8
+    assert turbo["KVGraphSampler"]["cfg"] == 1.0 and turbo["KVGraphLoadTransformer"]["transformer_name"] == TURBO_FILE
+    for name, nodes in by_name.items():  # the bf16 files are named as the alternative in every example's note
+        assert nodes["KVGraphLoadTransformer"]["int8_weights"] == "int8"
+        assert all(f in nodes["MarkdownNote"]["text"] for f in BF16_FILES[1:]), name
+        assert "bf16.safetensors`" in nodes["MarkdownNote"]["text"]
     cfg = load(ROOT / "example_workflows" / "api" / "qwen_image_2.1_cfg_negative_prompt.json")
     sampler = next(n for n in cfg.values() if n["class_type"] == "KVGraphSampler")
     encode = next(n for n in cfg.values() if n["class_type"] == "KVGraphTextEncode")

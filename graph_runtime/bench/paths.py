@@ -2,8 +2,10 @@
 
 `diffusers` is the reference: the transformer's own `kv_cache_mode="cached"` forward, eager, host syncs included.
 The others are this project's decode step: eager, captured, and captured with compiled blocks; `--paths all` adds
-the compiled path without our kernels, to measure them. (Fused q/k/v and gate/up GEMMs, a pinned cuDNN attention
-backend, max-autotune GEMMs and FP8 GEMMs were measured too and not kept: docs/performance.md says what each gave.)
+the compiled path without our kernels, to measure them, and the INT8 ConvRot paths: the blocks' Linear layers quantized
+on the GPU with comfy-kitchen from the same random bf16 weights and run int8 (W8A8, `graph-int8`) or dequantized
+back to bf16 at load (`graph-dequantized`). (Fused q/k/v and gate/up GEMMs, a pinned cuDNN attention backend,
+max-autotune GEMMs and FP8 GEMMs were measured too and not kept: docs/performance.md says what each gave.)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ class PathSpec:
     compile: bool = False
     reference: bool = False
     kernels: bool = True  # the hand-written kernels of graph_runtime/kernels (off: inductor's own code)
+    weights: str = "bf16"  # "int8" / "dequantized": a ConvRot copy of the blocks (see quantized_transformer)
 
 
 ALL_PATHS = [
@@ -33,7 +36,11 @@ ALL_PATHS = [
     PathSpec("compile+graph", compile=True),
     # Not in the default set: the same path with inductor's own code where our kernels would run, to measure them.
     PathSpec("compile+graph-inductor-only", compile=True, kernels=False),
+    # Not in the default set: ComfyUI's INT8 ConvRot checkpoints, in the loaders' two modes.
+    PathSpec("graph-int8", weights="int8"),
+    PathSpec("graph-dequantized", weights="dequantized"),
 ]
+CONVROT_GROUP = 256  # ComfyUI's default group size, the one comfy-kitchen's fused CUDA quantizer runs
 DEFAULT_PATHS = ["diffusers", "eager", "graph", "compile+graph"]
 CPU_PATHS = ["diffusers", "eager"]
 
@@ -78,11 +85,29 @@ def reference_step(transformer, inputs, caches):
     return step
 
 
+def quantized_transformer(transformer, weights: str):
+    """A copy of `transformer` whose blocks' Linear layers are INT8 ConvRot, quantized with comfy-kitchen on the
+    weights' device ("int8"), or those int8 weights dequantized back to bf16 Linear layers ("dequantized"): the
+    two ways the loaders run an INT8 file."""
+    import copy
+
+    from ..quantized import dequantize_linears_, quantize_linears_
+
+    model = copy.deepcopy(transformer)
+    quantize_linears_(model, CONVROT_GROUP, lambda name, _: name.startswith("transformer_blocks."))
+    if weights == "dequantized":
+        dequantize_linears_(model, next(transformer.parameters()).dtype)
+    return model.requires_grad_(False)
+
+
 class OursPath:
     """An engine configured for one path; kept across scenarios so compiled code and graphs are reused."""
 
     def __init__(self, spec: PathSpec, transformer):
         self.spec = spec
+        if spec.weights != "bf16":
+            # the engine holds its transformer weakly: the path keeps its own copy alive
+            transformer = self.transformer = quantized_transformer(transformer, spec.weights)
         self.engine = DecodeEngine(transformer, max_entries=4)
         if not spec.kernels:
             self.engine.step = DecodeStep(transformer, kernels=False)

@@ -109,6 +109,11 @@ def _fp32_references(transformer, scenarios, device, context, channels):
     return refs
 
 
+def _weights_gb(model) -> float:
+    """The model's weights in GiB (int8 layers at one byte per weight, their scales included)."""
+    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / 2**30
+
+
 def _peak_reset(device):
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
@@ -138,6 +143,8 @@ def run_scenario(transformer, scenario, path_specs, engines, refs, device, iters
         reference_err = None
         eager_outputs = None
         for spec in path_specs:
+            if not spec.reference and spec.name not in engines:
+                engines[spec.name] = OursPath(spec, transformer)  # before the peak reset: a quantized copy's build
             _peak_reset(device)
             if spec.reference and inputs.latents.shape[1] % 4:
                 # diffusers lays the target out in 2x2-token slots, so it cannot decode an odd latent grid (its
@@ -148,7 +155,7 @@ def run_scenario(transformer, scenario, path_specs, engines, refs, device, iters
                 step = reference_step(transformer, inputs, caches)
                 stats_before = None
             else:
-                path = engines.setdefault(spec.name, OursPath(spec, transformer))
+                path = engines[spec.name]
                 path_prefill_ms = _engine_prefill_ms(path.engine, inputs, device) if spec.mode == "graph" else None
                 step = path.step(inputs, prefixes)
                 stats_before = path.engine.manager.stats.snapshot()
@@ -174,6 +181,7 @@ def run_scenario(transformer, scenario, path_specs, engines, refs, device, iters
             row["peak_gb"] = _peak_gb(device)
             if not spec.reference:
                 row["graph_bytes"] = path.engine.manager.bytes_held()
+                row["weights_gb"] = _weights_gb(path.engine.transformer)
             if spec.reference:
                 reference_outputs = outputs
                 row["prefill_ms"] = device_ms(reference_prefill(transformer, inputs), device, iters=2, warmup=1)

@@ -1,9 +1,10 @@
 """Model loading for Qwen-Image-2.1: diffusers folders and ComfyUI's single files, with errors that name the file.
 
 Public API:
-    load_transformer(path, dtype, device) -> diffusers.QwenImage21Transformer2DModel
+    load_transformer(path, dtype, device, quantized="int8") -> diffusers.QwenImage21Transformer2DModel
     load_vae(path, dtype, device) -> diffusers.AutoencoderKLQwenImage21
-    load_text_encoder(path, dtype, device, tokenizer_dir=None) -> (Qwen3VLForConditionalGeneration, Qwen3VLProcessor)
+    load_text_encoder(path, dtype, device, tokenizer_dir=None, quantized="int8")
+        -> (Qwen3VLForConditionalGeneration, Qwen3VLProcessor)
     load_processor(tokenizer_dir) -> Qwen3VLProcessor
     load_pipeline_folder(path, dtype, device, components) -> QwenImageModels
     default_scheduler_config() -> dict

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Mapping
 
 from .safetensors_file import read_header
@@ -169,8 +169,14 @@ def inspect_shapes(shapes: Mapping[str, tuple]) -> CheckpointInfo:
 
 def inspect_checkpoint(path: str | os.PathLike) -> CheckpointInfo:
     """Classify a .safetensors file from its header (validated first: a truncated or foreign file raises
-    CheckpointError)."""
-    return inspect_shapes(read_header(path).shapes)
+    CheckpointError); a quantized file's format is read from its first `.comfy_quant` record (a few bytes)."""
+    from ..quantized.comfy_quant import first_record_format
+
+    header = read_header(path)
+    info = inspect_shapes(header.shapes)
+    if info.quantized == "comfy_quant":
+        info = replace(info, quantized=first_record_format([header.path], header))
+    return info
 
 
 def detect_checkpoint(path: str | os.PathLike) -> str:

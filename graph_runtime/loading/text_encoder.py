@@ -1,4 +1,5 @@
-"""Load the Qwen3-VL text encoder (and its processor) from a diffusers folder or ComfyUI's single file."""
+"""Load the Qwen3-VL text encoder (and its processor) from a diffusers folder or ComfyUI's single file, bf16 or INT8
+ConvRot (`qwen3vl_8b_int8_convrot.safetensors`)."""
 
 from __future__ import annotations
 
@@ -8,18 +9,20 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
+from ..quantized import KEEP_INT8, ConvRotInt8Embedding, ConvRotInt8Linear, check_mode, read_layers
 from .assemble import assign_weights, build_empty, check_against_model, finish
 from .checks import require_kind
 from .comfy_layout import text_encoder_from_comfy_state_dict
 from .config_infer import infer_text_encoder_config
 from .detect import QWEN3VL_TEXT_ENCODER
+from .int8_files import install_int8_layers, read_weights, unquantized_shapes
 from .processor import ACCEPTED_TOKENIZER_FOLDERS, load_processor, tokenizer_folder, tokenizer_folder_near
-from .safetensors_file import iter_tensors
 from .sources import resolve
 
 BF16_FILE = "qwen3vl_8b_bf16.safetensors"
-EXPECTED = (f"a Qwen3-VL text encoder: ComfyUI's models/text_encoders/{BF16_FILE}, a diffusers pipeline folder "
-            "(with text_encoder/), or a transformers text_encoder/ folder")
+INT8_FILE = "qwen3vl_8b_int8_convrot.safetensors"
+EXPECTED = (f"a Qwen3-VL text encoder: ComfyUI's models/text_encoders/{INT8_FILE} or {BF16_FILE}, a diffusers "
+            "pipeline folder (with text_encoder/), or a transformers text_encoder/ folder")
 LM_HEAD, EMBED = "lm_head.weight", "model.language_model.embed_tokens.weight"
 
 
@@ -50,27 +53,43 @@ def _resolve_processor(source, given: Path, tokenizer_dir):
                                        "to it.", ACCEPTED_TOKENIZER_FOLDERS)
 
 
+def _tie_head(model) -> None:
+    """Tie the output head to the input embeddings: transformers' own tie for a float table; for an int8 table, a
+    head reading the same int8 rows and scales (a float head cannot share an int8 Parameter)."""
+    embed = model.get_input_embeddings()
+    if isinstance(embed, ConvRotInt8Embedding):
+        model.lm_head = ConvRotInt8Linear.sharing(embed)
+    else:
+        model.tie_weights()
+
+
 def load_text_encoder(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
-                      device: str | torch.device = "cpu", tokenizer_dir: str | os.PathLike | None = None):
+                      device: str | torch.device = "cpu", tokenizer_dir: str | os.PathLike | None = None,
+                      quantized: str = KEEP_INT8, dequantize_device=None):
     """Load `(Qwen3VLForConditionalGeneration, Qwen3VLProcessor)`; the model in eval mode, gradients off.
 
     `path`: a diffusers pipeline folder (text_encoder/ + processor/ or tokenizer/), a text_encoder/ folder, or
     ComfyUI's single file (transformers' Qwen3-VL key names; ComfyUI's internal names are accepted too). A single
     file's config is inferred from its shapes. Without an `lm_head.weight` the head is tied to the embeddings.
     `tokenizer_dir`: see `processor.ACCEPTED_TOKENIZER_FOLDERS`; when None it is looked for in the pipeline folder
-    or next to the file.
+    or next to the file. `quantized` ("int8" or "dequantize"): how an INT8 ConvRot file runs, as in
+    `load_transformer`; in int8 mode every quantized Linear and Embedding of the file stays int8 (the conditioning
+    is the same hidden state, through int8 GEMMs).
     """
     from transformers import Qwen3VLForConditionalGeneration
 
+    check_mode(quantized)
     given = Path(path).expanduser()
     source = resolve(given, "text_encoder", EXPECTED)
     config = _folder_config(source) if source.config is not None else None
-    require_kind(source, QWEN3VL_TEXT_ENCODER, EXPECTED, BF16_FILE)
+    require_kind(source, QWEN3VL_TEXT_ENCODER, EXPECTED, BF16_FILE, quantized_ok=True)
+    layers = read_layers(source.files, source.header, EXPECTED)
     # The tokenizer is checked before any weight is read: a missing one should not cost a 16 GB load first.
     processor = _resolve_processor(source, given, tokenizer_dir)
 
-    mapped_shapes = {k: tuple(v.shape) for k, v in
-                     text_encoder_from_comfy_state_dict(source.header.meta_state_dict()).items()}
+    meta = source.header.meta_state_dict()
+    mapped_shapes = {k: tuple(v.shape) for k, v in text_encoder_from_comfy_state_dict(
+        {k: meta[k] for k in unquantized_shapes(source.header.shapes, layers)}).items()}
     if config is None:
         config = infer_text_encoder_config(mapped_shapes, source.path, EXPECTED)
     tied = bool(getattr(config, "tie_word_embeddings", False))
@@ -80,11 +99,14 @@ def load_text_encoder(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat
     model = build_empty(lambda: Qwen3VLForConditionalGeneration(config))
     check_against_model(model, mapped_shapes, source.path, EXPECTED, may_be_absent=[LM_HEAD] if tied else [])
 
-    tensors = text_encoder_from_comfy_state_dict(dict(iter_tensors(source.files, dtype=dtype, device=device)))
+    loaded = read_weights(source, layers, text_encoder_from_comfy_state_dict, dtype, device, quantized,
+                          dequantize_device=dequantize_device)
     if tied:
-        tensors.pop(LM_HEAD, None)
-    assign_weights(model, tensors)
-    del tensors
+        loaded.tensors.pop(LM_HEAD, None)
+        loaded.int8_layers.pop(LM_HEAD[: -len(".weight")], None)
+    install_int8_layers(model, loaded.int8_layers, source.path, EXPECTED, output_dtype=dtype)
+    assign_weights(model, loaded.tensors)
+    del loaded
     if tied:
-        model.tie_weights()
+        _tie_head(model)
     return finish(model, source.path, EXPECTED, device), processor

@@ -1,4 +1,5 @@
-"""Load the Qwen-Image-2.1 transformer from a diffusers folder or a ComfyUI / diffusers single file."""
+"""Load the Qwen-Image-2.1 transformer from a diffusers folder or a ComfyUI / diffusers single file, bf16 or INT8
+ConvRot (`qwen_image_2.1_int8_convrot.safetensors`, `qwen_image_2.1_turbo_int8_convrot.safetensors`)."""
 
 from __future__ import annotations
 
@@ -7,18 +8,21 @@ import os
 import torch
 
 from ..errors import CheckpointError
+from ..quantized import KEEP_INT8, check_mode, read_layers
 from .assemble import assign_weights, build_empty, check_against_model, finish
 from .checks import require_kind
 from .comfy_layout import transformer_comfy_key, transformer_from_comfy_state_dict
 from .config_infer import infer_transformer_config
 from .detect import QWEN21_TRANSFORMER
-from .safetensors_file import iter_tensors
+from .int8_files import install_int8_layers, read_weights, unquantized_shapes
 from .sources import resolve
 
 BF16_FILE = "qwen_image_2.1_bf16.safetensors"
-EXPECTED = (f"a Qwen-Image-2.1 transformer: ComfyUI's models/diffusion_models/{BF16_FILE}, a diffusers pipeline "
-            "folder (with transformer/), or a diffusers transformer/ folder")
+INT8_FILE = "qwen_image_2.1_int8_convrot.safetensors"
+EXPECTED = (f"a Qwen-Image-2.1 transformer: ComfyUI's models/diffusion_models/{INT8_FILE} or {BF16_FILE} (or their "
+            "Turbo twins), a diffusers pipeline folder (with transformer/), or a diffusers transformer/ folder")
 CLASS_NAME = "QwenImage21Transformer2DModel"
+BLOCKS = "transformer_blocks."
 
 
 def _check_folder_config(source) -> None:
@@ -28,24 +32,40 @@ def _check_folder_config(source) -> None:
         raise CheckpointError(source.path, f"is {what} folder (config.json _class_name), not {CLASS_NAME}.", EXPECTED)
 
 
+def keeps_int8(module_name: str) -> bool:
+    """In int8 mode the 32 blocks' Linear layers (99% of the weights) run int8. A quantized layer outside them (the
+    timestep and text embedders, the shared modulation, the output head) is dequantized at load: each runs on a
+    handful of rows per step, and the runtime reads the model's compute dtype off its first parameter, the
+    timestep embedder's."""
+    return module_name.startswith(BLOCKS)
+
+
 def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
-                     device: str | torch.device = "cpu"):
+                     device: str | torch.device = "cpu", quantized: str = KEEP_INT8, dequantize_device=None):
     """Load `diffusers.QwenImage21Transformer2DModel` in eval mode, gradients off.
 
     `path`: a diffusers pipeline folder (its transformer/ is used), a transformer/ folder, or one .safetensors file in
     ComfyUI's layout (optional `model.diffusion_model.` prefix, fused `img_mlp.gate_up`) or diffusers' key names. A
     folder's config.json is used as is; a single file's config is inferred from its tensor shapes. Weights are read
     one tensor at a time, cast to `dtype` and placed on `device`; the model is never materialised twice.
+
+    `quantized` says how an INT8 ConvRot file runs (a float file loads the same either way): "int8" keeps the
+    blocks' weights int8 (ConvRotInt8Linear: half the memory, W8A8 through comfy-kitchen); "dequantize" expands
+    every quantized layer once, on `dequantize_device` (default: `device`), into ordinary `dtype` weights.
     """
     from diffusers import QwenImage21Transformer2DModel
 
+    check_mode(quantized)
     source = resolve(path, "transformer", EXPECTED)
     if source.config is not None:
         _check_folder_config(source)
-    require_kind(source, QWEN21_TRANSFORMER, EXPECTED, BF16_FILE)
+    require_kind(source, QWEN21_TRANSFORMER, EXPECTED, BF16_FILE, quantized_ok=True)
+    layers = read_layers(source.files, source.header, EXPECTED)
 
+    file_shapes = unquantized_shapes(source.header.shapes, layers)
+    meta = source.header.meta_state_dict()
     mapped_shapes = {k: tuple(v.shape) for k, v in
-                     transformer_from_comfy_state_dict(source.header.meta_state_dict()).items()}
+                     transformer_from_comfy_state_dict({k: meta[k] for k in file_shapes}).items()}
     # errors about a ComfyUI file name its own keys (prefixed, gate_up fused)
     prefix = source.info.prefix
     file_key = (lambda k: transformer_comfy_key(k, prefix)) if source.info.layout == "comfyui" else (lambda k: k)
@@ -54,10 +74,11 @@ def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat1
     else:
         config = infer_transformer_config(mapped_shapes, source.path, EXPECTED, file_key)
     model = build_empty(lambda: QwenImage21Transformer2DModel.from_config(config))
-    check_against_model(model, mapped_shapes, source.path, EXPECTED, file_key=file_key,
-                        file_shapes=source.header.shapes)
+    check_against_model(model, mapped_shapes, source.path, EXPECTED, file_key=file_key, file_shapes=file_shapes)
 
-    tensors = dict(iter_tensors(source.files, dtype=dtype, device=device))
-    assign_weights(model, transformer_from_comfy_state_dict(tensors))
-    del tensors
+    loaded = read_weights(source, layers, transformer_from_comfy_state_dict, dtype, device, quantized, keeps_int8,
+                          dequantize_device)
+    install_int8_layers(model, loaded.int8_layers, source.path, EXPECTED, file_key, dtype)
+    assign_weights(model, loaded.tensors)
+    del loaded
     return finish(model, source.path, EXPECTED, device)

@@ -19,7 +19,7 @@ from ..encoding.prompt import PromptEmbeds
 from ..errors import InputError
 from ..validation import check_cfg, check_count, check_denoise, check_finite, check_positions, check_seed
 from .finite_watch import FiniteWatch
-from .schedule import build_schedule, euler_step, resolve_sigmas
+from .schedule import build_schedule, euler_step, resolve_sigmas, scheduler_config_for
 
 logger = logging.getLogger("kvgraph")
 
@@ -129,7 +129,9 @@ def sample(
     # blocks are normal tensors (ComfyUI calls nodes under `torch.inference_mode()`).
     with torch.inference_mode(False), torch.no_grad():
         noise = initial_noise(req.seed, batch, channels, height, width, dtype).to(device)
-        timesteps, sigmas = build_schedule(req.scheduler_config, req.steps, height * width, sigmas_in, req.denoise,
+        config = req.scheduler_config if req.sigmas is not None else scheduler_config_for(req.sigma_preset,
+                                                                                       req.scheduler_config)
+        timesteps, sigmas = build_schedule(config, req.steps, height * width, sigmas_in, req.denoise,
                                            device)
         latents = pack(noise)
         if req.init_latents is not None:

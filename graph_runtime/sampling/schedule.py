@@ -40,6 +40,25 @@ def resolve_sigmas(preset: str | None, steps: int, sigmas=None) -> list[float] |
     raise InputError("sigma preset", preset, f"one of {', '.join(SIGMA_PRESETS)}")
 
 
+def fixed_grid_scheduler_config(scheduler_config: dict | None) -> dict:
+    """A scheduler config under which an explicit sigma grid is used exactly as given.
+
+    ComfyUI's Qwen-Image-2.1 Turbo templates feed the 8 Turbo sigmas (then 0) straight to the sampler
+    (ManualSigmas: no shift): the grid is the schedule the Turbo checkpoint was distilled for. diffusers' scheduler
+    with the base model's config would shift them again by the resolution-dependent mu and stretch the last one to
+    `shift_terminal` (0.414568 -> 0.02), a different schedule."""
+    config = dict(scheduler_config or {})
+    config.update(use_dynamic_shifting=False, shift=1.0, shift_terminal=None, use_karras_sigmas=False,
+                  use_exponential_sigmas=False, use_beta_sigmas=False, invert_sigmas=False)
+    return config
+
+
+def scheduler_config_for(preset: str | None, scheduler_config: dict | None) -> dict | None:
+    """The scheduler config a preset samples under: the Turbo grid runs unshifted (as ComfyUI's Turbo templates run
+    it), everything else under the model's own config."""
+    return fixed_grid_scheduler_config(scheduler_config) if preset == "turbo" else scheduler_config
+
+
 def build_schedule(scheduler_config: dict | None, steps: int, image_seq_len: int, sigmas=None, denoise: float = 1.0,
                    device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     """Return `(timesteps [N], sigmas [N + 1])` exactly as `QwenImage21Pipeline` computes them.

@@ -27,16 +27,18 @@ LORA_FILE = "qwen_image_2.1_lora.safetensors"  # the LoRA example's file: a tiny
 
 
 def prepare_base(base: Path) -> Path:
-    """Tiny model files in ComfyUI's layout, a tiny diffusers folder, reference images, the pack linked in."""
+    """Tiny model files in ComfyUI's layout (the INT8 ConvRot files the examples load and the bf16 ones, under the
+    released names), a tiny diffusers folder, reference images, the pack linked in."""
     import numpy as np
     from PIL import Image
 
     from graph_runtime.lora.tiny import write_tiny_lora
-    from graph_runtime.tiny import write_comfyui_files, write_diffusers_folder
+    from graph_runtime.tiny import write_comfyui_files, write_comfyui_int8_files, write_diffusers_folder
 
     (base / "custom_nodes").mkdir(parents=True, exist_ok=True)
     (base / "custom_nodes" / PACK_FOLDER).symlink_to(REPO, target_is_directory=True)
     write_comfyui_files(base / "models")
+    write_comfyui_int8_files(base / "models")
     write_diffusers_folder(base / "models" / "diffusers" / "qwen-image-2.1-tiny")
     (base / "models" / "diffusion_models" / "kvgraph_broken.safetensors").write_bytes(b"\x00" * 128)
     write_tiny_lora(base / "models" / "loras" / LORA_FILE)

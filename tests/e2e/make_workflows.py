@@ -14,11 +14,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "example_workflows"
 
-TRANSFORMER_FILE = "qwen_image_2.1_bf16.safetensors"
-TEXT_ENCODER_FILE = "qwen3vl_8b_bf16.safetensors"
+# The files ComfyUI's own Qwen-Image-2.1 templates load by default (INT8 ConvRot); each UI workflow's note names
+# the bf16 alternatives.
+TRANSFORMER_FILE = "qwen_image_2.1_int8_convrot.safetensors"
+TURBO_TRANSFORMER_FILE = "qwen_image_2.1_turbo_int8_convrot.safetensors"
+TEXT_ENCODER_FILE = "qwen3vl_8b_int8_convrot.safetensors"
 VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
 # The LoRA workflow's file in models/loras (users pick their own; the end-to-end test writes a tiny one there).
 LORA_FILE = "qwen_image_2.1_lora.safetensors"
+BF16_ALTERNATIVES = {TRANSFORMER_FILE: "qwen_image_2.1_bf16.safetensors",
+                     TURBO_TRANSFORMER_FILE: "qwen_image_2.1_turbo_bf16.safetensors",
+                     TEXT_ENCODER_FILE: "qwen3vl_8b_bf16.safetensors"}
 # The edit workflows load these from ComfyUI's input folder (the end-to-end test puts them there).
 REFERENCE_IMAGES = ("kvgraph_example_reference_1.png", "kvgraph_example_reference_2.png")
 
@@ -49,19 +55,37 @@ TITLES = {
     "KVGraphLoadTransformer": "KV-Graph Load Transformer", "KVGraphLoadTextEncoder": "KV-Graph Load Text Encoder",
     "KVGraphLoadVAE": "KV-Graph Load VAE", "KVGraphTextEncode": "KV-Graph Text Encode (Qwen-Image-2.1)",
     "KVGraphSampler": "KV-Graph Sampler (Qwen-Image-2.1)", "KVGraphVAEDecode": "KV-Graph VAE Decode",
-    "LoadImage": "Load Image", "SaveImage": "Save Image",
+    "LoadImage": "Load Image", "SaveImage": "Save Image", "MarkdownNote": "Note: model files",
     "KVGraphLoadLoRA": "KV-Graph Load LoRA",
 }
+# Frontend-only nodes: in the UI format, not in the API format (the frontend leaves them out of a prompt).
+UI_ONLY = {"MarkdownNote"}
+OUTPUTS["MarkdownNote"] = []
 
 
-def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="dynamic", references=0, seed=42):
+def files_note(transformer: str) -> str:
+    return (
+        "## Model files\n\n"
+        "The loaders default to the INT8 ConvRot files ComfyUI's own Qwen-Image-2.1 templates download:\n\n"
+        f"- `diffusion_models/{transformer}`\n- `text_encoders/{TEXT_ENCODER_FILE}`\n- `vae/{VAE_FILE}`\n\n"
+        "The bf16 files work too: pick them in the loaders instead "
+        f"(`{BF16_ALTERNATIVES[transformer]}`, `{BF16_ALTERNATIVES[TEXT_ENCODER_FILE]}`).\n\n"
+        "`int8_weights` on the loaders: **int8** keeps an INT8 file int8 (half the VRAM; 16-24 GB cards), "
+        "**dequantize** expands it to bf16 at load (the faster choice on Hopper GPUs with the memory to spare)."
+    )
+
+
+def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="auto", references=0, seed=42,
+          transformer=TRANSFORMER_FILE):
     """Nodes as (id, type, widgets [(name, value)], links {input: (source id, slot)}, position)."""
     nodes = [
-        (1, "KVGraphLoadTransformer", [("transformer_name", TRANSFORMER_FILE), ("dtype", "bf16")], {}, (40, 80)),
+        (1, "KVGraphLoadTransformer", [("transformer_name", transformer), ("dtype", "bf16"),
+                                       ("int8_weights", "int8")], {}, (40, 80)),
         (2, "KVGraphLoadTextEncoder", [("text_encoder_name", TEXT_ENCODER_FILE), ("dtype", "bf16"),
-                                       ("text_encoder_placement", "gpu while encoding, then offload")], {},
-         (40, 240)),
-        (3, "KVGraphLoadVAE", [("vae_name", VAE_FILE), ("dtype", "bf16")], {}, (40, 420)),
+                                       ("text_encoder_placement", "gpu while encoding, then offload"),
+                                       ("int8_weights", "int8")], {}, (40, 260)),
+        (3, "KVGraphLoadVAE", [("vae_name", VAE_FILE), ("dtype", "bf16")], {}, (40, 460)),
+        (20, "MarkdownNote", [("text", files_note(transformer))], {}, (-400, 80)),
     ]
     encode_links = {"text_encoder": (2, 0)}
     for i in range(references):
@@ -100,9 +124,10 @@ def with_lora(nodes, lora_name=LORA_FILE, strength=1.0):
 WORKFLOWS = {
     "qwen_image_2.1_text_to_image": graph(
         "text_to_image", "A capybara wearing a wizard hat, reading a spell book by candlelight, oil painting."),
+    # The Turbo checkpoint: the sampler's auto preset runs its fixed 8-step grid (cfg 1, as ComfyUI's template).
     "qwen_image_2.1_turbo_8_steps": graph(
         "turbo", "A red vintage bicycle leaning against a sunlit brick wall, 35mm photo.", steps=8,
-        preset="turbo"),
+        transformer=TURBO_TRANSFORMER_FILE),
     "qwen_image_2.1_edit_one_reference": graph(
         "edit_one_reference", "Make the sky in image 1 a deep purple sunset and add a small sailing boat.",
         references=1),
@@ -129,7 +154,8 @@ def ui_workflow(nodes) -> dict:
             link_type = OUTPUTS[source_type][slot][1]
             links.append([link_id, source, slot, node_id, input_slot, link_type])
             outgoing.setdefault((source, slot), []).append(link_id)
-    order = {node_id: i for i, (node_id, *_) in enumerate(sorted(nodes, key=lambda n: n[0] not in (1, 2, 3, 10, 11)))}
+    order = {node_id: i for i, (node_id, *_) in
+             enumerate(sorted(nodes, key=lambda n: n[0] not in (1, 2, 3, 10, 11, 20)))}
     for node_id, node_type, widgets, _, pos in nodes:
         inputs = []
         for slot, (input_name, input_type) in enumerate(SOCKETS.get(node_type, [])):
@@ -144,11 +170,12 @@ def ui_workflow(nodes) -> dict:
                 values.append("fixed")
             if node_type == "LoadImage" and widget_name == "image":
                 values.append("image")  # the upload button's widget value
+        size = {"KVGraphTextEncode": [400, 200], "MarkdownNote": [400, 300]}.get(node_type, [320, 130])
         ui_nodes.append({
-            "id": node_id, "type": node_type, "pos": list(pos),
-            "size": [400, 200] if node_type == "KVGraphTextEncode" else [320, 130],
+            "id": node_id, "type": node_type, "pos": list(pos), "size": size,
             "flags": {}, "order": order[node_id], "mode": 0, "inputs": inputs, "outputs": outputs,
-            "title": TITLES[node_type], "properties": {"Node name for S&R": node_type},
+            "title": TITLES[node_type],
+            "properties": {} if node_type in UI_ONLY else {"Node name for S&R": node_type},
             "widgets_values": values,
         })
     return {"last_node_id": max(n[0] for n in nodes), "last_link_id": link_id, "nodes": ui_nodes, "links": links,
@@ -158,6 +185,8 @@ def ui_workflow(nodes) -> dict:
 def api_workflow(nodes) -> dict:
     api = {}
     for node_id, node_type, widgets, node_links, _ in nodes:
+        if node_type in UI_ONLY:
+            continue
         inputs = dict(widgets)
         inputs.update({name: [str(source), slot] for name, (source, slot) in node_links.items()})
         api[str(node_id)] = {"class_type": node_type, "inputs": inputs, "_meta": {"title": TITLES[node_type]}}

@@ -52,7 +52,7 @@ def websocket_log(server, comfyui_install, tmp_path):
 
 
 def transformer_models(server):
-    return [m for m in server.status()["models"] if (m["source"] or "").endswith("qwen_image_2.1_bf16.safetensors")]
+    return [m for m in server.status()["models"] if (m["source"] or "").endswith("qwen_image_2.1_int8_convrot.safetensors")]
 
 
 def test_models_and_manager_survive_under_the_lru_cache(server):
