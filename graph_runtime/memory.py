@@ -433,8 +433,7 @@ def check_runtime_request(transformer, request, vae=None, text_encoder=None) -> 
     plan = RequestPlan.for_request(transformer, request, vae_dims, graphs=True, other_weights=others)
     models = [m for m in (transformer, vae, text_encoder) if m is not None]
     resident = sum(module_bytes(m) for m in models if next(m.parameters()).device == device)
-    pools = graph_pool_bytes([engine])
-    free = device_free_bytes(device, exclude=pools)
+    free = eager_free_bytes(device)
     available = free + resident + engine.manager.bytes_held()
     where = f"{gib(free)} free + {gib(resident)} of its models + {gib(engine.manager.bytes_held())} of graphs"
     budget = plan.check(available, device, where)
@@ -459,6 +458,13 @@ def device_free_bytes(device, exclude: int = 0) -> int | None:
     if fraction is not None:
         free = min(free, max(0, int(fraction(index) * total) - reserved))
     return max(0, free + reserved - torch.cuda.memory_allocated(index) - exclude)
+
+
+def eager_free_bytes(device) -> int | None:
+    """`device_free_bytes` for eager work (a prefill, a VAE decode): the process's graph pools left out."""
+    from .registry import process_registry
+
+    return device_free_bytes(device, exclude=graph_pool_bytes(process_registry().engines()))
 
 
 def graph_pool_bytes(engines) -> int:

@@ -23,7 +23,7 @@ logger = logging.getLogger("kvgraph")
 
 def free_bytes(device) -> int | None:
     """Memory a new allocation on `device` can get now; None when nothing reports it."""
-    runtime = memory.device_free_bytes(device, exclude=memory.graph_pool_bytes(process_registry().engines()))
+    runtime = memory.eager_free_bytes(device)
     comfy = mm.get_free_memory(device) if hasattr(mm, "get_free_memory") else None
     known = [int(v) for v in (runtime, comfy) if v is not None]
     return min(known) if known else None

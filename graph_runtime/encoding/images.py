@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from diffusers.image_processor import VaeImageProcessor
 
-from ..memory import device_free_bytes
+from ..memory import eager_free_bytes
 from ..vae_decode import decode_frames, should_tile
 from ..validation import REFERENCE_MULTIPLE, VAE_SCALE, check_reference_size
 from .vae_lock import vae_lock
@@ -104,12 +104,12 @@ def encode_pixels(vae, pixels: torch.Tensor) -> torch.Tensor:
 
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     """Normalized latents [B, z, h, w] -> images [B, C, 16h, 16w] in [-1, 1], one image at a time (tiled only when
-    a whole decode does not fit in the device's free memory: see vae_decode.py)."""
+    a whole decode does not fit in the memory the device has for it: see vae_decode.py)."""
     param = next(vae.parameters())
     latents = latents.to(param.device, param.dtype)
     mean, std = _stats(vae, latents)
     raw = latents * std + mean
-    tiled = should_tile(vae, raw.shape[-2] * VAE_SCALE, raw.shape[-1] * VAE_SCALE, device_free_bytes(param.device))
+    tiled = should_tile(vae, raw.shape[-2] * VAE_SCALE, raw.shape[-1] * VAE_SCALE, eager_free_bytes(param.device))
     return torch.cat([vae_decode(vae, raw[i:i + 1], tiled) for i in range(raw.shape[0])])
 
 
