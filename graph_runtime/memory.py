@@ -292,15 +292,14 @@ def estimate(dims: TransformerDims, shape: GenerationShape, weights: dict[str, i
 
 
 def fitting_estimate(dims, shape, weights, vae, available: int) -> MemoryBudget:
-    """The budget with a whole VAE decode, or with a tiled one when only that fits (how vae_decode decides)."""
+    """The budget with a whole VAE decode, or with a tiled one when a whole one does not fit (how vae_decode
+    decides): the least the request needs."""
     whole = estimate(dims, shape, weights, vae)
     if vae is None or whole.total <= available:
         return whole
     tiled = estimate(dims, shape, weights, vae, vae_tiled=True)
-    if tiled.total <= available:
-        tiled.notes.append(f"the VAE decode will be tiled: a whole one needs {gib(whole.total)}")
-        return tiled
-    return whole
+    tiled.notes.append(f"the VAE decode is tiled: a whole one needs {gib(whole.total)}")
+    return tiled
 
 
 # -- the refusal ---------------------------------------------------------------------------------------------------
@@ -325,8 +324,8 @@ def alternatives(dims: TransformerDims, shape: GenerationShape, weights: dict[st
     """Settings that would change the budget, each with what it would need, those that fit first."""
     options: list[tuple[bool, str]] = []
 
-    def option(text: str, new_shape=shape, new_weights=weights) -> None:
-        need = fitting_estimate(dims, new_shape, new_weights, vae, available).total
+    def option(text: str, new_shape=shape, new_weights=weights, new_dims=dims) -> None:
+        need = fitting_estimate(new_dims, new_shape, new_weights, vae, available).total
         fits = need <= available
         options.append((fits, f"{text}: needs {gib(need)}" + (" (fits)" if fits else "")))
 
@@ -336,7 +335,8 @@ def alternatives(dims: TransformerDims, shape: GenerationShape, weights: dict[st
                    "GPU before sampling)", new_weights={k: v for k, v in weights.items() if k != name})
     if "transformer" in weights and not dims.int8:
         option("the int8 ConvRot transformer in weights mode int8 (half the weight bytes)",
-               new_weights={**weights, "transformer": dims.int8_weight_bytes(weights["transformer"])})
+               new_weights={**weights, "transformer": dims.int8_weight_bytes(weights["transformer"])},
+               new_dims=dataclasses.replace(dims, int8=True))
     if shape.decode_mode != "eager":
         option("decode_mode eager (no graph buffers or pool; each step ~20% slower)",
                dataclasses.replace(shape, decode_mode="eager"))

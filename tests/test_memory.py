@@ -219,7 +219,8 @@ def plan_1024(**shape_changes):
 
 def test_a_budget_that_cannot_fit_refuses_naming_the_settings():
     plan = plan_1024(decode_mode="auto", batch=2, prefix_tokens=(128, 96))
-    needed = plan.budget().total
+    needed = plan.budget(16 * GiB).total  # the least it needs: the VAE decode tiled
+    assert needed < plan.budget().total
     with pytest.raises(memory.MemoryBudgetError) as info:
         plan.check(16 * GiB, "cuda:0", "test")
     message = str(info.value)
@@ -229,8 +230,8 @@ def test_a_budget_that_cannot_fit_refuses_naming_the_settings():
         assert setting in message
     assert "Nothing was allocated" in message
     # What the message promises holds: the int8 option with a batch of 1 and no CFG fits in 16 GiB.
-    int8 = memory.RequestPlan(FULL, plan_1024().shape, {**plan.weights, "transformer": FULL.int8_weight_bytes(
-        plan.weights["transformer"])}, plan.vae)
+    int8 = memory.RequestPlan(dataclasses.replace(FULL, int8=True), plan_1024().shape, {
+        **plan.weights, "transformer": FULL.int8_weight_bytes(plan.weights["transformer"])}, plan.vae)
     assert int8.check(16 * GiB, "cuda:0", "test").total <= 16 * GiB
 
 
