@@ -39,8 +39,7 @@ MiB = 2**20
 # residual stream, the handed-on MLP residual, the normed input, q, k, v, the attention output and its projection
 # are alive (8 x hidden width) next to the MLP's gate, up and SwiGLU product (3 x MLP width). A trace of the step's
 # allocations at full size gives exactly this, 136 KiB per token (tests/test_memory.py); on the H200 the peak minus
-# weights and static buffers grows by ~130 KiB per target token from 512x512 to 1328x1328
-# (bench/results/decode-20261203T074057.md).
+# weights and static buffers grows by ~130 KiB per target token from 512x512 to 1328x1328 (docs/memory.md).
 STEP_HIDDEN_TENSORS = 8
 STEP_MLP_TENSORS = 3
 
