@@ -13,7 +13,7 @@ import torch
 from .encoding.images import decode_latents, encode_pixels, prepare_references, reference_size, to_pil
 from .encoding.prompt import PromptEncoder
 from .errors import NonFiniteError
-from .memory import check_runtime_request
+from .budget import check_runtime_request
 from .registry import engine_for
 from .sampling.sampler import SamplingRequest, sample
 from .validation import check_cfg, check_count, check_reference_resolution, check_seed, check_size

@@ -1,5 +1,5 @@
-"""The sampler's memory budget inside ComfyUI: what a request needs (graph_runtime/memory.py) against what ComfyUI can
-give it, checked before anything is loaded or allocated.
+"""The sampler's memory budget inside ComfyUI: what a request needs (graph_runtime/memory.py, budget.py) against what
+ComfyUI can give it, checked before anything is loaded or allocated.
 
 ComfyUI makes room by unloading models, and the pack's idle decode graphs are reused (same shapes) or evicted, so
 a request may use: what the device has free (the smaller of ComfyUI's figure and the runtime's, which honours a
@@ -13,7 +13,7 @@ import logging
 
 import comfy.model_management as mm
 
-from ..graph_runtime import memory
+from ..graph_runtime import budget as budgets, memory
 from ..graph_runtime.registry import process_registry
 from . import model_cache
 from .model_handles import TE_GPU, same_device
@@ -59,7 +59,7 @@ def check_request(model, request, device) -> memory.MemoryBudget:
     vae = _latest("vae")
     vae_dims = memory.VaeDims.of(vae.module) if vae is not None else memory.VaeDims.standard(
         memory.compute_dtype(model.module))
-    plan = memory.RequestPlan.for_request(model.module, request, vae_dims, graphs=device.type == "cuda")
+    plan = budgets.RequestPlan.for_request(model.module, request, vae_dims, graphs=device.type == "cuda")
     free = free_bytes(device)
     if free is None:
         budget = plan.budget()

@@ -17,6 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from graph_runtime import budget as budgets
 from graph_runtime import memory
 from graph_runtime.tiny import TINY_TRANSFORMER, TINY_VAE
 
@@ -201,11 +202,11 @@ def test_request_shape_counts_prefix_tokens_like_the_token_layout():
     embeds = PromptEmbeds(torch.zeros(1, 18, 64), image_mask)
     request = SamplingRequest(positive=embeds, negative=embeds, cfg=3.0, latent_height=6, latent_width=8,
                               reference_latents=[torch.zeros(1, 64, 4, 6)], batch_size=2)
-    shape = memory.request_shape(request)
+    shape = budgets.request_shape(request)
     layout = TokenLayout.build(image_mask, [(1, 4, 6), (1, 6, 8)], "cpu")
     assert shape.prefix_tokens == (layout.prefix_len, layout.prefix_len) == (36, 36)
     assert (shape.width, shape.height, shape.batch, shape.target_tokens) == (128, 96, 2, 48)
-    assert memory.request_shape(request, graphs=False).decode_mode == "eager"
+    assert budgets.request_shape(request, graphs=False).decode_mode == "eager"
 
 
 # -- the refusal ---------------------------------------------------------------------------------------------------
@@ -214,14 +215,14 @@ def test_request_shape_counts_prefix_tokens_like_the_token_layout():
 def plan_1024(**shape_changes):
     shape = dataclasses.replace(memory.GenerationShape(1024, 1024, prefix_tokens=(128,)), **shape_changes)
     vae = memory.VaeDims.standard(torch.bfloat16)
-    return memory.RequestPlan(FULL, shape, {"transformer": int(7.12e9 * 2), "VAE": vae.weight_bytes}, vae)
+    return budgets.RequestPlan(FULL, shape, {"transformer": int(7.12e9 * 2), "VAE": vae.weight_bytes}, vae)
 
 
 def test_a_budget_that_cannot_fit_refuses_naming_the_settings():
     plan = plan_1024(decode_mode="auto", batch=2, prefix_tokens=(128, 96))
     needed = plan.budget(16 * GiB).total  # the least it needs: the VAE decode tiled
     assert needed < plan.budget().total
-    with pytest.raises(memory.MemoryBudgetError) as info:
+    with pytest.raises(budgets.MemoryBudgetError) as info:
         plan.check(16 * GiB, "cuda:0", "test")
     message = str(info.value)
     print(message)
@@ -230,7 +231,7 @@ def test_a_budget_that_cannot_fit_refuses_naming_the_settings():
         assert setting in message
     assert "Nothing was allocated" in message
     # What the message promises holds: the int8 option with a batch of 1 and no CFG fits in 16 GiB.
-    int8 = memory.RequestPlan(dataclasses.replace(FULL, int8=True), plan_1024().shape, {
+    int8 = budgets.RequestPlan(dataclasses.replace(FULL, int8=True), plan_1024().shape, {
         **plan.weights, "transformer": FULL.int8_weight_bytes(plan.weights["transformer"])}, plan.vae)
     assert int8.check(16 * GiB, "cuda:0", "test").total <= 16 * GiB
 
@@ -240,7 +241,7 @@ def test_the_options_that_fit_come_first_and_fit():
     graph, eager = plan.budget(), dataclasses.replace(plan, shape=dataclasses.replace(plan.shape,
                                                                                         decode_mode="eager")).budget()
     available = (graph.total + eager.total) // 2  # eager fits, the graph path does not
-    options = memory.alternatives(plan.dims, plan.shape, plan.weights, plan.vae, available)
+    options = budgets.alternatives(plan.dims, plan.shape, plan.weights, plan.vae, available)
     fits = [o.endswith("(fits)") for o in options]
     assert fits == sorted(fits, reverse=True)
     assert any(o.startswith("decode_mode eager") and o.endswith("(fits)") for o in options)

@@ -68,7 +68,7 @@ def test_refusal_names_the_setting_and_the_next_fitting_request_runs(comfy_env, 
 
     loads, entries = len(comfy_env.fake.load_calls), dict(transformer.engine.manager.entries)
     big = {"samples": torch.zeros(1, 64, 64, 64)}  # 1024x1024
-    from_pack = sys.modules[f"{comfy_env.pack.__name__}.graph_runtime.memory"]
+    from_pack = sys.modules[f"{comfy_env.pack.__name__}.graph_runtime.budget"]
     with pytest.raises(from_pack.MemoryBudgetError) as info:
         sample(comfy_env, transformer, positive, big)
     message = str(info.value)

@@ -31,6 +31,7 @@ import time
 import pytest
 import torch
 
+from graph_runtime import budget as budgets
 from graph_runtime import memory
 from graph_runtime.bench.model import build_transformer
 from graph_runtime.bench.placement import build_text_encoder
@@ -129,7 +130,7 @@ def two_queued_prompts(transformer, text_encoder, vae, card_bytes: int) -> dict:
         for seed in (1, 2):
             request = SamplingRequest(positive=embeds, latent_height=64, latent_width=64, sigma_preset="turbo",
                                       seed=seed)
-            budget = memory.check_runtime_request(transformer, request, vae)  # must not refuse what fits
+            budget = budgets.check_runtime_request(transformer, request, vae)  # must not refuse what fits
             result = sample(engine, request)
             images = decode_latents(vae, result.latents)
             assert images.shape == (1, 4, 1024, 1024) and torch.isfinite(images).all()
@@ -203,8 +204,8 @@ def test_a_budget_over_the_card_is_refused_before_anything_is_allocated():
     torch.cuda.empty_cache()
     with emulated_card(16 * GB):
         allocated = torch.cuda.memory_allocated()
-        with pytest.raises(memory.MemoryBudgetError) as info:
-            memory.check_runtime_request(transformer, request, vae)
+        with pytest.raises(budgets.MemoryBudgetError) as info:
+            budgets.check_runtime_request(transformer, request, vae)
         assert torch.cuda.memory_allocated() == allocated
     print(info.value)
     assert "weights mode int8" in str(info.value) and not engine_for(transformer).manager.entries
