@@ -99,7 +99,7 @@ class _Layout:
 
 def _pin(buffer: torch.Tensor) -> None:
     """Page-lock `buffer`'s memory in place (cudaHostRegister), so copies from it run at full bus speed."""
-    status = torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0)
+    status = int(torch.cuda.cudart().cudaHostRegister(buffer.data_ptr(), buffer.numel(), 0))
     if status != 0:
         raise RuntimeError(f"cudaHostRegister returned {status}")
 

@@ -89,11 +89,7 @@ def build_vae():
             vae = AutoencoderKLQwenImage21()
     finally:
         torch.set_default_dtype(saved)
-    with torch.no_grad():
-        for p in vae.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.02)
-    return vae.eval().requires_grad_(False)
+    return vae.eval().requires_grad_(False)  # diffusers' own init: random, and finite through the decoder
 
 
 @contextlib.contextmanager
