@@ -60,10 +60,12 @@ def check_request(model, request, device) -> memory.MemoryBudget:
     vae_dims = memory.VaeDims.of(vae.module) if vae is not None else memory.VaeDims.standard(
         memory.compute_dtype(model.module))
     plan = budgets.RequestPlan.for_request(model.module, request, vae_dims, graphs=device.type == "cuda")
+    # A LoRA chain's handle shares the loader's model; the status reads the loader's handle.
+    reported = getattr(model, "base", None) or model
     free = free_bytes(device)
     if free is None:
         budget = plan.budget()
-        model.last_budget = {**budget.as_dict(), "device": str(device), "available_bytes": None}
+        reported.last_budget = {**budget.as_dict(), "device": str(device), "available_bytes": None}
         return budget
     ours = _resident_bytes(model, device) + _resident_bytes(vae, device)
     others = _unloadable_bytes(device, keep=(model, vae))
@@ -80,7 +82,7 @@ def check_request(model, request, device) -> memory.MemoryBudget:
         budget.notes.append(f"the text encoder ('{TE_GPU}', {memory.gib(text_encoder.size_bytes)}) does not fit "
                             "next to this request: ComfyUI unloads it, and encoding a changed prompt then unloads "
                             "the transformer and its graphs")
-    model.last_budget = {**budget.as_dict(), "device": str(device), "available_bytes": available}
+    reported.last_budget = {**budget.as_dict(), "device": str(device), "available_bytes": available}
     logger.info("KV-Graph: memory budget for %dx %dx%d: %s of %s available on %s%s", request.batch_size,
                 request.latent_width * 16, request.latent_height * 16, budget.describe(), memory.gib(available),
                 device, "".join(f"; {note}" for note in budget.notes))

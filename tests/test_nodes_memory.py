@@ -7,6 +7,7 @@ The fake's `get_free_memory` reports `fake.free_memory` when a test sets it (Com
 has free); on the CPU the runtime's own free-memory figure is unknown, so ComfyUI's is the one used.
 """
 
+import dataclasses
 import logging
 import sys
 from pathlib import Path
@@ -84,7 +85,10 @@ def test_refusal_names_the_setting_and_the_next_fitting_request_runs(comfy_env, 
 
 def test_budget_is_on_the_status_route_and_report(comfy_env, loaded):
     transformer, _, positive, latent = loaded
-    sample(comfy_env, transformer, positive, latent)
+    transformer.last_budget = None
+    # Through a handle chained on the loader's (as KV-Graph Load LoRA makes one): the loader's handle reports it.
+    sample(comfy_env, dataclasses.replace(transformer, base=transformer), positive, latent)
+    assert transformer.last_budget is not None
     status = sys.modules[comfy_env.pack.__name__ + ".nodes.status"]
     model = next(m for m in status.status_payload()["models"] if m.get("source") == transformer.source)
     budget = model["budget"]
