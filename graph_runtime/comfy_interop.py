@@ -244,9 +244,10 @@ def encode_pixels_raw(vae, pixels: torch.Tensor) -> torch.Tensor:
     return vae_encode(vae, pixels)
 
 
-def decode_raw_latents(vae, raw: torch.Tensor) -> torch.Tensor:
-    """Raw latents [B, z, h, w] (a ComfyUI LATENT's samples) -> the VAE's output [B, C, 16h, 16w] in [-1, 1]."""
-    return vae_decode(vae, raw)
+def decode_raw_latents(vae, raw: torch.Tensor, tiled: bool = False) -> torch.Tensor:
+    """Raw latents [B, z, h, w] (a ComfyUI LATENT's samples) -> the VAE's output [B, C, 16h, 16w] in [-1, 1];
+    `tiled` when a whole decode does not fit (graph_runtime/vae_decode.py)."""
+    return vae_decode(vae, raw, tiled)
 
 
 # -- pixels --------------------------------------------------------------------------------------------------------

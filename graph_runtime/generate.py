@@ -13,6 +13,7 @@ import torch
 from .encoding.images import decode_latents, encode_pixels, prepare_references, reference_size, to_pil
 from .encoding.prompt import PromptEncoder
 from .errors import NonFiniteError
+from .budget import check_runtime_request
 from .registry import engine_for
 from .sampling.sampler import SamplingRequest, sample
 from .validation import check_cfg, check_count, check_reference_resolution, check_seed, check_size
@@ -83,6 +84,8 @@ class QwenImageGenerator:
             sigma_preset=sigma_preset, decode_mode=decode_mode, compile=compile,
             scheduler_config=self.models.scheduler_config,
         )
+        # Refused here, before anything is allocated, when the request cannot fit on the GPU.
+        check_runtime_request(self.models.transformer, request, self.models.vae, self.models.text_encoder)
         start = time.perf_counter()
         result = sample(self.engine, request, on_step=on_step, on_event=on_event)
         timings["sample_ms"] = (time.perf_counter() - start) * 1e3

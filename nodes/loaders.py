@@ -29,9 +29,13 @@ TEXT_ENCODER_FILES = (TEXT_ENCODER_FILE, "qwen3vl_8b_bf16.safetensors")
 VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
 
 PLACEMENT_TOOLTIP = (
-    "Where the Qwen3-VL text encoder (16 GB in bf16) lives. 'gpu while encoding, then offload' moves it to the GPU "
-    "for each prompt and back right after, so it never competes with the transformer; 'always gpu' keeps it there "
-    "(faster re-encoding, ComfyUI still unloads it when another model needs the room); 'cpu' encodes on the CPU."
+    "Where the Qwen3-VL text encoder (16.3 GB in bf16, 9.4 GB int8) lives. On a CUDA GPU it keeps one pinned copy "
+    "in host RAM (the encoder's size, page-locked): loading copies from it, offloading just drops the GPU copy. "
+    "'gpu while encoding, then offload' (default): in VRAM only while a changed prompt is encoded, ~0.4 s per "
+    "changed prompt (bf16 on an H200; 3 s there and 13-18 s back without the pinned copy); no VRAM between "
+    "prompts. 'always gpu': stays in VRAM (its full size) for instant re-encoding; ComfyUI still unloads it "
+    "(instantly) when another model needs the room. 'cpu': encodes on the CPU: no VRAM and no pinned RAM, "
+    "seconds to minutes per changed prompt."
 )
 
 

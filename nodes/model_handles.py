@@ -3,6 +3,10 @@
 Each model (transformer, text encoder, VAE) gets a ComfyUI `ModelPatcher`; `ensure_loaded` asks ComfyUI to put
 it on its compute device (`comfy.model_management.load_models_gpu`), which first unloads whatever else is needed to
 make room, and ComfyUI can later unload ours the same way when another model wants the VRAM.
+
+The text encoder's weights never change, so on a CUDA device it keeps one pinned host copy
+(graph_runtime/placement.py): its patcher loads by copying from it and unloads by dropping the GPU copy, whoever
+asks (the encode node, or ComfyUI making room).
 """
 
 from __future__ import annotations
@@ -18,6 +22,8 @@ import comfy.model_patcher
 
 from ..graph_runtime.encoding.prompt import PromptEncoder
 from ..graph_runtime.lora import merged_loras
+from ..graph_runtime.memory import module_bytes
+from ..graph_runtime.placement import PinnedWeights
 from ..graph_runtime.registry import engine_for
 
 logger = logging.getLogger("kvgraph")
@@ -45,19 +51,11 @@ class ModuleHost(torch.nn.Module):
         return next(self.inner.parameters()).dtype
 
 
-def unique_nbytes(module: torch.nn.Module) -> int:
-    """Bytes of the module's weights, counting shared storage once (the text encoder ties its head to its
-    embedding table; state_dict-based sizing would count that 1.2 GB twice)."""
-    seen, total = set(), 0
-    for t in (*module.parameters(), *module.buffers()):
-        key = t.data_ptr() if t.device.type != "meta" else id(t)
-        if key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
-    return total
+# Sizes count each storage once (the text encoder ties its head to its embedding table); kept under its old name.
+unique_nbytes = module_bytes
 
 
-def _same_device(a, b) -> bool:
+def same_device(a, b) -> bool:
     a, b = torch.device(a), torch.device(b)
     if a.type != b.type:
         return False
@@ -74,16 +72,19 @@ class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
     """
 
     on_unload = None  # callable(patcher), set by the handle
+    placement: PinnedWeights | None = None  # loads copy from its pinned host copy; unloads drop the device copy
 
     def _resident_on(self, device) -> bool:
         params = list(self.model.parameters())
-        return bool(params) and all(_same_device(p.device, device) for p in params) and self.loaded_size() > 0
+        return bool(params) and all(same_device(p.device, device) for p in params) and self.loaded_size() > 0
 
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         if self._resident_on(device_to):
             return 0
         before = self.loaded_size()
         try:
+            if self.placement is not None:
+                self.placement.load(device_to)  # then ComfyUI's own move finds every weight in place
             self.patch_model(device_to, lowvram_model_memory=0, load_weights=True,
                              force_patch_weights=force_patch_weights)
         except BaseException:
@@ -100,6 +101,8 @@ class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
     def detach(self, unpatch_all=True):
         if unpatch_all and self.on_unload is not None:
             self.on_unload(self)
+        if unpatch_all and self.placement is not None:
+            self.placement.offload()  # then ComfyUI's own move to the offload device finds nothing to copy
         return super().detach(unpatch_all)
 
 
@@ -121,10 +124,16 @@ class ModelHandle:
         module = module.to(offload_device)
         host = ModuleHost(module, torch.device(offload_device))
         patcher = FullLoadPatcher(host, load_device=torch.device(load_device),
-                                  offload_device=torch.device(offload_device), size=unique_nbytes(module))
+                                  offload_device=torch.device(offload_device), size=module_bytes(module))
         handle = cls(kind=kind, module=module, patcher=patcher, source=source, dtype_name=dtype_name, **extra)
         patcher.on_unload = handle._weights_leaving
+        if handle.pinned_host_copy and not same_device(load_device, offload_device):
+            placement = PinnedWeights(module, load_device)
+            patcher.placement = placement if placement.fallback_reason is None else None
         return handle
+
+    # Weights that never change on the GPU get one pinned host copy (placement.py) instead of moves both ways.
+    pinned_host_copy = False
 
     @property
     def device(self) -> torch.device:
@@ -148,7 +157,7 @@ class ModelHandle:
                 "it runs (no lowvram streaming); close other models or use a smaller dtype."
             ) from exc
         devices = {p.device for p in self.module.parameters()}
-        if len(devices) != 1 or not _same_device(next(iter(devices)), self.patcher.load_device):
+        if len(devices) != 1 or not same_device(next(iter(devices)), self.patcher.load_device):
             # Never compute with weights split between devices: put everything back on the offload device.
             self.patcher.detach(unpatch_all=True)
             raise RuntimeError(
@@ -159,7 +168,7 @@ class ModelHandle:
 
     def offload(self) -> None:
         """Move the weights back to the offload device now (not waiting for ComfyUI to need the memory)."""
-        if self.patcher.loaded_size() > 0 and not _same_device(self.patcher.load_device,
+        if self.patcher.loaded_size() > 0 and not same_device(self.patcher.load_device,
                                                                 self.patcher.offload_device):
             self.patcher.detach(unpatch_all=True)
             mm.soft_empty_cache()
@@ -175,6 +184,7 @@ class ModelHandle:
             "device": str(self.device),
             "bytes": self.size_bytes,
             "loaded_bytes": int(self.patcher.loaded_size()),
+            "pinned_host_bytes": self.patcher.placement.host_bytes if self.patcher.placement is not None else 0,
             **{k: v for k, v in self.info.items() if isinstance(v, (str, int, float, bool))},
         }
 
@@ -186,6 +196,7 @@ class TransformerHandle(ModelHandle):
     # merges them into the shared model at the start of its run. `base` is the loader's handle they were chained on.
     loras: tuple = ()
     base: "TransformerHandle | None" = field(default=None, repr=False)
+    last_budget: dict | None = None  # the memory budget of the last request sampled with it (memory_budget.py)
 
     @property
     def engine(self):
@@ -211,6 +222,7 @@ class TextEncoderHandle(ModelHandle):
     processor: object = None
     placement: str = TE_OFFLOAD
     _encoder: PromptEncoder | None = None
+    pinned_host_copy = True  # nothing writes the encoder's weights: an offload can just drop the GPU copy
 
     @property
     def encoder(self) -> PromptEncoder:

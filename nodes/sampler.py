@@ -20,7 +20,7 @@ from ..graph_runtime.loading.variant import AUTO, TURBO, sigma_preset_for
 from ..graph_runtime.lora import loras_in_use
 from ..graph_runtime.sampling.sampler import Cancelled, SamplingRequest, sample
 from ..graph_runtime.sampling.schedule import SIGMA_PRESETS, TURBO_SIGMAS
-from . import events, in_flight
+from . import events, in_flight, memory_budget
 from .progress import SamplerProgress
 from .types import SAMPLING, Transformer
 
@@ -39,16 +39,6 @@ def _check_choice(name: str, value, options) -> None:
 def _same_references(positive, negative) -> bool:
     shapes = [tuple(r.shape) for r in positive.reference_latents]
     return shapes == [tuple(r.shape) for r in negative.reference_latents]
-
-
-def inference_memory(transformer, tokens: int, batch: int, branches: int) -> int:
-    """What sampling needs beyond the weights, for ComfyUI's memory planning: the prefix K/V (once for the request,
-    once more in a graph entry's static buffers) plus the prefill's activations."""
-    config = transformer.config
-    inner = config.num_attention_heads * config.attention_head_dim
-    item = next(transformer.parameters()).element_size()
-    kv = 2 * config.num_layers * batch * branches * tokens * inner * item
-    return int(2 * kv + tokens * batch * branches * inner * item * 24)
 
 
 def summary_line(width: int, height: int, batch: int, result, preset: str, cfg: float) -> str:
@@ -125,10 +115,12 @@ class KVGraphSampler(io.ComfyNode):
     @classmethod
     def execute(cls, model, positive, latent, seed, steps, cfg, sigma_preset, denoise, decode_mode, compile,
                 negative=None) -> io.NodeOutput:
-        request, stats, tokens = build_request(model, positive, negative, latent, seed, steps, cfg, sigma_preset,
-                                               denoise, decode_mode, compile)
-        branches = 2 if request.negative is not None else 1
-        model.ensure_loaded(inference_memory(model.module, tokens, request.batch_size, branches))
+        request, stats = build_request(model, positive, negative, latent, seed, steps, cfg, sigma_preset, denoise,
+                                       decode_mode, compile)
+        # Refused here, before anything is loaded or allocated, when the request cannot fit (memory_budget.py);
+        # ComfyUI is then asked to make room for all of it beyond the transformer's own weights.
+        budget = memory_budget.check_request(model, request, model.patcher.load_device)
+        model.ensure_loaded(max(0, budget.total - budget.part("transformer weights")))
         engine = model.engine
         prompt_id, node_id = events.executing_ids()
         total = len(TURBO_SIGMAS) if request.sigma_preset == TURBO else int(steps)
@@ -152,11 +144,10 @@ class KVGraphSampler(io.ComfyNode):
 
 
 def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_preset, denoise, decode_mode,
-                  compile) -> tuple[SamplingRequest, object, int]:
+                  compile) -> tuple[SamplingRequest, object]:
     """Validate the node's inputs and turn ComfyUI's CONDITIONING / LATENT into the runtime's request.
 
-    Returns the request, the latent statistics used to normalize, and the joint sequence length (for memory
-    planning).
+    Returns the request and the latent statistics used to normalize.
     """
     _check_choice("sigma_preset", sigma_preset, NODE_SIGMA_PRESETS)
     preset = sigma_preset_for(sigma_preset, model.info.get("variant"))
@@ -194,6 +185,4 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
         init_latents=raw_to_normalized(samples, stats) if denoise < 1.0 else None,
         decode_mode=decode_mode, compile=compile == "blocks", scheduler_config=model.scheduler_config,
     )
-    tokens = pos.embeds.embeds.shape[1] + sum(r.shape[-2] * r.shape[-1] for r in pos.reference_latents) + \
-        height * width
-    return request, stats, tokens
+    return request, stats

@@ -53,6 +53,7 @@ def status_payload() -> dict:
             "max_entries": state["max_entries"],
             "compiled": state.get("compiled", False),
             "lora": merged_loras(engine.transformer),
+            "budget": handle.last_budget if handle else None,
         })
     loaded = []
     for handle in handles:
@@ -112,6 +113,12 @@ def status_report() -> str:
             names = ", ".join(f"{item['name']} ({item['strength']:g})" for item in lora["loras"])
             lines.append(f"  LoRAs merged: {names}; {lora['weights']} weights, originals "
                          f"{lora['originals_bytes'] / 2**20:.1f} MiB on the host")
+        budget = model.get("budget")
+        if budget:
+            available = budget.get("available_bytes")
+            lines.append(f"  last request's memory budget: {budget['total_bytes'] / 2**30:.1f} GiB"
+                         + (f" of {available / 2**30:.1f} GiB available" if available is not None else "")
+                         + (" (VAE decode tiled)" if budget.get("vae_tiled") else ""))
         for entry in model["entries"]:
             key = entry["key"]
             shape = f"{key['branch']} batch {key['batch']}, {key['prefix_tokens']}+{key['target_tokens']} tokens"

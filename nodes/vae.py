@@ -7,13 +7,18 @@ import torch
 import comfy.model_management as mm
 from comfy_api.latest import io
 
+from ..graph_runtime import memory
 from ..graph_runtime.comfy_interop import (
     comfy_image_to_vae_pixels, crop_to_multiple, decode_raw_latents, encode_pixels_raw, latent_samples,
     vae_pixels_to_comfy_image,
 )
+from ..graph_runtime.vae_decode import should_tile
+from .memory_budget import free_bytes
+from .model_handles import same_device
 from .types import LATENT, Vae
 
-# Rough activation memory per output pixel of the Qwen-Image-2.1 VAE decoder, for ComfyUI's memory planning.
+# Rough activation memory per input pixel of the Qwen-Image-2.1 VAE encoder, for ComfyUI's memory planning (the
+# decoder's is computed from its config: graph_runtime/memory.py).
 _BYTES_PER_PIXEL = 2400
 
 
@@ -30,11 +35,21 @@ def encode_raw(vae, pixels: torch.Tensor) -> torch.Tensor:
 
 @torch.no_grad()
 def decode_raw(vae, raw: torch.Tensor) -> torch.Tensor:
-    """Raw latents [B, 64, h, w] -> VAE output [B, 4, 16h, 16w] in [-1, 1], on the intermediate device."""
-    vae.ensure_loaded(memory_required=raw.shape[-1] * raw.shape[-2] * 256 * _BYTES_PER_PIXEL)
+    """Raw latents [B, 64, h, w] -> VAE output [B, 4, 16h, 16w] in [-1, 1], on the intermediate device.
+
+    Whole images when that fits next to what is on the GPU (the transformer and its graphs stay), else tiled
+    (graph_runtime/vae_decode.py); ComfyUI is asked for that much room."""
+    module = vae.module
+    dims = memory.VaeDims.of(module)
+    height, width = raw.shape[-2] * dims.spatial_ratio, raw.shape[-1] * dims.spatial_ratio
+    free = free_bytes(vae.patcher.load_device)
+    if free is not None and not same_device(vae.device, vae.patcher.load_device):
+        free -= dims.weight_bytes  # the VAE's own weights come first
+    tiled = should_tile(module, height, width, free)
+    vae.ensure_loaded(memory_required=memory.vae_decode_bytes(dims, width, height, tiled))
     out = []
     for i in range(raw.shape[0]):
-        out.append(decode_raw_latents(vae.module, raw[i:i + 1]).float().to(mm.intermediate_device()))
+        out.append(decode_raw_latents(module, raw[i:i + 1], tiled).float().to(mm.intermediate_device()))
     return torch.cat(out)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..memory import device_free_bytes
 from .capture_record import CaptureRecord
 from .prefill import PrefixCache
 from .prefix_pass import PrefixGraph
@@ -230,10 +231,7 @@ class CudaGraphBackend:
 
     def free_bytes(self, device: torch.device) -> int | None:
         """Memory a new entry can use without the allocator asking the driver for more than the card has left."""
-        if device.type != "cuda":
-            return None
-        free, _total = torch.cuda.mem_get_info(device)
-        return free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return device_free_bytes(device)
 
     def unavailable_reason(self, transformer, params=None) -> str | None:
         from .eligibility import static_reason
@@ -267,6 +265,9 @@ class CudaGraphBackend:
         # Warm-up includes compiling the blocks the first time a compiled step meets a shape.
         entry.warmup_seconds = time.perf_counter() - start
         start = time.perf_counter()
+        # `torch.cuda.graph` empties the allocator's cache before capturing; doing it first makes the growth of the
+        # reserved memory across the capture the pool's new segments, not that minus the warm-up's freed cache.
+        torch.cuda.empty_cache()
         reserved_before = torch.cuda.memory_reserved(device)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 import torch
 from diffusers.image_processor import VaeImageProcessor
 
+from ..memory import eager_free_bytes
+from ..vae_decode import decode_frames, should_tile
 from ..validation import REFERENCE_MULTIPLE, VAE_SCALE, check_reference_size
 from .vae_lock import vae_lock
 
@@ -85,11 +87,12 @@ def vae_encode(vae, pixels: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def vae_decode(vae, raw: torch.Tensor) -> torch.Tensor:
-    """Raw latents [B, z, h, w] -> the VAE's output [B, C, 16h, 16w] in [-1, 1], under the VAE's lock."""
+def vae_decode(vae, raw: torch.Tensor, tiled: bool = False) -> torch.Tensor:
+    """Raw latents [B, z, h, w] -> the VAE's output [B, C, 16h, 16w] in [-1, 1], under the VAE's lock; single
+    frames without the temporal cache, or tiled (vae_decode.py)."""
     param = next(vae.parameters())
     with vae_lock(vae):
-        return vae.decode(raw.to(param.device, param.dtype).unsqueeze(2), return_dict=False)[0][:, :, 0]
+        return decode_frames(vae, raw.to(param.device, param.dtype).unsqueeze(2), tiled)[:, :, 0]
 
 
 def encode_pixels(vae, pixels: torch.Tensor) -> torch.Tensor:
@@ -100,11 +103,14 @@ def encode_pixels(vae, pixels: torch.Tensor) -> torch.Tensor:
 
 
 def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
-    """Normalized latents [B, z, h, w] -> images [B, C, 16h, 16w] in [-1, 1]."""
+    """Normalized latents [B, z, h, w] -> images [B, C, 16h, 16w] in [-1, 1], one image at a time (tiled only when
+    a whole decode does not fit in the memory the device has for it: see vae_decode.py)."""
     param = next(vae.parameters())
     latents = latents.to(param.device, param.dtype)
     mean, std = _stats(vae, latents)
-    return vae_decode(vae, latents * std + mean)
+    raw = latents * std + mean
+    tiled = should_tile(vae, raw.shape[-2] * VAE_SCALE, raw.shape[-1] * VAE_SCALE, eager_free_bytes(param.device))
+    return torch.cat([vae_decode(vae, raw[i:i + 1], tiled) for i in range(raw.shape[0])])
 
 
 def to_pil(images: torch.Tensor, keep_alpha: bool = False) -> list:

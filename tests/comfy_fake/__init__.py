@@ -5,8 +5,9 @@ Installed into `sys.modules` only for as long as a test fixture holds them:
     comfy_api.latest (io, ComfyExtension), folder_paths, comfy.model_management, comfy.model_patcher, comfy.utils,
     comfy.cli_args, comfy.text_encoders, comfy_execution.utils, server, aiohttp.web (only if aiohttp is missing).
 Each fake mirrors the real contract the pack relies on (e.g. load_models_gpu moves the model through the patcher's
-`partially_load`, as ComfyUI's LoadedModel.model_load does; every progress update is an interrupt check, as the
-hook ComfyUI's main.py installs is).
+`partially_load`, as ComfyUI's LoadedModel.model_load does, and lists it in `current_loaded_models`; every progress
+update is an interrupt check, as the hook ComfyUI's main.py installs is; `get_free_memory` reports `free_memory` when
+a test sets it).
 """
 
 from __future__ import annotations
@@ -93,6 +94,7 @@ class FakeComfy:
         self.progress = []  # (value, total, preview) per ProgressBar update
         self.sent = []  # (event, data) per send_sync
         self.load_calls = []  # kwargs of each load_models_gpu call
+        self.free_memory = None  # what get_free_memory reports (bytes); None: the device's own figure
         self.context = None  # ExecutionContext the node runs under
         self.interrupt_at_step = None
         self.routes = {}
@@ -143,12 +145,34 @@ class FakeComfy:
         mm.intermediate_device = lambda: torch.device("cpu")
         mm.soft_empty_cache = lambda force=False: None
 
+        class LoadedModel:  # the part of ComfyUI's LoadedModel that the pack reads
+            def __init__(self, patcher):
+                self.model, self.device = patcher, patcher.load_device
+
+            def model_loaded_memory(self):
+                return self.model.loaded_size()
+
+        mm.current_loaded_models = []
+
         def load_models_gpu(models, memory_required=0, force_patch_weights=False, minimum_memory_required=None,
                             force_full_load=False):
             fake.load_calls.append({"models": list(models), "memory_required": memory_required,
                                     "force_full_load": force_full_load})
             for patcher in models:  # ComfyUI's LoadedModel.model_load -> partially_load(device, 1e32)
                 patcher.partially_load(patcher.load_device, 1e32, force_patch_weights=force_patch_weights)
+                if all(m.model is not patcher for m in mm.current_loaded_models):
+                    mm.current_loaded_models.insert(0, LoadedModel(patcher))
+
+        def get_free_memory(dev=None, torch_free_too=False):
+            dev = torch.device(dev) if dev is not None else fake.device
+            if fake.free_memory is not None:
+                free = fake.free_memory
+            elif dev.type == "cuda":  # as ComfyUI counts it: the driver's free memory + the allocator's unused cache
+                free = (torch.cuda.mem_get_info(dev)[0] + torch.cuda.memory_reserved(dev)
+                        - torch.cuda.memory_allocated(dev))
+            else:
+                free = 1 << 40
+            return (free, free) if torch_free_too else free
 
         def processing_interrupted():
             return fake.interrupted
@@ -159,6 +183,7 @@ class FakeComfy:
                 raise InterruptProcessingException()
 
         mm.load_models_gpu = load_models_gpu
+        mm.get_free_memory = get_free_memory
         mm.processing_interrupted = processing_interrupted
         mm.throw_exception_if_processing_interrupted = throw_exception_if_processing_interrupted
 

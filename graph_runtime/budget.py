@@ -1,0 +1,161 @@
+"""Refusing a request that cannot fit, before anything is allocated, and saying what would fit.
+
+`RequestPlan` holds what a request's budget is computed from (graph_runtime/memory.py), so every alternative setting
+is priced the same way; `MemoryBudgetError` names the settings that change the budget, each with what it would need,
+those that fit first. The ComfyUI sampler node adds what ComfyUI can unload to what is available
+(nodes/memory_budget.py); the runtime alone (`check_runtime_request`, used by the CLI) has only what the device has
+free and what its own models and graphs hold.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+
+from .errors import KVGraphError
+from .memory import (
+    GenerationShape, MemoryBudget, TransformerDims, VaeDims, eager_free_bytes, estimate, fitting_estimate, gib,
+    module_bytes,
+)
+
+logger = logging.getLogger("kvgraph")
+
+
+# -- the refusal ---------------------------------------------------------------------------------------------------
+
+
+class MemoryBudgetError(KVGraphError):
+    """A request that cannot fit in the device memory available, refused before anything is allocated."""
+
+    def __init__(self, budget: MemoryBudget, available: int, device, where: str, options: list[str]):
+        self.budget, self.available, self.options = budget, available, options
+        message = (f"KV-Graph: this request needs {budget.describe()} on {device}, and {gib(available)} is available "
+                   f"there ({where}). Nothing was allocated.")
+        if options:
+            message += " Change one of: " + "; ".join(options) + "."
+        else:
+            message += " No setting of this request fits: free memory on the device (close other programs)."
+        super().__init__(message)
+
+
+def alternatives(dims: TransformerDims, shape: GenerationShape, weights: dict[str, int], vae: VaeDims | None,
+                 available: int) -> list[str]:
+    """Settings that would change the budget, each with what it would need, those that fit first."""
+    options: list[tuple[bool, str]] = []
+
+    def option(text: str, new_shape=shape, new_weights=weights, new_dims=dims) -> None:
+        need = fitting_estimate(new_dims, new_shape, new_weights, vae, available).total
+        fits = need <= available
+        options.append((fits, f"{text}: needs {gib(need)}" + (" (fits)" if fits else "")))
+
+    for name, value in weights.items():
+        if name.startswith("text encoder"):
+            option("text_encoder_placement 'gpu while encoding, then offload' or 'cpu' (the text encoder leaves the "
+                   "GPU before sampling)", new_weights={k: v for k, v in weights.items() if k != name})
+    if "transformer" in weights and not dims.int8:
+        option("the int8 ConvRot transformer in weights mode int8 (half the weight bytes)",
+               new_weights={**weights, "transformer": dims.int8_weight_bytes(weights["transformer"])},
+               new_dims=dataclasses.replace(dims, int8=True))
+    if shape.decode_mode != "eager":
+        option("decode_mode eager (no graph buffers or pool; each step ~20% slower)",
+               dataclasses.replace(shape, decode_mode="eager"))
+    if shape.branches > 1:
+        option("cfg 1 (no negative prompt: one branch instead of two)",
+               dataclasses.replace(shape, prefix_tokens=shape.prefix_tokens[:1]))
+    if shape.batch > 1:
+        option("batch 1", dataclasses.replace(shape, batch=1))
+    size = largest_fitting_size(dims, shape, weights, vae, available)
+    if size is not None:
+        option(f"width x height at most {size[0]}x{size[1]} (same aspect)",
+               dataclasses.replace(shape, width=size[0], height=size[1]))
+    return [text for fits, text in sorted(options, key=lambda o: not o[0])]
+
+
+def largest_fitting_size(dims, shape, weights, vae, available: int) -> tuple[int, int] | None:
+    """The largest output size of the same aspect ratio (multiples of 16 px) that fits, if any smaller one does."""
+    long_side = max(shape.width, shape.height)
+    for side in range(long_side - 16, 15, -16):
+        width = max(16, round(shape.width * side / long_side / 16) * 16)
+        height = max(16, round(shape.height * side / long_side / 16) * 16)
+        trial = dataclasses.replace(shape, width=width, height=height)
+        if fitting_estimate(dims, trial, weights, vae, available).total <= available:
+            return width, height
+    return None
+
+
+def check(budget: MemoryBudget, available: int, device, where: str, options) -> None:
+    """Raise MemoryBudgetError when `budget` (margin included) exceeds `available`; `options()` lists settings."""
+    if budget.total > available:
+        raise MemoryBudgetError(budget, available, device, where, options())
+
+
+# -- one sampling request -------------------------------------------------------------------------------------------
+
+
+def request_shape(request, graphs: bool = True) -> GenerationShape:
+    """The memory-relevant shape of a `SamplingRequest` (prefix tokens per branch as its token layouts count them);
+    `graphs=False` where the decode cannot replay graphs (off CUDA), which then runs eagerly."""
+    from .decode.layout import TOKENS_PER_SLOT
+
+    branches = [request.positive] + ([request.negative] if request.do_cfg else [])
+    # Each image slot of the encoder sequence becomes TOKENS_PER_SLOT latent tokens of its reference (layout.py).
+    prefixes = tuple(int(e.image_mask.shape[-1] + (TOKENS_PER_SLOT - 1) * e.num_image_slots) for e in branches)
+    mode = request.decode_mode if graphs else "eager"
+    return GenerationShape(width=request.latent_width * 16, height=request.latent_height * 16,
+                           batch=request.batch_size, prefix_tokens=prefixes, decode_mode=mode)
+
+
+@dataclass
+class RequestPlan:
+    """Everything a request's budget is computed from, so alternatives can be priced the same way."""
+
+    dims: TransformerDims
+    shape: GenerationShape
+    weights: dict[str, int]
+    vae: VaeDims | None
+
+    @classmethod
+    def for_request(cls, transformer, request, vae: VaeDims | None, graphs: bool,
+                    other_weights: dict[str, int] | None = None) -> "RequestPlan":
+        weights = {"transformer": module_bytes(transformer)}
+        if vae is not None:
+            weights["VAE"] = vae.weight_bytes
+        weights.update(other_weights or {})
+        return cls(TransformerDims.of(transformer), request_shape(request, graphs), weights, vae)
+
+    def budget(self, available: int | None = None) -> MemoryBudget:
+        if available is None:
+            return estimate(self.dims, self.shape, self.weights, self.vae)
+        return fitting_estimate(self.dims, self.shape, self.weights, self.vae, available)
+
+    def check(self, available: int, device, where: str) -> MemoryBudget:
+        """The budget, or MemoryBudgetError naming the settings to change when it exceeds `available`."""
+        budget = self.budget(available)
+        check(budget, available, device, where,
+              lambda: alternatives(self.dims, self.shape, self.weights, self.vae, available))
+        return budget
+
+
+def check_runtime_request(transformer, request, vae=None, text_encoder=None) -> MemoryBudget | None:
+    """The runtime's own check (no ComfyUI to unload anything): the request must fit in what the device has free
+    plus what its models and graphs already hold there. Returns the budget, or None off CUDA."""
+    from .registry import engine_for
+
+    device = next(transformer.parameters()).device
+    if device.type != "cuda":
+        return None
+    engine = engine_for(transformer)
+    others = {}
+    if text_encoder is not None and any(p.device == device for p in text_encoder.parameters()):
+        others["text encoder"] = module_bytes(text_encoder)
+    vae_dims = VaeDims.of(vae) if vae is not None else None
+    plan = RequestPlan.for_request(transformer, request, vae_dims, graphs=True, other_weights=others)
+    models = [m for m in (transformer, vae, text_encoder) if m is not None]
+    resident = sum(module_bytes(m) for m in models if next(m.parameters()).device == device)
+    free = eager_free_bytes(device)
+    available = free + resident + engine.manager.bytes_held()
+    where = f"{gib(free)} free + {gib(resident)} of its models + {gib(engine.manager.bytes_held())} of graphs"
+    budget = plan.check(available, device, where)
+    logger.info("KV-Graph: memory budget %s of %s available on %s.", budget.describe(), gib(available), device)
+    return budget

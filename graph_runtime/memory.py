@@ -1,0 +1,340 @@
+"""What a generation needs on the GPU, worked out from the model's config before anything is allocated.
+
+The estimate adds up, for one request:
+- the weights that must be on the GPU together: the transformer, the VAE, and the text encoder where its placement
+  keeps it there;
+- the prefix K/V of every CFG branch: 2 x blocks x heads x head_dim values per prefix token and batch row (0.5 MiB
+  per token in bf16 at full size). On the graph path they are written straight into the graph entry's buffers;
+- each graph entry's other static buffers: the target rows of K/V for every block, the target hidden state, the
+  timestep and the RoPE tables (graph_runtime/decode/graph_entry.py); a short prefix's captured pass adds its own
+  inputs (prefix_pass.py);
+- the graph pool, which keeps one decode step's activations (below) for as long as a graph is held;
+- the largest eager phase after that: the prefill, or the VAE decode at the output size (sequential, so they share
+  the allocator's cache; the graph pool is private to the graphs, so it is not shared with them);
+- a margin (MARGIN_BYTES + MARGIN_FRACTION of the rest) for what is not modelled: cuBLAS / cuDNN workspaces, the
+  allocator's rounding and splitting of blocks, and the small tensors (latents, noise, embeddings, modulation rows).
+
+Every size is computed from the model's own config and tensors (int8 weights are sized by their real bytes), and
+the formulas are checked in tests/test_memory.py against a trace of the real code's allocations and against the
+H200's measurements. `device_free_bytes` honours `torch.cuda.set_per_process_memory_fraction`, so a large card can
+stand in for a small one. Refusing what does not fit, and saying what would, is graph_runtime/budget.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+
+GiB = 2**30
+MiB = 2**20
+
+# One decode step's activations per target token, as tensors of the activation dtype: while the MLP runs, the
+# residual stream, the handed-on MLP residual, the normed input, q, k, v, the attention output and its projection
+# are alive (8 x hidden width) next to the MLP's gate, up and SwiGLU product (3 x MLP width). A trace of the step's
+# allocations at full size gives exactly this, 136 KiB per token (tests/test_memory.py); on the H200 the peak minus
+# weights and static buffers grows by ~130 KiB per target token from 512x512 to 1328x1328 (docs/memory.md).
+STEP_HIDDEN_TENSORS = 8
+STEP_MLP_TENSORS = 3
+
+# The Qwen-Image-2.1 VAE decoder, run without the temporal feature cache (graph_runtime/vae_decode.py), peaks at its
+# full-resolution stage: per output pixel about 9 tensors of `decoder_base_dim` channels in the VAE's dtype and 2 in
+# fp32 (its RMS norms), plus the output. A trace gives 3748 B/px for the full-size bf16 VAE (3.7 GiB at 1024x1024)
+# and 6337 B/px in fp32, within 0.2% of this (tests/test_memory.py).
+VAE_DTYPE_TENSORS = 9
+VAE_FP32_TENSORS = 2
+# A tiled decode (diffusers' 256 px tiles with their temporal cache) holds one tile's activations, which the same
+# trace puts at 1.7x the cache-free decode per pixel (2.0x with three res blocks per stage), plus the output.
+VAE_TILE_PIXELS = 256 * 256
+VAE_TILE_CACHE_FACTOR = 2.0
+
+MARGIN_BYTES = 256 * MiB
+MARGIN_FRACTION = 0.02
+
+
+def gib(n: int | float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers as they are stored (int8 weights count one byte per value),
+    counting shared storage once: the text encoder ties its head to its 1.2 GB embedding table."""
+    seen, total = set(), 0
+    for t in (*module.parameters(), *module.buffers()):
+        key = t.data_ptr() if t.device.type != "meta" else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def compute_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype activations run in: that of the first floating-point parameter (int8 weights are not)."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.bfloat16
+
+
+# -- model dimensions ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TransformerDims:
+    """What the transformer's memory depends on, from its config (and its tensors, for the int8 case)."""
+
+    blocks: int
+    heads: int
+    head_dim: int
+    mlp_hidden: int
+    in_channels: int
+    out_channels: int
+    activation_bytes: int
+    int8: bool = False  # block Linears hold int8 weights (W8A8 GEMMs need scratch for quantized activations)
+
+    @property
+    def hidden(self) -> int:
+        return self.heads * self.head_dim
+
+    @classmethod
+    def from_config(cls, config, dtype: torch.dtype = torch.bfloat16, int8: bool = False) -> "TransformerDims":
+        get = config.get if isinstance(config, dict) else (lambda key, default=None: getattr(config, key, default))
+        heads, head_dim = int(get("num_attention_heads")), int(get("attention_head_dim"))
+        in_channels = int(get("in_channels"))
+        return cls(blocks=int(get("num_layers")), heads=heads, head_dim=head_dim,
+                   mlp_hidden=heads * head_dim * int(get("mlp_ratio", 3)), in_channels=in_channels,
+                   out_channels=int(get("out_channels") or in_channels), activation_bytes=dtype.itemsize, int8=int8)
+
+    @classmethod
+    def of(cls, transformer: torch.nn.Module) -> "TransformerDims":
+        int8 = any(p.dtype == torch.int8 for p in transformer.transformer_blocks.parameters())
+        return cls.from_config(transformer.config, compute_dtype(transformer), int8=int8)
+
+    def int8_weight_bytes(self, weight_bytes: int) -> int:
+        """The same transformer with its block Linears in int8 (one byte per weight, an fp32 scale per row)."""
+        if self.int8:
+            return weight_bytes
+        h, m = self.hidden, self.mlp_hidden
+        values = self.blocks * (4 * h * h + 3 * h * m)
+        rows = self.blocks * (4 * h + 2 * m + h)
+        return weight_bytes - values * (self.activation_bytes - 1) + rows * 4
+
+
+@dataclass(frozen=True)
+class VaeDims:
+    decoder_dim: int
+    out_channels: int
+    activation_bytes: int
+    weight_bytes: int
+    spatial_ratio: int = 16
+
+    @classmethod
+    def of(cls, vae: torch.nn.Module) -> "VaeDims":
+        config = vae.config
+        return cls(decoder_dim=int(config.decoder_base_dim or config.base_dim),
+                   out_channels=int(config.out_channels), activation_bytes=compute_dtype(vae).itemsize,
+                   weight_bytes=module_bytes(vae),
+                   spatial_ratio=int(getattr(config, "scale_factor_spatial", None) or 16))
+
+    @classmethod
+    def standard(cls, dtype: torch.dtype = torch.bfloat16) -> "VaeDims":
+        """The published Qwen-Image-2.1 VAE (diffusers' default config), for a budget made before a VAE is loaded."""
+        from diffusers import AutoencoderKLQwenImage21
+
+        with torch.device("meta"):
+            vae = AutoencoderKLQwenImage21()
+        params = sum(t.numel() for t in (*vae.parameters(), *vae.buffers()))
+        return dataclasses.replace(cls.of(vae), activation_bytes=dtype.itemsize, weight_bytes=params * dtype.itemsize)
+
+
+# -- the pieces ----------------------------------------------------------------------------------------------------
+
+
+def kv_bytes_per_token(d: TransformerDims) -> int:
+    """K and V of one token in every block: 0.5 MiB at full size in bf16."""
+    return 2 * d.blocks * d.hidden * d.activation_bytes
+
+
+def step_activation_bytes(d: TransformerDims, tokens: int) -> int:
+    """One decode step's peak activations for `tokens` target rows (batch included), and its output."""
+    per_token = (STEP_HIDDEN_TENSORS * d.hidden + STEP_MLP_TENSORS * d.mlp_hidden) * d.activation_bytes
+    if d.int8:
+        # A W8A8 GEMM quantizes its input (one byte per value, plus a rotated copy for ConvRot) and may accumulate
+        # into int32 before scaling: the widest one, gate/up, is counted.
+        per_token += d.hidden * (1 + d.activation_bytes) + d.mlp_hidden * 4
+    return tokens * (per_token + d.out_channels * d.activation_bytes)
+
+
+def entry_buffer_bytes(d: TransformerDims, batch: int, prefix: int, target: int) -> int:
+    """A graph entry's static buffers other than the prefix rows of K/V: target K/V rows, hidden, timestep, RoPE."""
+    rope = 2 * target * (d.head_dim // 2) * 4
+    return batch * (target * kv_bytes_per_token(d) + target * d.in_channels * d.activation_bytes
+                    + d.activation_bytes) + rope
+
+
+def _is_captured(prefix: int) -> bool:
+    """Whether a prefix of this length is captured (its pass replays from the graph pool): prefix_pass.py."""
+    from .decode.prefix_pass import SHORT_PREFIX_TOKENS  # here: the decode package imports this module
+
+    return prefix <= SHORT_PREFIX_TOKENS
+
+
+def prefix_graph_bytes(d: TransformerDims, batch: int, prefix: int) -> int:
+    """The static inputs of a short prefix's captured pass (rows, modulation, RoPE, block-causal mask)."""
+    if not _is_captured(prefix):
+        return 0
+    return (batch * (prefix + 4) * d.hidden * d.activation_bytes + 2 * prefix * (d.head_dim // 2) * 4
+            + batch * prefix * prefix)
+
+
+def prefill_bytes(d: TransformerDims, batch: int, prefix: int, target: int) -> int:
+    """The prefill's transient memory: the joint rows it scatters (and their sources), the prefix pass's
+    activations and its mask."""
+    rows = 2 * batch * (prefix + target) * d.hidden * d.activation_bytes
+    return rows + step_activation_bytes(d, batch * prefix) + batch * prefix * prefix
+
+
+def eager_step_bytes(d: TransformerDims, batch: int, prefix: int, target: int) -> int:
+    """An eager decode step: the activations plus one block's K and V concatenated with the prefix."""
+    return step_activation_bytes(d, batch * target) + 2 * batch * (prefix + target) * d.hidden * d.activation_bytes
+
+
+def vae_decode_bytes(v: VaeDims, width: int, height: int, tiled: bool = False) -> int:
+    """One image's VAE decode at `width` x `height` pixels (the nodes and the CLI decode a batch one at a time)."""
+    per_pixel = v.decoder_dim * (VAE_DTYPE_TENSORS * v.activation_bytes + VAE_FP32_TENSORS * 4)
+    output = width * height * v.out_channels * (v.activation_bytes + 4)  # the decoded image and its fp32 copy
+    if tiled:
+        return int(per_pixel * VAE_TILE_CACHE_FACTOR * min(VAE_TILE_PIXELS, width * height)) + 2 * output
+    return per_pixel * width * height + output
+
+
+# -- the budget ----------------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GenerationShape:
+    """The settings memory depends on: output size, batch, prefix tokens per CFG branch, decode mode."""
+
+    width: int
+    height: int
+    batch: int = 1
+    prefix_tokens: tuple[int, ...] = (128,)
+    decode_mode: str = "auto"
+
+    @property
+    def target_tokens(self) -> int:
+        return (self.width // 16) * (self.height // 16)
+
+    @property
+    def branches(self) -> int:
+        return len(self.prefix_tokens)
+
+
+@dataclass
+class MemoryBudget:
+    """What one request needs on its device: named parts (bytes) plus the margin."""
+
+    parts: list[tuple[str, int]]
+    margin: int
+    vae_tiled: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def need(self) -> int:
+        return sum(n for _, n in self.parts)
+
+    @property
+    def total(self) -> int:
+        return self.need + self.margin
+
+    def part(self, label_start: str) -> int:
+        return sum(n for label, n in self.parts if label.startswith(label_start))
+
+    def describe(self) -> str:
+        items = ", ".join(f"{label} {n / GiB:.2f}" for label, n in self.parts if n)
+        return f"{gib(self.total)} ({items}, margin {self.margin / GiB:.2f} GiB)"
+
+    def as_dict(self) -> dict:
+        return {"total_bytes": self.total, "margin_bytes": self.margin, "vae_tiled": self.vae_tiled,
+                "parts": {label: n for label, n in self.parts}, "notes": list(self.notes)}
+
+
+def estimate(dims: TransformerDims, shape: GenerationShape, weights: dict[str, int], vae: VaeDims | None = None,
+             vae_tiled: bool = False) -> MemoryBudget:
+    """The budget of one request. `weights`: label -> bytes of every model that must be on the device during it
+    (the transformer's and the VAE's, and the text encoder's where its placement keeps it there)."""
+    batch, target = shape.batch, shape.target_tokens
+    kv = kv_bytes_per_token(dims)
+    parts = [(f"{label} weights", n) for label, n in weights.items()]
+    branches = f", {shape.branches} CFG branches" if shape.branches > 1 else ""
+    parts.append((f"prefix K/V ({'+'.join(map(str, shape.prefix_tokens))} tokens{branches})",
+                  sum(batch * p * kv for p in shape.prefix_tokens)))
+    eager_phases = [prefill_bytes(dims, batch, p, target) for p in shape.prefix_tokens]
+    if vae is not None:
+        eager_phases.append(vae_decode_bytes(vae, shape.width, shape.height, vae_tiled))
+    if shape.decode_mode == "eager":
+        eager_phases += [eager_step_bytes(dims, batch, p, target) for p in shape.prefix_tokens]
+    else:
+        parts.append(("graph buffers", sum(entry_buffer_bytes(dims, batch, p, target)
+                                           + prefix_graph_bytes(dims, batch, p) for p in shape.prefix_tokens)))
+        # Graphs of every branch (and the short prefix passes) are captured into one pool and replayed one at a
+        # time, so the pool holds the largest of them.
+        short = [p for p in shape.prefix_tokens if _is_captured(p)]
+        parts.append(("graph pool", max([step_activation_bytes(dims, batch * target)]
+                                        + [step_activation_bytes(dims, batch * p) for p in short])))
+    label = "largest eager phase (" + ("tiled VAE decode" if vae_tiled else "VAE decode") + " or prefill"
+    parts.append((label + (" or eager steps)" if shape.decode_mode == "eager" else ")"), max(eager_phases)))
+    need = sum(n for _, n in parts)
+    return MemoryBudget(parts=parts, margin=int(MARGIN_BYTES + MARGIN_FRACTION * need), vae_tiled=vae_tiled)
+
+
+def fitting_estimate(dims, shape, weights, vae, available: int) -> MemoryBudget:
+    """The budget with a whole VAE decode, or with a tiled one when a whole one does not fit (how vae_decode
+    decides): the least the request needs."""
+    whole = estimate(dims, shape, weights, vae)
+    if vae is None or whole.total <= available:
+        return whole
+    tiled = estimate(dims, shape, weights, vae, vae_tiled=True)
+    tiled.notes.append(f"the VAE decode is tiled: a whole one needs {gib(whole.total)}")
+    return tiled
+
+
+# -- what the device has -------------------------------------------------------------------------------------------
+
+
+def device_free_bytes(device, exclude: int = 0) -> int | None:
+    """Memory a new allocation on `device` can get: what the driver has free (capped by the process's memory
+    fraction) plus what PyTorch's allocator holds unused, less `exclude` (e.g. graph pools, which only their graphs
+    reuse). None off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    reserved = torch.cuda.memory_reserved(index)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None:
+        free = min(free, max(0, int(fraction(index) * total) - reserved))
+    return max(0, free + reserved - torch.cuda.memory_allocated(index) - exclude)
+
+
+def eager_free_bytes(device) -> int | None:
+    """`device_free_bytes` for eager work (a prefill, a VAE decode): the process's graph pools left out."""
+    from .registry import process_registry
+
+    return device_free_bytes(device, exclude=graph_pool_bytes(process_registry().engines()))
+
+
+def graph_pool_bytes(engines) -> int:
+    """Memory the engines' captured graphs hold in their private pools (reserved, reusable only by them)."""
+    total = 0
+    for engine in engines:
+        manager = engine.manager
+        with manager.lock:
+            for entry in manager.entries.values():
+                total += getattr(entry, "pool_bytes", 0)
+                prefix = getattr(entry, "captured_prefix", None)
+                total += prefix.pool_bytes if prefix is not None else 0
+    return total

@@ -1,0 +1,61 @@
+"""Decoding single images with the Qwen-Image-2.1 VAE in the memory it really needs.
+
+diffusers' `decode` runs the video decoder with its temporal feature cache: every causal convolution keeps a clone
+of its input for the next frame, for the whole decode. An image has one frame, and this VAE's convolutions have no
+temporal extent, so the clones are never read: without them the full-size VAE decodes 1024x1024 in 3.7 GiB instead
+of 6.3 GiB (a trace of the allocations: tests/test_memory.py), with bit-equal output.
+
+When even that does not fit next to what must stay on the GPU (the transformer and its captured graphs), the decode
+is tiled with diffusers' own tiled decoder (256 px tiles blended over 64 px: a few hundred MiB at any size, and
+output that differs slightly at the seams), as ComfyUI's own VAE decode falls back to when it runs out of memory.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from . import memory
+
+logger = logging.getLogger("kvgraph")
+_logged: set[str] = set()
+
+
+def _can_skip_cache(vae, z: torch.Tensor) -> bool:
+    config = vae.config
+    return z.shape[2] == 1 and getattr(config, "patch_size", None) is None and not vae.use_tiling
+
+
+@torch.no_grad()
+def decode_frames(vae, z: torch.Tensor, tiled: bool = False) -> torch.Tensor:
+    """`vae.decode(z)` for `z` `[B, C, 1, h, w]`: the cache-free decoder for single frames, else diffusers' own."""
+    if tiled:
+        was = vae.use_tiling
+        vae.use_tiling = True
+        try:
+            return vae.decode(z, return_dict=False)[0]
+        finally:
+            vae.use_tiling = was
+    if not _can_skip_cache(vae, z):
+        return vae.decode(z, return_dict=False)[0]
+    out = vae.decoder(vae.post_quant_conv(z), feat_cache=None, first_chunk=True)
+    return torch.clamp(out, min=-1.0, max=1.0)
+
+
+def should_tile(vae, height: int, width: int, free_bytes: int | None) -> bool:
+    """Whether a whole decode at `height` x `width` px would not fit in `free_bytes` (None: unknown, so no) while a
+    tiled one would. Logged once per reason."""
+    if free_bytes is None:
+        return False
+    dims = memory.VaeDims.of(vae)
+    whole = memory.vae_decode_bytes(dims, width, height)
+    margin = memory.MARGIN_BYTES
+    if whole + margin <= free_bytes or memory.vae_decode_bytes(dims, width, height, tiled=True) + margin > free_bytes:
+        return False
+    key = f"{width}x{height}"
+    if key not in _logged:
+        _logged.add(key)
+        logger.info("KV-Graph: VAE decode at %dx%d is tiled: a whole decode needs %s and %s is free next to the "
+                    "models and graphs on the GPU.", width, height, memory.gib(whole + margin), memory.gib(free_bytes))
+    return True

@@ -1,0 +1,89 @@
+"""The sampler's memory budget inside ComfyUI: what a request needs (graph_runtime/memory.py, budget.py) against what
+ComfyUI can give it, checked before anything is loaded or allocated.
+
+ComfyUI makes room by unloading models, and the pack's idle decode graphs are reused (same shapes) or evicted, so
+a request may use: what the device has free (the smaller of ComfyUI's figure and the runtime's, which honours a
+per-process memory fraction and leaves out the graphs' private pools) + the request's own models already there +
+every other model ComfyUI could unload from it + the decode graphs the pack holds.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import comfy.model_management as mm
+
+from ..graph_runtime import budget as budgets, memory
+from ..graph_runtime.registry import process_registry
+from . import model_cache
+from .model_handles import TE_GPU, same_device
+
+logger = logging.getLogger("kvgraph")
+
+
+def free_bytes(device) -> int | None:
+    """Memory a new allocation on `device` can get now; None when nothing reports it."""
+    runtime = memory.eager_free_bytes(device)
+    comfy = mm.get_free_memory(device) if hasattr(mm, "get_free_memory") else None
+    known = [int(v) for v in (runtime, comfy) if v is not None]
+    return min(known) if known else None
+
+
+def _latest(kind: str):
+    found = [h for h in model_cache.handles() if h.kind == kind]
+    return found[-1] if found else None
+
+
+def _resident_bytes(handle, device) -> int:
+    return handle.size_bytes if handle is not None and same_device(handle.device, device) else 0
+
+
+def _unloadable_bytes(device, keep) -> int:
+    """Weights of the other models ComfyUI holds on `device`, which it unloads when a request needs the room."""
+    kept = {id(h.patcher) for h in keep if h is not None}
+    loaded = getattr(mm, "current_loaded_models", None)
+    if loaded is None:  # no model list to read: the pack's own models are all it can know of
+        return sum(int(h.patcher.loaded_size()) for h in model_cache.handles()
+                   if id(h.patcher) not in kept and same_device(h.device, device))
+    total = 0
+    for entry in list(loaded):
+        patcher = entry.model
+        if patcher is not None and id(patcher) not in kept and same_device(entry.device, device):
+            total += int(entry.model_loaded_memory())
+    return total
+
+
+def check_request(model, request, device) -> memory.MemoryBudget:
+    """The request's budget, logged and kept on the handle for /kvgraph/status; raises MemoryBudgetError (naming
+    the settings to change) when it cannot fit even after ComfyUI unloads everything else."""
+    vae = _latest("vae")
+    vae_dims = memory.VaeDims.of(vae.module) if vae is not None else memory.VaeDims.standard(
+        memory.compute_dtype(model.module))
+    plan = budgets.RequestPlan.for_request(model.module, request, vae_dims, graphs=device.type == "cuda")
+    # A LoRA chain's handle shares the loader's model; the status reads the loader's handle.
+    reported = getattr(model, "base", None) or model
+    free = free_bytes(device)
+    if free is None:
+        budget = plan.budget()
+        reported.last_budget = {**budget.as_dict(), "device": str(device), "available_bytes": None}
+        return budget
+    ours = _resident_bytes(model, device) + _resident_bytes(vae, device)
+    others = _unloadable_bytes(device, keep=(model, vae))
+    graphs = sum(engine.manager.bytes_held() for engine in process_registry().engines())
+    available = free + ours + others + graphs
+    where = (f"{memory.gib(free)} free + {memory.gib(ours)} of this request's models + {memory.gib(others)} of "
+             f"models ComfyUI can unload + {memory.gib(graphs)} of decode graphs")
+    budget = plan.check(available, device, where)
+    if vae is None:
+        budget.notes.append("VAE sized as the standard Qwen-Image-2.1 VAE (none loaded yet)")
+    text_encoder = _latest("text_encoder")
+    if (text_encoder is not None and text_encoder.placement == TE_GPU
+            and budget.total + text_encoder.size_bytes > available):
+        budget.notes.append(f"the text encoder ('{TE_GPU}', {memory.gib(text_encoder.size_bytes)}) does not fit "
+                            "next to this request: ComfyUI unloads it, and encoding a changed prompt then unloads "
+                            "the transformer and its graphs")
+    reported.last_budget = {**budget.as_dict(), "device": str(device), "available_bytes": available}
+    logger.info("KV-Graph: memory budget for %dx %dx%d: %s of %s available on %s%s", request.batch_size,
+                request.latent_width * 16, request.latent_height * 16, budget.describe(), memory.gib(available),
+                device, "".join(f"; {note}" for note in budget.notes))
+    return budget
