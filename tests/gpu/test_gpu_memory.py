@@ -12,9 +12,8 @@ Full-size weights are random and built on the GPU (no download): the transformer
 VAE from diffusers' default config, the text encoder with Qwen3-VL-8B's dimensions (graph_runtime/bench/
 placement.py). The int8 variants quantize every block Linear of the transformer and every decoder-layer Linear of
 the text encoder with comfy-kitchen (`TensorWiseINT8Layout.quantize(..., per_channel=True, convrot=True,
-convrot_groupsize=256)`, ComfyUI's ConvRot format) into `Int8Linear` below, which follows the protocol of the int8
-work's `ConvRotInt8Linear` (graph_runtime/quantized/int8_convrot.py, not on this branch yet): that class can replace
-it once merged.
+convrot_groupsize=256)`, ComfyUI's ConvRot format) into the runtime's `ConvRotInt8Linear`, the layer the INT8
+ConvRot files load into.
 
 A "prompt" is what ComfyUI runs for a queued workflow: the second prompt changes only the seed, so ComfyUI reuses
 the first one's conditioning (the text encoder does not run again) and runs the sampler and the VAE decode. The
@@ -38,6 +37,7 @@ from graph_runtime.bench.placement import build_text_encoder
 from graph_runtime.encoding.images import decode_latents
 from graph_runtime.encoding.prompt import PromptEncoder
 from graph_runtime.placement import PinnedWeights
+from graph_runtime.quantized.int8_convrot import ConvRotInt8Linear
 from graph_runtime.registry import engine_for
 from graph_runtime.sampling.sampler import SamplingRequest, sample
 from graph_runtime.tiny import build_processor
@@ -48,32 +48,12 @@ PROMPT = "A capybara wearing a wizard hat, reading a book by candlelight, oil pa
 TURBO_STEPS = 8
 
 
-class Int8Linear(torch.nn.Linear):
-    """W8A8 ConvRot Linear through comfy-kitchen: an int8 `weight` [out, in], an fp32 `weight_scale`, `group_size`."""
-
-    def __init__(self, linear: torch.nn.Linear, group_size: int = 256):
-        from comfy_kitchen.tensor import TensorWiseINT8Layout
-
-        torch.nn.Module.__init__(self)
-        self.in_features, self.out_features, self.group_size = linear.in_features, linear.out_features, group_size
-        qdata, params = TensorWiseINT8Layout.quantize(linear.weight.data, is_weight=True, per_channel=True,
-                                                      convrot=True, convrot_groupsize=group_size)
-        self.weight = torch.nn.Parameter(qdata, requires_grad=False)
-        self.register_buffer("weight_scale", params.scale.float())
-        self.bias = linear.bias
-
-    def forward(self, x):
-        import comfy_kitchen
-
-        return comfy_kitchen.int8_linear(x, self.weight, self.weight_scale, self.bias, x.dtype, convrot=True,
-                                         convrot_groupsize=self.group_size)
-
-
 def quantize_linears(root: torch.nn.Module) -> torch.nn.Module:
-    """Every Linear under `root` replaced by its Int8Linear, one at a time (the bf16 weight freed as it goes)."""
+    """Every Linear under `root` replaced by its ConvRotInt8Linear, one at a time (the bf16 weight freed as it goes,
+    so building the int8 model never holds both)."""
     for name, child in list(root.named_children()):
         if type(child) is torch.nn.Linear and child.in_features % 256 == 0:
-            setattr(root, name, Int8Linear(child))
+            setattr(root, name, ConvRotInt8Linear.from_linear(child, 256))
         else:
             quantize_linears(child)
     return root
