@@ -288,6 +288,10 @@ def amortization(transformer, device, context, channels):
 
 
 def main(args) -> int:
+    if getattr(args, "e2e", False):
+        from .e2e_runner import e2e_main
+
+        return e2e_main(args)
     device = args.device if torch.cuda.is_available() or args.device == "cpu" else "cpu"
     if device != "cpu" and not torch.cuda.is_available():
         print("bench: no CUDA device; run with --device cpu --tiny for a smoke run", file=sys.stderr)
