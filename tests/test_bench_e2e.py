@@ -12,15 +12,19 @@ from graph_runtime.bench.e2e_runner import plan_tasks
 
 
 def test_plan_runs_ours_first_on_a_cold_cache_then_restarts_and_warm_last():
-    """Ours' first child meets the empty kernel cache; the first scenario then runs again as a restart with that
-    cache, every scenario gets a fresh process per path, and the warm child (both paths) comes last."""
+    """Ours' first child meets the empty kernel cache; every scenario then gets a fresh process per path (ours'
+    first scenario again: the restart with the cache it filled), then the first job after warm_up (kernels, then
+    graphs kept) and profiled; the warm child (both paths) comes last."""
     tasks = plan_tasks(["t2i", "edit"], ["ours", "diffusers"], True, True, "cuda", False, 2)
-    assert [(t["kind"], t["paths"], t["scenarios"], t["cache"]) for t in tasks] == [
-        ("first", ["ours"], ["t2i"], "cold"), ("first", ["ours"], ["t2i"], "warm"),
-        ("first", ["ours"], ["edit"], "warm"), ("first", ["diffusers"], ["t2i"], "warm"),
-        ("first", ["diffusers"], ["edit"], "warm"), ("warm", ["ours", "diffusers"], ["t2i", "edit"], "warm")]
+    assert [(t["kind"], t["paths"], t["scenarios"], t["cache"], t.get("warm_up")) for t in tasks] == [
+        ("first", ["ours"], ["t2i"], "cold", None), ("first", ["ours"], ["t2i"], "warm", None),
+        ("first", ["ours"], ["edit"], "warm", None), ("first", ["ours"], ["t2i"], "warm", "kernels"),
+        ("first", ["ours"], ["t2i"], "warm", "capture"), ("profile", ["ours"], ["t2i"], "warm", None),
+        ("first", ["diffusers"], ["t2i"], "warm", None), ("first", ["diffusers"], ["edit"], "warm", None),
+        ("warm", ["ours", "diffusers"], ["t2i", "edit"], "warm", None)]
     assert tasks[-1]["repeats"] == 2
     assert [t["kind"] for t in plan_tasks(["turbo"], ["diffusers"], False, True, "cuda", False, 1)] == ["warm"]
+    assert len(plan_tasks(["t2i"], ["ours"], True, False, "cuda", False, 1, extras=False)) == 2
 
 
 def test_first_prompts_run_in_fresh_processes_and_are_reported(tmp_path, capsys):
@@ -29,7 +33,7 @@ def test_first_prompts_run_in_fresh_processes_and_are_reported(tmp_path, capsys)
     from graph_runtime.cli import main
 
     code = main(["bench", "--e2e", "--tiny", "--device", "cpu", "--e2e-first", "--e2e-paths", "ours",
-                 "--e2e-scenarios", "edit", "--out-dir", str(tmp_path)])
+                 "--e2e-no-extras", "--e2e-scenarios", "edit", "--out-dir", str(tmp_path)])
     assert code == 0
     (md,), (js,) = tmp_path.glob("e2e-*.md"), tmp_path.glob("e2e-*.json")
     report = json.loads(js.read_text())
@@ -95,7 +99,7 @@ def test_targets_use_the_warm_cache_restart_against_the_warm_median():
     assert rows[1]["met"] is True
     text = markdown({"date": "d", "device": "cpu", "torch": torch.__version__, "triton": None, "command": "c",
                      "wall_s": 1.0}, [_first("warm", 5000.0, 4300.0), warm])
-    assert "| ours | t2i | warm (9) | 5.000 | 4.300 | 1.16 | 0 |" in text
+    assert "| ours | t2i | warm (9) | plain |  | 5.000 | 4.300 | 1.16 | 0 |" in text
 
 
 def test_phase_wrappers_time_each_call_and_put_everything_back():
@@ -121,3 +125,31 @@ def test_phase_wrappers_time_each_call_and_put_everything_back():
     assert module.double is original and "name" not in vars(thing) and thing.name() == "thing"
     assert set(phases.ms) == {"doubling", "naming"} and all(v >= 0 for v in phases.ms.values())
     assert "end doubling" in phases.marks and phases.overall_peak_gb is None
+
+
+def test_first_prompt_profile_times_phases_and_first_uses_without_changing_the_image(generator):
+    """The profile names our phases (the first decode step apart from the rest), records each op signature's first
+    use once with its set-up estimate, lists the host's busiest functions, and leaves the image exactly as an
+    unprofiled run makes it (doubled calls are pure or idempotent); afterwards the ops are torch's own again."""
+    import torch.nn.functional as F
+
+    from graph_runtime.bench.e2e_paths import run_ours
+    from graph_runtime.bench.e2e_scenarios import SCENARIOS
+    from graph_runtime.bench.first_prompt import profiled_ours
+
+    linear = F.linear
+    scenario = SCENARIOS["t2i"].for_tiny()
+    plain, profiled = [], []
+    run_ours(generator, scenario, "a red cube", seed=3, device="cpu", keep=plain)
+    with profiled_ours(generator, "cpu") as profile:
+        run_ours(generator, scenario, "a red cube", seed=3, device="cpu", keep=profiled)
+    assert F.linear is linear
+    assert np.array_equal(np.asarray(plain[0]), np.asarray(profiled[0]))
+    report = profile.report()
+    assert {"encode", "prefill", "first step", "steps", "VAE decode", "to PIL"} <= set(report["phase_ms"])
+    assert report["phase_ms"]["steps"] > 0 and report["captures"] == []  # no CUDA: nothing captured
+    signatures = [(i["op"], i["signature"]) for i in report["top_first_uses"]]
+    assert len(signatures) == len(set(signatures)) and report["first_uses"] >= len(signatures) > 0
+    assert {"GEMM", "conv"} <= set(report["setup_ms_by_category"])
+    assert all(i["setup_ms"] >= 0 for i in report["top_first_uses"])
+    assert any("ncalls" in line for line in report["host_top"])

@@ -33,7 +33,7 @@ def first_rows(results: list[dict]) -> list[dict]:
     rows = []
     for result in results:
         task = result.get("task", {})
-        if task.get("kind") != "first":
+        if task.get("kind") not in ("first", "profile"):
             continue
         if "error" in result:
             rows.append({"label": result["label"], "error": result["error"]})
@@ -42,12 +42,22 @@ def first_rows(results: list[dict]) -> list[dict]:
         before, after = cache.get("kernels_before"), cache.get("kernels_after")
         first = next(r for r in result["runs"] if r["run"].startswith("first"))
         second = next(r for r in result["runs"] if r["run"] == "second")
+        warm_up = result.get("warm_up", {}).get("sizes", [])
         rows.append({"label": result["label"], "path": task["paths"][0], "scenario": task["scenarios"][0],
                      "cache": task.get("cache", "warm"), "kernels_cached": before,
                      "kernels_compiled": None if after is None else after - (before or 0),
+                     "variant": _variant(task), "warm_up_s": sum(w["seconds"] for w in warm_up) if warm_up else None,
                      "first": first, "second": second, "import_s": result.get("import_s"),
                      "build_s": result.get("build_total_s")})
     return rows
+
+
+def _variant(task: dict) -> str:
+    if task.get("kind") == "profile":
+        return "profiled (not a timing)"
+    if task.get("warm_up"):
+        return f"after warm_up ({task['warm_up']})"
+    return "plain"
 
 
 def warm_rows(results: list[dict]) -> list[dict]:
@@ -76,7 +86,7 @@ def warm_rows(results: list[dict]) -> list[dict]:
 def target_rows(results: list[dict]) -> list[dict]:
     warm = {(r["path"], r["scenario"]): r["total_ms"] for r in warm_rows(results)}
     firsts = {(r["path"], r["scenario"]): r for r in first_rows(results)
-              if "error" not in r and r["cache"] == "warm"}
+              if "error" not in r and r["cache"] == "warm" and r["variant"] == "plain"}
     rows = []
     for label, path, scenario, kind, seconds in TARGETS:
         if kind == "warm":
@@ -135,25 +145,70 @@ def markdown(meta: dict, results: list[dict]) -> str:
     first = first_rows(results)
     if first:
         lines += ["## First prompt of a fresh process", "",
-                  "| path | scenario | kernel cache (kernels in it) | first s | second s | first / second | kernels compiled | "
-                  + " | ".join(n for _, n in PHASES) + " | peak GiB | import s | build s |",
-                  "|---|---|---|---:|---:|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|"]
+                  "| path | scenario | kernel cache (kernels in it) | variant | warm_up s | first s | second s | "
+                  "first / second | kernels compiled | " + " | ".join(n for _, n in PHASES)
+                  + " | peak GiB | import s | build s |",
+                  "|---|---|---|---|---:|---:|---:|---:|---:|" + "---:|" * len(PHASES) + "---:|---:|---:|"]
         for r in first:
             if "error" in r:
                 lines.append(f"| {r['label']} | FAILED: {r['error']} |")
                 continue
             f, s = r["first"], r["second"]
             cached = "" if r["kernels_cached"] is None else f" ({r['kernels_cached']})"
-            lines.append(f"| {r['path']} | {r['scenario']} | {r['cache']}{cached} | {_s(f['total_ms'])} | "
-                         f"{_s(s['total_ms'])} | {f['total_ms'] / s['total_ms']:.2f} | "
-                         f"{'' if r['kernels_compiled'] is None else r['kernels_compiled']} | "
-                         + " | ".join(_ms(f.get(k)) for k, _ in PHASES)
+            warm_up = "" if r["warm_up_s"] is None else f"{r['warm_up_s']:.2f}"
+            compiled = "" if r["kernels_compiled"] is None else r["kernels_compiled"]
+            lines.append(f"| {r['path']} | {r['scenario']} | {r['cache']}{cached} | {r['variant']} | {warm_up} | "
+                         f"{_s(f['total_ms'])} | {_s(s['total_ms'])} | {f['total_ms'] / s['total_ms']:.2f} | "
+                         f"{compiled} | " + " | ".join(_ms(f.get(k)) for k, _ in PHASES)
                          + f" | {_gb(f.get('peak_gb'))} | {r['import_s']:.1f} | {r['build_s']:.1f} |")
         lines.append("")
+    for result in results:
+        if "profile" in result:
+            lines += profile_lines(result)
     errors = [r for r in results if "error" in r]
     for r in errors:
         lines += [f"## FAILED: {r['label']} ({r['error']})", "", "```", *r.get("log_tail", []), "```", ""]
     return "\n".join(lines) + "\n"
+
+
+PROFILE_CATEGORIES = ["Triton (ours)", "GEMM", "attention", "conv", "graph warm-up", "graph capture"]
+
+
+def profile_lines(result: dict) -> list[str]:
+    """The profiled first prompt: each phase's wall time against the same phase of the second prompt, and the set-up
+    found inside it by cause; then the largest single first uses, the captures and the host's busiest functions."""
+    profile = result["profile"]
+    second = next(r for r in result["runs"] if r["run"] == "second")
+    second_ms = {"encode": second.get("encode_ms"), "ref VAE encode": second.get("ref_vae_encode_ms"),
+                 "prefill": second.get("prefill_ms"), "VAE decode": second.get("vae_decode_ms"),
+                 "to PIL": second.get("postprocess_ms")}
+    steps = second.get("steps_ms")
+    per_step = second.get("ms_per_step")
+    if steps is not None and per_step is not None:
+        second_ms["first step"], second_ms["steps"] = per_step, steps - per_step
+    lines = [f"## First-prompt profile: {result['label']}", "",
+             "The first prompt of a fresh process with every op's first use timed twice (set-up = first call - "
+             "second call) and cProfile on: its wall times are inflated by the profiling; the second prompt ran "
+             "unprofiled. Set-up columns are ms found inside the phase.", "",
+             "| phase | first (profiled) ms | second ms | " + " | ".join(PROFILE_CATEGORIES) + " |",
+             "|---|---:|---:|" + "---:|" * len(PROFILE_CATEGORIES)]
+    setup = profile.get("setup_ms_by_phase", {})
+    phases = list(profile.get("phase_ms", {})) + [p for p in setup if p not in profile.get("phase_ms", {})]
+    for phase in phases:
+        cats = setup.get(phase, {})
+        lines.append(f"| {phase} | {_ms(profile.get('phase_ms', {}).get(phase))} | {_ms(second_ms.get(phase))} | "
+                     + " | ".join(_ms(cats.get(c)) for c in PROFILE_CATEGORIES) + " |")
+    lines += ["", f"{profile.get('first_uses', 0)} first uses; the largest:", "",
+              "| phase | cause | op | signature | first ms | again ms | set-up ms |", "|---|---|---|---|---:|---:|---:|"]
+    for item in profile.get("top_first_uses", []):
+        lines.append(f"| {item['phase']} | {item['category']} | {item['op']} | `{item['signature']}` | "
+                     f"{item['first_ms']:.1f} | {item['again_ms']:.1f} | {item['setup_ms']:.1f} |")
+    lines += ["", "Captures:", ""]
+    lines += [f"- {c['phase']}: {c['what']}, {c['warmups']} warm-up(s) {c['warmup_s']:.3f} s, capture "
+              f"{c['capture_s']:.3f} s" for c in profile.get("captures", [])]
+    if profile.get("host_top"):
+        lines += ["", "Host (cProfile, most own time):", "", "```", *profile["host_top"], "```"]
+    return lines + [""]
 
 
 def write_e2e_reports(out_dir: Path, meta: dict, results: list[dict]):

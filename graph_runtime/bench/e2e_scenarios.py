@@ -46,19 +46,23 @@ def select(names: str, tiny: bool) -> list[E2EScenario]:
     return [SCENARIOS[n].for_tiny() if tiny else SCENARIOS[n] for n in wanted]
 
 
-def prompt_of_tokens(encoder, tokens: int = PROMPT_TOKENS) -> str:
+def prompt_of_tokens(encoder, tokens: int = PROMPT_TOKENS) -> tuple[str, int]:
     """A prompt whose text prefix (what the transformer sees after the system turn is dropped) is `tokens` long with
-    this tokenizer, or the shortest one past it."""
-    from ..encoding.prompt import prompt_text
-
-    tokenizer = encoder.processor.tokenizer
+    this tokenizer, or the shortest one past it, and that prefix's length."""
     words: list[str] = []
     while True:
         text = " ".join(words) or " "
-        count = len(tokenizer(prompt_text(text, 0), add_special_tokens=False).input_ids) - encoder.drop_idx
+        count = text_prefix_tokens(encoder, text)
         if count >= tokens:
-            return text
+            return text, count
         words.append(_WORDS[len(words) % len(_WORDS)])
+
+
+def text_prefix_tokens(encoder, prompt: str) -> int:
+    from ..encoding.prompt import prompt_text
+
+    tokenizer = encoder.processor.tokenizer
+    return len(tokenizer(prompt_text(prompt, 0), add_special_tokens=False).input_ids) - encoder.drop_idx
 
 
 def reference_image(size: int, seed: int = 0):

@@ -5,7 +5,9 @@
 the warm runs of both paths in one process. Tasks:
 
 - `first`: one path, one scenario: the first prompt of the process, then the same prompt again (the second prompt
-  a restarted ComfyUI would run).
+  a restarted ComfyUI would run). With `warm_up` ("kernels" or "capture"), our engine's `warm_up` runs for the
+  scenario's size right after the models are built (timed apart), as a loader could call it.
+- `profile`: as `first` for our path, the first prompt run under `first_prompt.profiled_ours`.
 - `warm`: every scenario x path: one unmeasured prompt each, then `repeats` rounds alternating the paths.
 """
 
@@ -62,8 +64,13 @@ class Worker:
         self.models = build_models(self.device, self.dtype, tiny=self.tiny)
         self.generator = QwenImageGenerator(self.models)
         self.pipe = diffusers_pipeline(self.models) if "diffusers" in self.task["paths"] else None
-        self.prompt = prompt_of_tokens(self.generator.encoder)
+        self.prompt, self.prompt_tokens = prompt_of_tokens(self.generator.encoder)
         self.build_total_s = time.perf_counter() - start
+        if self.task.get("warm_up"):
+            size = self.scenarios[0].size // 16
+            self.warm_up = self.generator.engine.warm_up([(size, size)], prompt_tokens=self.prompt_tokens,
+                                                         capture=self.task["warm_up"] == "capture")
+            print(json.dumps({"warm_up": self.warm_up}), flush=True)
 
     def run(self, path: str, scenario, label: str, seed: int) -> dict:
         image = reference_image(scenario.size) if scenario.references else None
@@ -78,9 +85,16 @@ class Worker:
         print(json.dumps(_round(summary)), flush=True)
         return row
 
-    def first(self):
+    def first(self, profile: bool = False):
         (path,), (scenario,) = self.task["paths"], self.scenarios
-        self.run(path, scenario, "first", seed=0)
+        if profile:
+            from .first_prompt import profiled_ours
+
+            with profiled_ours(self.generator, self.device) as prof:
+                self.run(path, scenario, "first (profiled)", seed=0)
+            self.profile = prof.report()
+        else:
+            self.run(path, scenario, "first", seed=0)
         self.run(path, scenario, "second", seed=1)
 
     def warm(self):
@@ -103,9 +117,13 @@ class Worker:
                                "text_encoder": parameter_count(self.models.text_encoder),
                                "vae": parameter_count(self.models.vae)},
             "prompt_words": len(self.prompt.split()),
+            "prompt_tokens": self.prompt_tokens,
             "runs": self.runs,
             "engine": self.generator.engine.status(),
         }
+        for name in ("warm_up", "profile"):
+            if hasattr(self, name):
+                out[name] = getattr(self, name)
         return out
 
 
@@ -122,7 +140,7 @@ def main(argv=None) -> int:
     if kind == "warm":
         worker.warm()
     else:
-        worker.first()
+        worker.first(profile=kind == "profile")
     result = worker.result()
     result["triton_cache"] = {"dir": cache_dir, "kernels_before": kernels_before,
                               "kernels_after": triton_cache_kernels(cache_dir)}

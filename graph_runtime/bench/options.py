@@ -19,5 +19,7 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--e2e-paths", default="ours,diffusers", help="comma list of ours, diffusers")
     parser.add_argument("--e2e-first", action="store_true", help="only the first-prompt runs (fresh processes)")
     parser.add_argument("--e2e-warm", action="store_true", help="only the warm runs (both paths in one process)")
+    parser.add_argument("--e2e-no-extras", action="store_true",
+                        help="first prompts without the warm_up and profiled children of ours' first job")
     parser.add_argument("--e2e-repeats", type=int, default=2, help="measured warm prompts per scenario and path")
     parser.add_argument("--e2e-timeout", type=int, default=300, help="seconds a benchmark process may take")

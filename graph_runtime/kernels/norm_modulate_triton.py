@@ -4,7 +4,9 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The token count varies with every prompt length (prefix passes) and image size: not specialized, so one compiled
+# variant serves them all and a restart finds it in Triton's on-disk cache (see kernels/__init__.py).
+@triton.jit(do_not_specialize=["tokens"])
 def norm_modulate_kernel(x_ptr, delta_ptr, gate_ptr, scale_ptr, x_out_ptr, h_ptr, tokens, dim, gate_sb, scale_sb,
                          eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
