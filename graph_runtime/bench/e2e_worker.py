@@ -22,7 +22,7 @@ _STARTED = time.time()
 
 import torch  # noqa: E402
 
-from .e2e_models import build_models, diffusers_pipeline, parameter_count  # noqa: E402
+from .e2e_models import E2EModels, build_models, diffusers_pipeline, parameter_count  # noqa: E402
 from .e2e_paths import run_diffusers, run_ours  # noqa: E402
 from .e2e_scenarios import SCENARIOS, prompt_of_tokens, reference_image  # noqa: E402
 
@@ -61,9 +61,15 @@ class Worker:
         from ..generate import QwenImageGenerator
 
         start = time.perf_counter()
+        paths = self.task["paths"]
         self.models = build_models(self.device, self.dtype, tiny=self.tiny)
-        self.generator = QwenImageGenerator(self.models)
-        self.pipe = diffusers_pipeline(self.models) if "diffusers" in self.task["paths"] else None
+        self.generators = {}
+        if "ours-fp8" in paths:
+            self.generators["ours-fp8"] = QwenImageGenerator(self._fp8_models(alone=paths == ["ours-fp8"]))
+        if paths != ["ours-fp8"]:
+            self.generators["ours"] = QwenImageGenerator(self.models)
+        self.generator = next(iter(self.generators.values()))
+        self.pipe = diffusers_pipeline(self.models) if "diffusers" in paths else None
         self.prompt, self.prompt_tokens = prompt_of_tokens(self.generator.encoder)
         self.build_total_s = time.perf_counter() - start
         if self.task.get("warm_up"):
@@ -72,10 +78,24 @@ class Worker:
                                                          capture=self.task["warm_up"] == "capture")
             print(json.dumps({"warm_up": self.warm_up}), flush=True)
 
+    def _fp8_models(self, alone: bool):
+        """The models with an FP8 transformer (`fp8/convert.py`'s "fp8", its bf16 weights freed): the loaded one
+        converted when no bf16 path runs in this process, else a second one with the same weights."""
+        from ..fp8 import apply_precision
+        from .model import build_transformer
+
+        transformer = self.models.transformer if alone else build_transformer(device=self.device, dtype=self.dtype,
+                                                                              tiny=self.tiny)
+        self.models.build_s["fp8"] = apply_precision(transformer, "fp8")
+        return E2EModels(transformer=transformer, vae=self.models.vae, text_encoder=self.models.text_encoder,
+                         processor=self.models.processor, scheduler_config=self.models.scheduler_config)
+
     def run(self, path: str, scenario, label: str, seed: int) -> dict:
         image = reference_image(scenario.size) if scenario.references else None
-        if path == "ours":
-            record = run_ours(self.generator, scenario, self.prompt, image, seed, self.device, self.images)
+        if path in self.generators:
+            generator = self.generators[path]
+            record = run_ours(generator, scenario, self.prompt, image, seed, self.device, self.images)
+            record["dit_peak_gb"] = self._dit_peak(generator, record)
         else:
             record = run_diffusers(self.pipe, scenario, self.prompt, image, seed, self.device, self.images)
         row = {"path": path, "scenario": scenario.name, "run": label, **record}
@@ -84,6 +104,17 @@ class Worker:
                                        "vae_decode_ms", "png_encode_ms", "peak_gb") if k in row}
         print(json.dumps(_round(summary)), flush=True)
         return row
+
+    def _dit_peak(self, generator, record) -> float | None:
+        """The sampling phase's peak less what else the process holds (the text encoder, the VAE, another
+        transformer): the peak of a card with only this transformer, its graphs and the sampling on it."""
+        sampling = record.get("peak_gb_by_phase", {}).get("sampling")
+        if sampling is None:
+            return None
+        own = generator.models.transformer
+        others = {id(m): m for m in (self.models.text_encoder, self.models.vae,
+                                     *(g.models.transformer for g in self.generators.values())) if m is not own}
+        return sampling - sum(_nbytes(m) for m in others.values()) / 2**30
 
     def first(self, profile: bool = False):
         (path,), (scenario,) = self.task["paths"], self.scenarios
@@ -113,13 +144,13 @@ class Worker:
             "import_s": self.imported - spawned,
             "build_s": self.models.build_s,
             "build_total_s": self.build_total_s,
-            "params_billion": {"transformer": parameter_count(self.models.transformer),
+            "params_billion": {"transformer": parameter_count(self.generator.models.transformer),
                                "text_encoder": parameter_count(self.models.text_encoder),
                                "vae": parameter_count(self.models.vae)},
             "prompt_words": len(self.prompt.split()),
             "prompt_tokens": self.prompt_tokens,
             "runs": self.runs,
-            "engine": self.generator.engine.status(),
+            "engine": {path: g.engine.status() for path, g in self.generators.items()},
         }
         for name in ("warm_up", "profile"):
             if hasattr(self, name):
@@ -149,6 +180,10 @@ def main(argv=None) -> int:
     with open(out_path, "w") as f:
         json.dump(_round(result), f, indent=1, default=str)
     return 0
+
+
+def _nbytes(module) -> int:
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
 
 
 def _triton_version():

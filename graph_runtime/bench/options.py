@@ -21,5 +21,7 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--e2e-warm", action="store_true", help="only the warm runs (both paths in one process)")
     parser.add_argument("--e2e-no-extras", action="store_true",
                         help="first prompts without the warm_up and profiled children of ours' first job")
+    parser.add_argument("--e2e-precisions", default="bf16",
+                        help="bf16, or bf16,fp8: also our path with the FP8 transformer (graph_runtime/fp8)")
     parser.add_argument("--e2e-repeats", type=int, default=2, help="measured warm prompts per scenario and path")
     parser.add_argument("--e2e-timeout", type=int, default=300, help="seconds a benchmark process may take")

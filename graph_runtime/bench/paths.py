@@ -2,13 +2,15 @@
 
 `diffusers` is the reference: the transformer's own `kv_cache_mode="cached"` forward, eager, host syncs included.
 The others are this project's decode step: eager, captured, and captured with compiled blocks; `--paths all` adds
-the compiled path without our kernels, to measure them. (Fused q/k/v and gate/up GEMMs, a pinned cuDNN attention
-backend, max-autotune GEMMs and FP8 GEMMs were measured too and not kept: see
-bench/results/levers-20261202T113910.md and the README's performance section.)
+the compiled path without our kernels, to measure them; `fp8`, `fp8-attn` and `fp8-no-out` run the FP8 decode path
+(graph_runtime/fp8) on FP8 copies of the same weights. (Fused q/k/v and gate/up GEMMs, a pinned cuDNN attention
+backend and max-autotune GEMMs were measured too and not kept: see bench/results/levers-20261202T113910.md and the
+README's performance section.)
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -16,6 +18,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVC
 
 from ..decode.engine import DecodeEngine
 from ..decode.step import DecodeStep
+from ..fp8.convert import quantized_linears, swapped
 
 
 @dataclass(frozen=True)
@@ -25,6 +28,7 @@ class PathSpec:
     compile: bool = False
     reference: bool = False
     kernels: bool = True  # the hand-written kernels of graph_runtime/kernels (off: inductor's own code)
+    precision: str = "bf16"  # graph_runtime/fp8's presets: FP8 block Linears swapped in beside the bf16 ones
 
 
 ALL_PATHS = [
@@ -34,6 +38,11 @@ ALL_PATHS = [
     PathSpec("compile+graph", compile=True),
     # Not in the default set: the same path with inductor's own code where our kernels would run, to measure them.
     PathSpec("compile+graph-inductor-only", compile=True, kernels=False),
+    # Not in the default set: the FP8 decode path (fp8/convert.py's presets), graphed, and eagerly (for CPU runs).
+    PathSpec("fp8", precision="fp8"),
+    PathSpec("fp8-attn", precision="fp8-attn"),
+    PathSpec("fp8-no-out", precision="fp8-no-out"),
+    PathSpec("fp8-eager", mode="eager", precision="fp8"),
 ]
 DEFAULT_PATHS = ["diffusers", "eager", "graph", "compile+graph"]
 CPU_PATHS = ["diffusers", "eager"]
@@ -84,11 +93,18 @@ class OursPath:
 
     def __init__(self, spec: PathSpec, transformer):
         self.spec = spec
+        self.transformer = transformer
         self.engine = DecodeEngine(transformer, max_entries=4)
         if not spec.kernels:
             self.engine.step = DecodeStep(transformer, kernels=False)
         if spec.compile:
             self.engine.enable_compile()
+        # FP8 paths keep their quantized Linears (7 GB for the full model) and swap them in while they run.
+        self.modules = {} if spec.precision == "bf16" else quantized_linears(transformer, spec.precision)
+
+    def installed(self):
+        """This path's Linears in the model while inside (nothing to do for bf16 paths)."""
+        return swapped(self.transformer, self.modules) if self.modules else contextlib.nullcontext()
 
     def step(self, inputs, prefixes):
         engine, mode = self.engine, self.spec.mode
