@@ -198,3 +198,15 @@ def test_rotation_leaves_the_product_unchanged_before_quantization():
     x, w = torch.randn(5, 32), torch.randn(8, 32)
     rotate = lambda t: (t.reshape(*t.shape[:-1], -1, 16) @ h).reshape(t.shape)  # noqa: E731
     torch.testing.assert_close(rotate(x) @ rotate(w).t(), x @ w.t(), atol=1e-5, rtol=1e-5)
+
+
+def test_cli_generates_with_an_fp8_transformer_and_names_a_wrong_precision(tmp_path, capsys):
+    from graph_runtime.cli import main
+
+    out = tmp_path / "x.png"
+    assert main(["generate", "--out", str(out), "--width", "128", "--height", "128", "--steps", "2",
+                 "--precision", "fp8"]) == 0
+    printed = capsys.readouterr().out
+    assert "precision: fp8: 14 block Linears in FP8" in printed and out.is_file()
+    assert main(["generate", "--out", str(out), "--steps", "1", "--precision", "fp4"]) == 2
+    assert "precision='fp4' is invalid" in capsys.readouterr().err

@@ -218,7 +218,10 @@ def measure(transformer, scenario_inputs: dict, device, variants=DEFAULT_VARIANT
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    return {"variants": list(variants), "scenarios": results, "verdicts": verdicts(results)}
+    report = {"variants": list(variants), "scenarios": results, "verdicts": verdicts(results)}
+    if KitchenInt8Linear.fallback:
+        report["int8_note"] = f"comfy-kitchen's portable int8_linear ran: {KitchenInt8Linear.fallback}"
+    return report
 
 
 def _step_errors(transformer, inputs, outputs32) -> float:
@@ -269,7 +272,8 @@ def markdown(report: dict) -> str:
     lines = ["## FP8 quality bound: error vs fp32 against ComfyUI's INT8 ConvRot W8A8 on the same weights", "",
              "Per block: each block alone on the fp32 run's input, its residual update's relative L2 error; whole "
              "step: the variant's own prefix pass and step, its output's relative L2 error. A variant passes when "
-             "every block and the step stay within the INT8 ConvRot errors.", "",
+             "every block and the step stay within the INT8 ConvRot errors."
+             + (f" Note: {report['int8_note']}." if report.get("int8_note") else ""), "",
              "| scenario | variant | whole step err | / INT8 | blocks within INT8 | worst block / INT8 | "
              "mean block err | bound |", "|---|---|---:|---:|---:|---:|---:|---|"]
     for scenario, per_variant in report.get("scenarios", {}).items():

@@ -35,8 +35,20 @@ class KitchenInt8Linear(torch.nn.Module):
         self.register_buffer("qdata", qdata)
         self.register_buffer("scale", params.scale)
 
+    # Set when comfy-kitchen's dispatched implementation failed here and its portable one ran instead (reported).
+    fallback: str | None = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         import comfy_kitchen
 
-        return comfy_kitchen.int8_linear(x, self.qdata, self.scale, out_dtype=x.dtype, convrot=True,
-                                         convrot_groupsize=self.group)
+        rows = x.reshape(-1, x.shape[-1])
+        kwargs = dict(out_dtype=x.dtype, convrot=True, convrot_groupsize=self.group)
+        if KitchenInt8Linear.fallback is None:
+            try:
+                out = comfy_kitchen.int8_linear(rows, self.qdata, self.scale, **kwargs)
+                return out.reshape(*x.shape[:-1], self.out_features)
+            except Exception as exc:  # noqa: BLE001 - the bound is still measurable with the portable code
+                KitchenInt8Linear.fallback = f"{type(exc).__name__}: {exc}"[:300]
+        from comfy_kitchen.backends.eager.quantization import int8_linear
+
+        return int8_linear(rows, self.qdata, self.scale, **kwargs).reshape(*x.shape[:-1], self.out_features)

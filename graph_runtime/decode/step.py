@@ -33,7 +33,7 @@ from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21SwiGLUFeedForward
 
 from ..fp8.convert import precision_of
-from ..fp8.linear import Fp8Linear
+from ..fp8.linear import is_fp8_linear
 from ..kernels.fp8_quant import norm_modulate_fp8, residual_norm_modulate_fp8, silu_mul_fp8
 from ..kernels.norm_modulate import norm_modulate, residual_norm_modulate
 from ..kernels.qk_norm_rope import qk_norm_rope_write, rotate_pairs
@@ -113,7 +113,7 @@ class TargetDecodeBlock(torch.nn.Module):
 
     def _fp8_inputs(self, *linears) -> bool:
         """Whether our kernel should hand `linears` their input as FP8 rows (they are all ours, FP8, and fused)."""
-        return self.fuse_norms and all(type(linear) is Fp8Linear for linear in linears)
+        return self.fuse_norms and all(map(is_fp8_linear, linears))
 
     def mlp(self, h) -> torch.Tensor:
         """The block's SwiGLU MLP; with our kernels, its product runs as one pass (its projections still run as the

@@ -24,7 +24,7 @@ import time
 import torch
 
 from ..errors import InputError
-from .linear import Fp8Linear
+from .linear import Fp8Linear, is_fp8_linear
 
 GROUPS = {
     "qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
@@ -128,8 +128,7 @@ def apply_precision(transformer, precision: str) -> dict:
 def precision_of(transformer) -> str:
     """The precision whose groups are exactly the FP8 ones (read off the first block), else `fp8:<groups>`."""
     block = transformer.transformer_blocks[0]
-    converted = {group for group, names in GROUPS.items()
-                 if all(type(module_at(block, n)) is Fp8Linear for n in names)}
+    converted = {group for group, names in GROUPS.items() if all(is_fp8_linear(module_at(block, n)) for n in names)}
     for name, groups in PRECISIONS.items():
         if converted == set(groups):
             return name

@@ -59,11 +59,22 @@ def dequantized_matmul(a, a_scale, weight, weight_scale) -> torch.Tensor:
     return (a.float() * a_scale) @ (weight.float() * weight_scale).t()
 
 
+def is_fp8_linear(module) -> bool:
+    """Whether `module` is an `Fp8Linear` of any copy of the pack (see `Fp8Rows.kvgraph_fp8_rows`)."""
+    return getattr(type(module), "kvgraph_fp8_linear", False)
+
+
+def is_fp8_rows(value) -> bool:
+    return getattr(type(value), "kvgraph_fp8_rows", False)
+
+
 class Fp8Linear(torch.nn.Linear):
     """A Linear with an e4m3 `weight` `[out, in]` (requires_grad False) and an fp32 `weight_scale` buffer `[out, 1]`.
 
     `forward` takes a float tensor or an `Fp8Rows`; it returns `out_dtype` (the dtype the Linear ran in before, or
     the input's when it is a float tensor)."""
+
+    kvgraph_fp8_linear = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, device=None,
                  out_dtype: torch.dtype = torch.bfloat16):
@@ -102,7 +113,7 @@ class Fp8Linear(torch.nn.Linear):
         return (self.weight.float() * self.weight_scale).to(dtype)
 
     def forward(self, x):
-        if isinstance(x, Fp8Rows):
+        if is_fp8_rows(x):
             rows, out_dtype = x, self.out_dtype
         else:
             rows, out_dtype = quantize_rows_fp8(x), x.dtype

@@ -35,6 +35,9 @@ class Fp8Rows(NamedTuple):
 
     data: torch.Tensor
     scale: torch.Tensor
+    # Recognized by this marker, not by class: the pack may be imported twice in one process (see registry.py),
+    # and each copy has its own class.
+    kvgraph_fp8_rows = True
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:
         return (self.data.float() * self.scale).to(dtype)
