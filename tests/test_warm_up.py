@@ -1,8 +1,8 @@
 """`DecodeEngine.warm_up` on the CPU: the uncaptured warm-up keeps nothing and counts nothing; the capturing one
 leaves the graphs of exactly the layout a prompt of that length has, so that prompt's prefill and steps replay.
 
-A backend that "captures" by keeping the body and "replays" it on the entry's buffers runs the manager for real
-(as in tests/test_graph_manager.py); CUDA graphs themselves are tests/gpu/test_gpu_first_prompt.py's.
+tests/test_graph_manager.py's recording backend ("captures" by keeping the body, "replays" it on the entry's
+buffers) runs the manager for real; CUDA graphs themselves are tests/gpu/test_gpu_first_prompt.py's.
 """
 
 import torch
@@ -10,23 +10,7 @@ import torch
 from graph_runtime.decode.engine import DecodeEngine
 from graph_runtime.decode.layout import TokenLayout
 from graph_runtime.sampling.sampler import initial_noise, pack
-
-
-class KeepingBackend:
-    name = "keeping"
-
-    def unavailable_reason(self, transformer, params=None):
-        return None
-
-    def capture(self, entry, body):
-        entry.graph = body
-        entry.output = body(entry.inputs)
-        entry.captures += 1
-
-    def replay(self, entry):
-        entry.replays += 1
-        out = entry.graph(entry.inputs)
-        return None if out is None else out.clone()
+from tests.test_graph_manager import RecordingBackend
 
 
 def _prompt(generator, engine, prompt):
@@ -42,7 +26,7 @@ def _prompt(generator, engine, prompt):
 
 
 def test_uncaptured_warm_up_keeps_no_entry_and_counts_nothing(tiny_models):
-    engine = DecodeEngine(tiny_models.transformer, backend=KeepingBackend())
+    engine = DecodeEngine(tiny_models.transformer, backend=RecordingBackend())
     done = engine.warm_up([(8, 8), (4, 16)], prompt_tokens=20)
     assert [(d["latent"], d["path"]) for d in done["sizes"]] == [([8, 8], "uncaptured"), ([4, 16], "uncaptured")]
     stats = engine.manager.stats.snapshot()
@@ -51,8 +35,8 @@ def test_uncaptured_warm_up_keeps_no_entry_and_counts_nothing(tiny_models):
 
 
 def test_capturing_warm_up_makes_a_prompt_of_that_length_replay_only(tiny_models, generator):
-    engine = DecodeEngine(tiny_models.transformer, backend=KeepingBackend())
-    tokens, _ = _prompt(generator, DecodeEngine(tiny_models.transformer, backend=KeepingBackend()), "a red cube")
+    engine = DecodeEngine(tiny_models.transformer, backend=RecordingBackend())
+    tokens, _ = _prompt(generator, DecodeEngine(tiny_models.transformer, backend=RecordingBackend()), "a red cube")
     done = engine.warm_up([(8, 8)], prompt_tokens=tokens, capture=True)
     assert done["sizes"][0]["path"] == "capture"
     before = engine.manager.stats.snapshot()

@@ -202,7 +202,8 @@ def profile_lines(result: dict) -> list[str]:
         lines.append(f"| {phase} | {_ms(profile.get('phase_ms', {}).get(phase))} | {_ms(second_ms.get(phase))} | "
                      + " | ".join(_ms(cats.get(c)) for c in PROFILE_CATEGORIES) + " |")
     lines += ["", f"{profile.get('first_uses', 0)} first uses; the largest:", "",
-              "| phase | cause | op | signature | first ms | again ms | set-up ms |", "|---|---|---|---|---:|---:|---:|"]
+              "| phase | cause | op | signature | first ms | again ms | set-up ms |",
+              "|---|---|---|---|---:|---:|---:|"]
     for item in profile.get("top_first_uses", []):
         lines.append(f"| {item['phase']} | {item['category']} | {item['op']} | `{item['signature']}` | "
                      f"{item['first_ms']:.1f} | {item['again_ms']:.1f} | {item['setup_ms']:.1f} |")

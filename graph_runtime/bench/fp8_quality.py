@@ -263,7 +263,7 @@ def summary_lines(report: dict) -> list[str]:
             errs = report["scenarios"][scenario]
             lines.append(f"{variant} on {scenario}: {'PASS' if v['pass'] else 'FAIL'} - blocks within the INT8 "
                          f"ConvRot error {v['blocks_within']}/{v['blocks']} (worst ratio {v['worst_block_ratio']:.2f}),"
-                         f" whole step {errs[variant]['step_err']:.4f} vs INT8 {errs[INT8]['step_err']:.4f} "
+                         f" whole step {errs[variant]['step_err']:.3e} vs INT8 {errs[INT8]['step_err']:.3e} "
                          f"(ratio {v['step_ratio']:.2f})")
     return lines
 

@@ -52,7 +52,8 @@ TITLES = {
 def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="dynamic", references=0, seed=42):
     """Nodes as (id, type, widgets [(name, value)], links {input: (source id, slot)}, position)."""
     nodes = [
-        (1, "KVGraphLoadTransformer", [("transformer_name", TRANSFORMER_FILE), ("dtype", "bf16")], {}, (40, 80)),
+        (1, "KVGraphLoadTransformer", [("transformer_name", TRANSFORMER_FILE), ("dtype", "bf16"),
+                                       ("precision", "bf16")], {}, (40, 80)),
         (2, "KVGraphLoadTextEncoder", [("text_encoder_name", TEXT_ENCODER_FILE), ("dtype", "bf16"),
                                        ("text_encoder_placement", "gpu while encoding, then offload")], {},
          (40, 240)),
