@@ -161,6 +161,13 @@ def cmd_generate(args) -> int:
     checked = check_generate_args(args)
     start = time.perf_counter()
     models = load_models(args, checked.device)
+    if args.precision != "bf16":
+        from .fp8 import apply_precision
+
+        done = apply_precision(models.transformer, args.precision)
+        print(f"precision: {args.precision}: {done['linears']} block Linears in FP8, "
+              f"{done['block_linear_bytes_after'] / 2**30:.2f} GiB instead of "
+              f"{done['block_linear_bytes_before'] / 2**30:.2f} GiB ({done['seconds']} s)")
     load_s = time.perf_counter() - start
     generator = QwenImageGenerator(models)
     for run in range(args.repeat):
@@ -248,6 +255,9 @@ def build_parser() -> argparse.ArgumentParser:
                           "benchmark, ~6 s more on the first prompt); default off")
     gen.add_argument("--reference-resolution", type=int, default=1024, help="references are resized to ~N*N px")
     gen.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on CPU")
+    gen.add_argument("--precision", default="bf16",
+                     help="the transformer blocks' Linears: bf16 (as loaded), fp8, fp8-attn (MLP kept bf16) or "
+                          "fp8-no-out; FP8 GEMMs need an Ada, Hopper or Blackwell GPU (docs/fp8.md)")
     gen.add_argument("--device", default=None, help="default cuda when available")
     gen.add_argument("--repeat", type=int, default=1, help="generate N times in one process (shows graph reuse)")
     gen.add_argument("--out", required=True,

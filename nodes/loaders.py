@@ -11,6 +11,7 @@ import comfy.model_management as mm
 from comfy_api.latest import io
 
 from ..graph_runtime.comfy_interop import file_identity
+from ..graph_runtime.fp8 import DEFAULT_PRECISION, PRECISIONS, apply_precision, check_precision
 from ..graph_runtime.loading import (
     default_scheduler_config, load_pipeline_folder, load_text_encoder, load_transformer, load_vae,
 )
@@ -49,6 +50,20 @@ INT8_TOOLTIP = (
 )
 
 
+PRECISION_TOOLTIP = (
+    "The block Linears' precision. 'bf16' (default) runs them as loaded. 'fp8' quantizes them once at load to e4m3 "
+    "with per-channel scales (7 GB instead of 14; the bf16 weights are freed) and runs FP8 GEMMs on Ada, Hopper and "
+    "Blackwell GPUs; 'fp8-attn' keeps the MLP in bf16, 'fp8-no-out' the attention output projection. FP8 trades "
+    "accuracy for speed: see docs/fp8.md for what the benchmark measured. FP8 is quantized from float weights, so an "
+    "INT8 ConvRot file is dequantized first whatever int8_weights says.")
+
+
+def _precision_input():
+    # Optional, so workflows saved before it existed still validate (they get bf16).
+    return io.Combo.Input("precision", options=list(PRECISIONS), default=DEFAULT_PRECISION, optional=True,
+                          tooltip=PRECISION_TOOLTIP)
+
+
 def _dtype_input():
     return io.Combo.Input("dtype", options=list(DTYPES), default="bf16", tooltip=DTYPE_TOOLTIP)
 
@@ -79,18 +94,25 @@ def weights_info(module, int8_weights: str) -> dict:
 
 
 def transformer_handle(path: str, dtype_name: str, scheduler_config: dict | None = None,
-                       int8_weights: str = KEEP_INT8) -> TransformerHandle:
+                       int8_weights: str = KEEP_INT8, precision: str = DEFAULT_PRECISION) -> TransformerHandle:
     check_mode(int8_weights, "int8_weights")
+    check_precision(precision)
+    # FP8 is quantized from float weights: an INT8 file is dequantized first whatever `int8_weights` says.
+    quantized = int8_weights if precision == DEFAULT_PRECISION else "dequantize"
 
     def load():
         module = load_transformer(path, dtype=DTYPES[dtype_name], device=mm.unet_offload_device(),
-                                  quantized=int8_weights, dequantize_device=mm.get_torch_device())
-        info = {"variant": transformer_variant(path), **weights_info(module, int8_weights)}
+                                  quantized=quantized, dequantize_device=mm.get_torch_device())
+        if precision != DEFAULT_PRECISION:
+            apply_precision(module, precision)
+        info = {"variant": transformer_variant(path), **weights_info(module, quantized), "precision": precision}
         return TransformerHandle.create(
             "transformer", module, path, dtype_name, mm.get_torch_device(), mm.unet_offload_device(),
             scheduler_config=scheduler_config or default_scheduler_config(), info=info)
 
-    return model_cache.get_or_load(model_cache.cache_key("transformer", path, dtype_name, int8_weights), load)
+    # A bf16 load keeps the key it always had; another precision is another model.
+    options = () if precision == DEFAULT_PRECISION else (precision,)
+    return model_cache.get_or_load(model_cache.cache_key("transformer", path, dtype_name, quantized, *options), load)
 
 
 def text_encoder_handle(path: str, dtype_name: str, placement: str, tokenizer_dir: str | None,
@@ -142,18 +164,19 @@ class KVGraphLoadTransformer(io.ComfyNode):
                                        "the 8-step Turbo model (the sampler's auto preset follows it)."),
                 _dtype_input(),
                 _int8_input(),
+                _precision_input(),
             ],
             outputs=[Transformer.Output(display_name="transformer")],
         )
 
     @classmethod
-    def fingerprint_inputs(cls, transformer_name, dtype, int8_weights=KEEP_INT8):
-        return _fingerprint("diffusion_models", transformer_name, dtype, int8_weights)
+    def fingerprint_inputs(cls, transformer_name, dtype, int8_weights=KEEP_INT8, precision=DEFAULT_PRECISION):
+        return _fingerprint("diffusion_models", transformer_name, dtype, int8_weights, precision)
 
     @classmethod
-    def execute(cls, transformer_name, dtype, int8_weights=KEEP_INT8) -> io.NodeOutput:
+    def execute(cls, transformer_name, dtype, int8_weights=KEEP_INT8, precision=DEFAULT_PRECISION) -> io.NodeOutput:
         path = model_files.full_path("diffusion_models", transformer_name, "transformer_name")
-        return io.NodeOutput(transformer_handle(path, dtype, int8_weights=int8_weights))
+        return io.NodeOutput(transformer_handle(path, dtype, int8_weights=int8_weights, precision=precision))
 
 
 class KVGraphLoadTextEncoder(io.ComfyNode):
@@ -230,6 +253,7 @@ class KVGraphLoadDiffusers(io.ComfyNode):
                                tooltip="A pipeline folder under models/diffusers (one holding model_index.json)."),
                 _dtype_input(),
                 _placement_input(),
+                _precision_input(),
             ],
             outputs=[
                 Transformer.Output(display_name="transformer"),
@@ -239,10 +263,10 @@ class KVGraphLoadDiffusers(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, folder, dtype, text_encoder_placement) -> io.NodeOutput:
+    def execute(cls, folder, dtype, text_encoder_placement, precision=DEFAULT_PRECISION) -> io.NodeOutput:
         root = model_files.diffusers_path(folder)
         scheduler = load_pipeline_folder(root, dtype=DTYPES[dtype], device="meta", components=()).scheduler_config
-        transformer = transformer_handle(root, dtype, scheduler)
+        transformer = transformer_handle(root, dtype, scheduler, precision=precision)
         text_encoder = text_encoder_handle(root, dtype, text_encoder_placement, tokenizer_dir=None)
         vae = vae_handle(root, dtype)
         return io.NodeOutput(transformer, text_encoder, vae)

@@ -96,8 +96,8 @@ def test_turbo_grid_is_comfyuis_template_schedule(comfy_env, conditioning):
     schedule = pack_module(comfy_env, "graph_runtime.sampling.schedule")
     positive, latent = conditioning
     for model, preset in ((transformer(comfy_env, TURBO_INT8), "auto"), (transformer(comfy_env), "turbo")):
-        request, _, tokens = nodes_sampler.build_request(model, positive, None, latent, 7, 40, 1.0, preset, 1.0,
-                                                         "auto", "off")
+        request, _ = nodes_sampler.build_request(model, positive, None, latent, 7, 40, 1.0, preset, 1.0, "auto",
+                                                 "off")
         assert request.sigma_preset == "turbo"
         sigmas_in = schedule.resolve_sigmas(request.sigma_preset, request.steps, request.sigmas)
         config = schedule.scheduler_config_for(request.sigma_preset, request.scheduler_config)
@@ -105,8 +105,8 @@ def test_turbo_grid_is_comfyuis_template_schedule(comfy_env, conditioning):
         expected = torch.tensor(TEMPLATE_TURBO_SIGMAS, dtype=sigmas.dtype)
         assert torch.equal(sigmas.cpu(), expected)
         assert torch.allclose(timesteps.cpu(), expected[:-1] * 1000, rtol=0, atol=1e-3)
-    dynamic, _, _ = nodes_sampler.build_request(transformer(comfy_env), positive, None, latent, 7, 40, 1.0, "auto",
-                                                1.0, "auto", "off")
+    dynamic, _ = nodes_sampler.build_request(transformer(comfy_env), positive, None, latent, 7, 40, 1.0, "auto",
+                                             1.0, "auto", "off")
     assert dynamic.sigma_preset == "dynamic" and dynamic.scheduler_config == transformer(comfy_env).scheduler_config
 
 

@@ -303,3 +303,65 @@ def test_prefix_pass_and_decode_with_the_triton_kernels():
     pytest.importorskip("triton", reason="triton is not installed with this torch build")
     done = _run_interpreted(_FORCED_KERNELS_SCRIPT, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+
+_FP8_KERNELS_SCRIPT = textwrap.dedent("""
+    import torch
+    import triton
+    import triton.language as tl
+
+    from graph_runtime.kernels import fp8_quant as q
+    from graph_runtime.kernels.norm_modulate import _triton_norm_modulate, reference_norm_modulate_fp32
+
+    @triton.jit
+    def cast_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+        offsets = tl.arange(0, BLOCK)
+        mask = offsets < n
+        tl.store(y_ptr + offsets, tl.load(x_ptr + offsets, mask=mask).to(tl.float8e4nv), mask=mask)
+
+    def interpreter_e4m3(values):
+        # The interpreter's own fp32 -> e4m3 conversion (it loses the carry when rounding overflows the mantissa,
+        # which the GPU's does not): the kernels' values are compared with the reference through the same one.
+        flat = values.contiguous().reshape(-1)
+        out = torch.empty(flat.shape, dtype=torch.float8_e4m3fn)
+        cast_kernel[(1,)](flat, out, flat.numel(), BLOCK=triton.next_power_of_2(flat.numel()))
+        return out.reshape(values.shape)
+
+    def check(name, data, scale, want):
+        want_scale = (want.abs().amax(-1, keepdim=True) / 448).clamp(min=1e-12)
+        torch.testing.assert_close(scale, want_scale, rtol=1e-5, atol=0, msg=name)
+        got, expected = data.float(), interpreter_e4m3(want / scale).float()
+        step = torch.maximum(expected.abs() * 2**-3, torch.full_like(expected, 2**-9))  # one e4m3 step
+        assert bool(((got - expected).abs() <= step * 1.0001).all()), name
+        same = (got == expected).float().mean().item()
+        assert same > 0.99, (name, same)
+
+    g = torch.Generator().manual_seed(0)
+    for dim in (64, 40):  # a power of two and a masked row tail
+        x = torch.randn(2, 5, dim, generator=g) * 3
+        delta = torch.randn(2, 5, dim, generator=g)
+        modulation = torch.randn(2, 4 * dim, generator=g)
+        scale, gate = modulation[:, :dim], modulation[:, dim:2 * dim]
+        _, h, h_scale = _triton_norm_modulate(x, None, None, scale, 1e-6, fp8=True)
+        check(f"norm {dim}", h, h_scale, reference_norm_modulate_fp32(x, None, None, scale, 1e-6)[1])
+        x_new, h, h_scale = _triton_norm_modulate(x, delta, gate, scale, 1e-6, fp8=True)
+        want_x, want_h = reference_norm_modulate_fp32(x, delta, gate, scale, 1e-6)
+        torch.testing.assert_close(x_new, want_x, atol=1e-5, rtol=0)
+        check(f"residual norm {dim}", h, h_scale, want_h)
+    gate, up = torch.randn(6, 96, generator=g) * 4, torch.randn(6, 96, generator=g)
+    check("silu_mul", *q._triton_silu_mul_fp8(gate, up), torch.nn.functional.silu(gate) * up)
+    rows = torch.randn(3, 4, 80, generator=g) * torch.logspace(-3, 3, 4)[None, :, None]
+    check("quantize rows", *q._triton_quantize_rows(rows), rows)
+    print("ok")
+""")
+
+
+def test_fp8_kernels_through_interpreter():
+    """Our kernels' FP8 outputs (the norm, the residual + norm, SwiGLU, and the row quantizer): per-row scales equal
+    amax / 448 of the PyTorch math, the x output of the residual form its fp32 sum, and the e4m3 values the
+    reference's scaled by those scales. Rounding itself goes through the interpreter's conversion on both sides (its
+    own, which differs from the GPU's; tests/gpu compares with torch's there); a reduction summed in another order
+    can move a value across a rounding boundary, so up to 1% may differ, by one e4m3 step at most."""
+    pytest.importorskip("triton", reason="triton is not installed with this torch build")
+    done = _run_interpreted(_FP8_KERNELS_SCRIPT)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

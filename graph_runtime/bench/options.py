@@ -11,3 +11,17 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny 2-block model (a CPU smoke run of the bench)")
     parser.add_argument("--profile", action="store_true", help="also print a kernel table of the fastest path")
+    # The prompt-to-image benchmark (graph_runtime/bench/e2e_runner.py).
+    parser.add_argument("--e2e", action="store_true",
+                        help="prompt to PNG instead of the decode step: ours vs diffusers' pipeline, full-size random "
+                             "DiT + Qwen3-VL-8B + VAE, first prompt of a fresh process and warm")
+    parser.add_argument("--e2e-scenarios", default="t2i,turbo,edit", help="comma list of t2i, turbo, edit")
+    parser.add_argument("--e2e-paths", default="ours,diffusers", help="comma list of ours, diffusers")
+    parser.add_argument("--e2e-first", action="store_true", help="only the first-prompt runs (fresh processes)")
+    parser.add_argument("--e2e-warm", action="store_true", help="only the warm runs (both paths in one process)")
+    parser.add_argument("--e2e-no-extras", action="store_true",
+                        help="first prompts without the warm_up and profiled children of ours' first job")
+    parser.add_argument("--e2e-precisions", default="bf16",
+                        help="bf16, or bf16,fp8: also our path with the FP8 transformer (graph_runtime/fp8)")
+    parser.add_argument("--e2e-repeats", type=int, default=2, help="measured warm prompts per scenario and path")
+    parser.add_argument("--e2e-timeout", type=int, default=300, help="seconds a benchmark process may take")

@@ -2,14 +2,16 @@
 
 `diffusers` is the reference: the transformer's own `kv_cache_mode="cached"` forward, eager, host syncs included.
 The others are this project's decode step: eager, captured, and captured with compiled blocks; `--paths all` adds
-the compiled path without our kernels, to measure them, and the INT8 ConvRot paths: the blocks' Linear layers quantized
-on the GPU with comfy-kitchen from the same random bf16 weights and run int8 (W8A8, `graph-int8`) or dequantized
-back to bf16 at load (`graph-dequantized`). (Fused q/k/v and gate/up GEMMs, a pinned cuDNN attention backend,
-max-autotune GEMMs and FP8 GEMMs were measured too and not kept: docs/performance.md says what each gave.)
+the compiled path without our kernels, to measure them; the INT8 ConvRot paths: the blocks' Linear layers quantized
+on the GPU with comfy-kitchen from the same random bf16 weights and run int8 (W8A8, `graph-int8`) or dequantized back
+to bf16 at load (`graph-dequantized`); and `fp8`, `fp8-attn` and `fp8-no-out`, the FP8 decode path (graph_runtime/fp8)
+on FP8 copies of the same weights. (Fused q/k/v and gate/up GEMMs, a pinned cuDNN attention backend and max-autotune
+GEMMs were measured too and not kept: docs/performance.md says what each gave.)
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -17,6 +19,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVC
 
 from ..decode.engine import DecodeEngine
 from ..decode.step import DecodeStep
+from ..fp8.convert import quantized_linears, swapped
 
 
 @dataclass(frozen=True)
@@ -27,6 +30,7 @@ class PathSpec:
     reference: bool = False
     kernels: bool = True  # the hand-written kernels of graph_runtime/kernels (off: inductor's own code)
     weights: str = "bf16"  # "int8" / "dequantized": a ConvRot copy of the blocks (see quantized_transformer)
+    precision: str = "bf16"  # graph_runtime/fp8's presets: FP8 block Linears swapped in beside the bf16 ones
 
 
 ALL_PATHS = [
@@ -39,6 +43,11 @@ ALL_PATHS = [
     # Not in the default set: ComfyUI's INT8 ConvRot checkpoints, in the loaders' two modes.
     PathSpec("graph-int8", weights="int8"),
     PathSpec("graph-dequantized", weights="dequantized"),
+    # Not in the default set: the FP8 decode path (fp8/convert.py's presets), graphed, and eagerly (for CPU runs).
+    PathSpec("fp8", precision="fp8"),
+    PathSpec("fp8-attn", precision="fp8-attn"),
+    PathSpec("fp8-no-out", precision="fp8-no-out"),
+    PathSpec("fp8-eager", mode="eager", precision="fp8"),
 ]
 CONVROT_GROUP = 256  # ComfyUI's default group size, the one comfy-kitchen's fused CUDA quantizer runs
 DEFAULT_PATHS = ["diffusers", "eager", "graph", "compile+graph"]
@@ -107,12 +116,19 @@ class OursPath:
         self.spec = spec
         if spec.weights != "bf16":
             # the engine holds its transformer weakly: the path keeps its own copy alive
-            transformer = self.transformer = quantized_transformer(transformer, spec.weights)
+            transformer = quantized_transformer(transformer, spec.weights)
+        self.transformer = transformer
         self.engine = DecodeEngine(transformer, max_entries=4)
         if not spec.kernels:
             self.engine.step = DecodeStep(transformer, kernels=False)
         if spec.compile:
             self.engine.enable_compile()
+        # FP8 paths keep their quantized Linears (7 GB for the full model) and swap them in while they run.
+        self.modules = {} if spec.precision == "bf16" else quantized_linears(transformer, spec.precision)
+
+    def installed(self):
+        """This path's Linears in the model while inside (nothing to do for bf16 paths)."""
+        return swapped(self.transformer, self.modules) if self.modules else contextlib.nullcontext()
 
     def step(self, inputs, prefixes):
         engine, mode = self.engine, self.spec.mode

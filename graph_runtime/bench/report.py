@@ -76,15 +76,22 @@ def _fmt(value, fmt):
     return "" if value is None else fmt.format(value)
 
 
-def write_reports(out_dir: Path, meta, results, amortization, profile_text=None):
+def write_reports(out_dir: Path, meta, results, amortization, profile_text=None, fp8_report=None):
     out_dir.mkdir(parents=True, exist_ok=True)
     stamp = meta["date"].replace(":", "").replace("-", "")[:15]
     md_path = out_dir / f"decode-{stamp}.md"
     json_path = out_dir / f"decode-{stamp}.json"
     text = markdown(meta, results, amortization)
+    if fp8_report:
+        from .fp8_quality import markdown as fp8_markdown
+
+        text += "\n" + (fp8_markdown(fp8_report) if "error" not in fp8_report
+                        else f"## FP8 quality bound\n\nFAILED: {fp8_report['error']}\n")
     if profile_text:
         text += "\n## Profile\n\n```\n" + profile_text + "\n```\n"
     md_path.write_text(text)
-    json_path.write_text(json.dumps({"meta": meta, "scenarios": results, "amortization": amortization}, indent=1,
-                                    default=str))
+    payload = {"meta": meta, "scenarios": results, "amortization": amortization}
+    if fp8_report:
+        payload["fp8_quality"] = fp8_report
+    json_path.write_text(json.dumps(payload, indent=1, default=str))
     return md_path, json_path

@@ -25,7 +25,7 @@ import torch
 from ..decode.prefill import run_prefill
 from . import quality
 from .model import build_transformer, fp32_copy
-from .paths import ALL_PATHS, CPU_PATHS, DEFAULT_PATHS, OursPath, reference_caches, reference_prefill, reference_step
+from .paths import ALL_PATHS, DEFAULT_PATHS, OursPath, reference_caches, reference_prefill, reference_step
 from .report import write_reports
 from .scenarios import (DEFAULT_SCENARIOS, QUICK_SCENARIOS, TINY_SCENARIOS, build_inputs, decode_flops,
                         describe, prefill_flops)
@@ -54,7 +54,7 @@ def _select_paths(spec: str, device):
         wanted = spec.split(",")
         specs = [p for p in ALL_PATHS if p.name in wanted or p.reference]
     if torch.device(device).type != "cuda":
-        specs = [p for p in specs if p.name in CPU_PATHS]
+        specs = [p for p in specs if p.reference or p.mode == "eager"]  # nothing is captured off CUDA
     return specs
 
 
@@ -126,98 +126,117 @@ def _peak_gb(device) -> float | None:
     return torch.cuda.max_memory_allocated(device) / 2**30
 
 
-def run_scenario(transformer, scenario, path_specs, engines, refs, device, iters, context, channels):
-    config = transformer.config
-    inputs = build_inputs(scenario, context, channels, device, torch.bfloat16 if device != "cpu" else torch.float32)
-    flops = decode_flops(config, scenario, inputs.branches)
-    roofline_ms = flops / (PEAK_TFLOPS * 1e12) * 1e3
+def run_scenario(transformer, scenario, path_specs, engines, refs, device, iters, context, channels,
+                 fp8_verdicts=None):
+    """Every path on one scenario. `fp8_verdicts`: {precision: {scenario: verdict}} from `fp8_quality`: an FP8
+    path's guard is that bound (its error within INT8 ConvRot's), not the bf16 paths' 10% of diffusers' error."""
     rows = []
     with torch.no_grad():
-        # Our sampler runs the prefix rows alone and predicts step 1 with a decode step (DecodeEngine.prefill):
-        # eagerly here, replayed from the entry's captured prefix pass on graph paths (measured per path below);
-        # diffusers' prefill is its extract forward, which predicts step 1 itself.
-        prefill_ms = device_ms(lambda: _prefixes(transformer, inputs, with_target=False), device, iters=3, warmup=1)
+        inputs = build_inputs(scenario, context, channels, device,
+                              torch.bfloat16 if device != "cpu" else torch.float32)
         prefixes = _prefixes(transformer, inputs)
-        caches = reference_caches(prefixes)
-        reference_outputs = None
-        reference_err = None
-        eager_outputs = None
-        for spec in path_specs:
-            if not spec.reference and spec.name not in engines:
-                engines[spec.name] = OursPath(spec, transformer)  # before the peak reset: a quantized copy's build
-            _peak_reset(device)
-            if spec.reference and inputs.latents.shape[1] % 4:
-                # diffusers lays the target out in 2x2-token slots, so it cannot decode an odd latent grid (its
-                # pipeline rounds such sizes down to a multiple of 32 px); ratios then use our eager step.
-                rows.append({"scenario": scenario.name, "path": spec.name, "skipped": "odd latent grid"})
-                continue
-            if spec.reference:
-                step = reference_step(transformer, inputs, caches)
-                stats_before = None
-            else:
-                path = engines[spec.name]
+        try:
+            _run_paths(transformer, scenario, inputs, prefixes, path_specs, engines, refs, device, iters, rows,
+                       fp8_verdicts or {})
+        finally:
+            for prefix in prefixes.values():
+                prefix.release()
+    return {"scenario": scenario.name, **describe(scenario, inputs.branches),
+            "prefill_flop": prefill_flops(transformer.config, scenario, inputs.branches), "rows": rows}
+
+
+def _run_paths(transformer, scenario, inputs, prefixes, path_specs, engines, refs, device, iters, rows,
+               fp8_verdicts):
+    config = transformer.config
+    flops = decode_flops(config, scenario, inputs.branches)
+    roofline_ms = flops / (PEAK_TFLOPS * 1e12) * 1e3
+    # Our sampler runs the prefix rows alone and predicts step 1 with a decode step (DecodeEngine.prefill): eagerly
+    # here, replayed from the entry's captured prefix pass on graph paths (measured per path below); diffusers'
+    # prefill is its extract forward, which predicts step 1 itself.
+    prefill_ms = device_ms(lambda: _prefixes(transformer, inputs, with_target=False), device, iters=3, warmup=1)
+    caches = reference_caches(prefixes)
+    seen = {"reference_outputs": None, "reference_err": None, "eager_outputs": None}
+    for spec in path_specs:
+        if not spec.reference and spec.name not in engines:
+            engines[spec.name] = OursPath(spec, transformer)  # before the peak reset: a quantized copy's build
+        _peak_reset(device)
+        if spec.reference and inputs.latents.shape[1] % 4:
+            # diffusers lays the target out in 2x2-token slots, so it cannot decode an odd latent grid (its pipeline
+            # rounds such sizes down to a multiple of 32 px); ratios then use our eager step.
+            rows.append({"scenario": scenario.name, "path": spec.name, "skipped": "odd latent grid"})
+            continue
+        row = {"scenario": scenario.name, "path": spec.name, "prefill_ms": prefill_ms, "decode_flop": flops,
+               "roofline_ms": roofline_ms}
+        if spec.reference:
+            _measure(row, reference_step(transformer, inputs, caches), None, spec, transformer, inputs, prefixes,
+                     caches, refs, device, iters, seen)
+        else:
+            path = engines[spec.name]
+            with path.installed():
                 path_prefill_ms = _engine_prefill_ms(path.engine, inputs, device) if spec.mode == "graph" else None
-                step = path.step(inputs, prefixes)
-                stats_before = path.engine.manager.stats.snapshot()
-            outputs, first_s = wall_s(step, device)
-            row = {"scenario": scenario.name, "path": spec.name, "prefill_ms": prefill_ms,
-                   "first_call_s": first_s, "decode_flop": flops, "roofline_ms": roofline_ms}
-            if stats_before is not None:
+                _measure(row, path.step(inputs, prefixes), path, spec, transformer, inputs, prefixes, caches, refs,
+                         device, iters, seen)
                 if path_prefill_ms is not None:
                     row["prefill_ms"] = path_prefill_ms
-                delta = path.engine.manager.stats.delta(stats_before)
-                row["captures"] = delta["captures"]
-                row["capture_s"] = delta["capture_seconds"]
-                row["warmup_s"] = sum(getattr(e, "warmup_seconds", 0.0)
-                                      for e in path.engine.manager.entries.values())
-                row["compile_s"] = row["warmup_s"] if spec.compile else 0.0
-                row["eager_steps"] = delta["eager_steps"]
-            with ClockSampler(device) as clocks:
-                row["decode_ms"] = device_ms(step, device, iters=iters)
-            row.update(clocks.summary())
-            row["host_ms"] = host_ms(step, device, iters=iters)
-            if device != "cpu":
-                row["decode_ms_after_idle"] = after_idle_ms(step, device)
-            row["peak_gb"] = _peak_gb(device)
-            if not spec.reference:
-                row["graph_bytes"] = path.engine.manager.bytes_held()
-                row["weights_gb"] = _weights_gb(path.engine.transformer)
-            if spec.reference:
-                reference_outputs = outputs
-                row["prefill_ms"] = device_ms(reference_prefill(transformer, inputs), device, iters=2, warmup=1)
-            if spec.name == "eager":
-                eager_outputs = outputs
-            elif eager_outputs is not None and not spec.reference:
-                row["vs_own_eager_maxabs"] = quality.max_abs(outputs, eager_outputs)
-            if not spec.reference and spec.mode == "graph":
-                row["replay_vs_body_maxabs"] = _replay_vs_body(path, inputs, prefixes)
-            if reference_outputs is not None and not spec.reference:
-                row["vs_diffusers_maxabs"] = quality.max_abs(outputs, reference_outputs)
-            if scenario.name in refs:
-                err = quality.relative_error(outputs, refs[scenario.name])
-                row["rel_err_vs_fp32"] = err
-                row["psnr_vs_fp32_db"] = quality.psnr_db(outputs, refs[scenario.name])
-                if spec.reference:
-                    reference_err = err
-                if reference_err:
-                    row["err_ratio_vs_diffusers"] = err / reference_err
-                    row["quality_ok"] = err <= quality.GUARD_RATIO * reference_err
-            rows.append(row)
-            if not spec.reference:
                 path.engine.release()  # each path's peak is its own: drop its graphs before the next path
-            del outputs
-        measured = [r for r in rows if "skipped" not in r]
-        base = next((r for r in measured if r["path"] == "diffusers"), measured[0])
-        for row in measured:
-            row["speedup_vs_diffusers"] = base["decode_ms"] / row["decode_ms"]
-            row["x_roofline"] = row["decode_ms"] / roofline_ms
-            decode_steps = 0 if row["path"] == "diffusers" else 1  # is step 1 a decode step?
-            row["dit_40_steps_ms"] = row["prefill_ms"] + (39 + decode_steps) * row["decode_ms"]
-            row["dit_8_steps_ms"] = row["prefill_ms"] + (7 + decode_steps) * row["decode_ms"]
-        for prefix in prefixes.values():
-            prefix.release()
-    return {"scenario": scenario.name, **describe(scenario, inputs.branches),
-            "prefill_flop": prefill_flops(config, scenario, inputs.branches), "rows": rows}
+            verdict = fp8_verdicts.get(spec.precision, {}).get(scenario.name)
+            if spec.precision != "bf16":
+                # The FP8 bound replaces the bf16 guard; without a verdict for this scenario there is no guard.
+                row.pop("quality_ok", None)
+                if verdict is not None:
+                    row["quality_ok"] = verdict["pass"]
+        rows.append(row)
+    measured = [r for r in rows if "skipped" not in r]
+    base = next((r for r in measured if r["path"] == "diffusers"), measured[0])
+    for row in measured:
+        row["speedup_vs_diffusers"] = base["decode_ms"] / row["decode_ms"]
+        row["x_roofline"] = row["decode_ms"] / roofline_ms
+        decode_steps = 0 if row["path"] == "diffusers" else 1  # is step 1 a decode step?
+        row["dit_40_steps_ms"] = row["prefill_ms"] + (39 + decode_steps) * row["decode_ms"]
+        row["dit_8_steps_ms"] = row["prefill_ms"] + (7 + decode_steps) * row["decode_ms"]
+
+
+def _measure(row, step, path, spec, transformer, inputs, prefixes, caches, refs, device, iters, seen) -> None:
+    """One path's figures on one scenario into `row` (`path` is None for the reference)."""
+    stats_before = None if path is None else path.engine.manager.stats.snapshot()
+    outputs, row["first_call_s"] = wall_s(step, device)
+    if stats_before is not None:
+        delta = path.engine.manager.stats.delta(stats_before)
+        row["captures"] = delta["captures"]
+        row["capture_s"] = delta["capture_seconds"]
+        row["warmup_s"] = sum(getattr(e, "warmup_seconds", 0.0) for e in path.engine.manager.entries.values())
+        row["compile_s"] = row["warmup_s"] if spec.compile else 0.0
+        row["eager_steps"] = delta["eager_steps"]
+    with ClockSampler(device) as clocks:
+        row["decode_ms"] = device_ms(step, device, iters=iters)
+    row.update(clocks.summary())
+    row["host_ms"] = host_ms(step, device, iters=iters)
+    if device != "cpu":
+        row["decode_ms_after_idle"] = after_idle_ms(step, device)
+    row["peak_gb"] = _peak_gb(device)
+    if path is not None:
+        row["graph_bytes"] = path.engine.manager.bytes_held()
+        row["weights_gb"] = _weights_gb(path.engine.transformer)
+    if spec.reference:
+        seen["reference_outputs"] = outputs
+        row["prefill_ms"] = device_ms(reference_prefill(transformer, inputs), device, iters=2, warmup=1)
+    if spec.name == "eager":
+        seen["eager_outputs"] = outputs
+    elif seen["eager_outputs"] is not None and not spec.reference:
+        row["vs_own_eager_maxabs"] = quality.max_abs(outputs, seen["eager_outputs"])
+    if not spec.reference and spec.mode == "graph":
+        row["replay_vs_body_maxabs"] = _replay_vs_body(path, inputs, prefixes)
+    if seen["reference_outputs"] is not None and not spec.reference:
+        row["vs_diffusers_maxabs"] = quality.max_abs(outputs, seen["reference_outputs"])
+    if row["scenario"] in refs:
+        err = quality.relative_error(outputs, refs[row["scenario"]])
+        row["rel_err_vs_fp32"] = err
+        row["psnr_vs_fp32_db"] = quality.psnr_db(outputs, refs[row["scenario"]])
+        if spec.reference:
+            seen["reference_err"] = err
+        if seen["reference_err"]:
+            row["err_ratio_vs_diffusers"] = err / seen["reference_err"]
+            row["quality_ok"] = err <= quality.GUARD_RATIO * seen["reference_err"]
 
 
 def _replay_vs_body(path, inputs, prefixes) -> float:
@@ -296,6 +315,10 @@ def amortization(transformer, device, context, channels):
 
 
 def main(args) -> int:
+    if getattr(args, "e2e", False):
+        from .e2e_runner import e2e_main
+
+        return e2e_main(args)
     device = args.device if torch.cuda.is_available() or args.device == "cpu" else "cpu"
     if device != "cpu" and not torch.cuda.is_available():
         print("bench: no CUDA device; run with --device cpu --tiny for a smoke run", file=sys.stderr)
@@ -316,10 +339,13 @@ def main(args) -> int:
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     gc.collect()
     refs = _fp32_references(transformer, scenarios, device, context, channels)
+    fp8_report = _fp8_quality(transformer, scenarios, specs, device, context, channels, args.tiny)
+    fp8_verdicts = _verdicts_by_precision(fp8_report)
     engines: dict = {}
     results = []
     for scenario in scenarios:
-        result = run_scenario(transformer, scenario, specs, engines, refs, device, args.iters, context, channels)
+        result = run_scenario(transformer, scenario, specs, engines, refs, device, args.iters, context, channels,
+                              fp8_verdicts)
         results.append(result)
         for row in result["rows"]:
             print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
@@ -328,10 +354,10 @@ def main(args) -> int:
     engines.clear()
     gc.collect()
     tied, totals = _fastest_passing(results, specs)
-    best = tied[0]
     print(f"bench: fastest path passing the quality guard: {describe_fastest(tied, totals)}", flush=True)
     profile_text = None
-    if args.profile and device != "cpu":
+    if args.profile and device != "cpu" and tied:
+        best = tied[0]
         profile_text = _profile(transformer, best, device, context, channels)
         print(profile_text, flush=True)
     meta = {
@@ -345,11 +371,39 @@ def main(args) -> int:
         "params_billion": sum(p.numel() for p in transformer.parameters()) / 1e9,
         "fastest_passing_path": describe_fastest(tied, totals),
         "wall_s": round(time.perf_counter() - started, 1),
-        "quality_guard": f"relative L2 error vs fp32 <= {quality.GUARD_RATIO:.2f} x the diffusers bf16 path's",
+        "quality_guard": f"relative L2 error vs fp32 <= {quality.GUARD_RATIO:.2f} x the diffusers bf16 path's"
+                         + ("; FP8 paths: within INT8 ConvRot W8A8's error per block and over the step"
+                            if fp8_report else ""),
     }
-    md, js = write_reports(Path(args.out_dir), meta, results, amort, profile_text)
+    md, js = write_reports(Path(args.out_dir), meta, results, amort, profile_text, fp8_report)
     print(f"bench: wrote {md} and {js} in {meta['wall_s']} s", flush=True)
     return 0
+
+
+def _fp8_quality(transformer, scenarios, specs, device, context, channels, tiny=False) -> dict | None:
+    """`fp8_quality`'s errors on the quality scenarios when an FP8 path runs (None otherwise); a failure is reported
+    in the results instead of ending the run (the FP8 paths then have no guard and are no candidates). The tiny
+    smoke run measures the variants of the selected paths only."""
+    precisions = [spec.precision for spec in specs if spec.precision != "bf16"]
+    if not precisions:
+        return None
+    from . import fp8_quality
+
+    dtype = next(transformer.parameters()).dtype
+    wanted = {s.name: build_inputs(s, context, channels, device, dtype) for s in scenarios if s.quality}
+    variants = (["bf16", fp8_quality.INT8, *dict.fromkeys(precisions)] if tiny else fp8_quality.DEFAULT_VARIANTS)
+    try:
+        report = fp8_quality.measure(transformer, wanted, device, variants)
+    except Exception as exc:  # noqa: BLE001 - the timings of every other path are still worth writing
+        print(f"bench: the FP8 quality measurement failed: {type(exc).__name__}: {exc}", flush=True)
+        return {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    for line in fp8_quality.summary_lines(report):
+        print("bench: FP8 bound: " + line, flush=True)
+    return report
+
+
+def _verdicts_by_precision(report: dict | None) -> dict:
+    return {} if not report or "verdicts" not in report else report["verdicts"]
 
 
 def _profile(transformer, spec, device, context, channels) -> str:
@@ -361,7 +415,7 @@ def _profile(transformer, spec, device, context, channels) -> str:
     scenario = Scenario("profile-1024", 1024)
     inputs = build_inputs(scenario, context, channels, device, torch.bfloat16)
     path = OursPath(spec, transformer)
-    with torch.no_grad():
+    with torch.no_grad(), path.installed():
         prefixes = _prefixes(transformer, inputs)
         path.step(inputs, prefixes)()
         entry = next(e for e in path.engine.manager.entries.values() if hasattr(e, "inputs"))
@@ -390,7 +444,11 @@ def _fastest_passing(results, specs) -> tuple[list, dict]:
         rows = [r for res in results for r in res["rows"] if r["path"] == spec.name and "skipped" not in r]
         if any(r.get("quality_ok") is False for r in rows):
             continue
+        if spec.precision != "bf16" and not any(r.get("quality_ok") for r in rows):
+            continue  # an FP8 path is a candidate only once its bound was measured and met
         totals[spec.name] = sum(r["decode_ms"] for r in rows)
+    if not totals:
+        return [], totals
     best = min(totals.values())
     tied = sorted((name for name, total in totals.items() if total <= best * (1 + TIE)), key=totals.get)
     return [next(s for s in candidates if s.name == name) for name in tied], totals
@@ -398,6 +456,8 @@ def _fastest_passing(results, specs) -> tuple[list, dict]:
 
 def describe_fastest(tied, totals) -> str:
     """One line for the report: the fastest path, and any others tied with it."""
+    if not tied:
+        return "none (no path met its quality bound)"
     text = tied[0].name
     if len(tied) > 1:
         sums = ", ".join(f"{s.name} {totals[s.name]:.1f}" for s in tied)

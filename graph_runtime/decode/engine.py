@@ -73,6 +73,14 @@ class DecodeEngine:
     def decode(self, prefix: PrefixCache, hidden: torch.Tensor, timestep: torch.Tensor, mode="auto") -> DecodeOutcome:
         return self.manager.decode(self.step, prefix, hidden, timestep, mode)
 
+    def warm_up(self, sizes, prompt_tokens: int = 128, capture: bool = False) -> dict:
+        """Set up, before a first prompt, what decoding these latent sizes `[(height, width), ...]` runs (kernels,
+        cuBLAS/cuDNN plans, buffer memory); `capture=True` also keeps the graphs of a `prompt_tokens`-token text
+        prompt. See `warm_up.py`."""
+        from .warm_up import warm_up
+
+        return warm_up(self, sizes, prompt_tokens=prompt_tokens, capture=capture)
+
     def release(self) -> dict:
         return self.manager.release()
 

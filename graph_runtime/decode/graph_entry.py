@@ -92,8 +92,12 @@ class DecodeGraphEntry(CaptureRecord):
     in (ComfyUI runs nodes under `torch.inference_mode()`).
     """
 
-    # Compiled blocks may compile on the first call and settle on the second.
-    warmups = 2
+    # Eager runs before the capture: one does the lazy set-up (kernels loaded, cuBLAS and cuDNN plans made, Triton
+    # binaries compiled or read from their cache); compiled blocks may compile on the first call and settle on the
+    # second, so the manager gives a compiled step `COMPILED_WARMUPS`. Each warm-up is a whole step (~110-130 ms at
+    # 1024x1024), paid on the first prompt of every new shape.
+    warmups = 1
+    COMPILED_WARMUPS = 2
 
     def __init__(self, key: GraphKey, spec: EntrySpec):
         super().__init__()

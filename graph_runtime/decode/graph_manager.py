@@ -236,6 +236,7 @@ class DecodeGraphManager:
             entry.set_rope(prefix.cos, prefix.sin)
         path = "replay"
         if entry.graph is None:
+            entry.warmups = entry.COMPILED_WARMUPS if step.compiled else DecodeGraphEntry.warmups
             try:
                 self.backend.capture(entry, step)
             except Exception as exc:  # noqa: BLE001 - any capture failure must end eager, not fail the prompt

@@ -16,6 +16,10 @@ layers and weight swaps are seen), with the per-step host work hoisted out:
 - Each block hands its MLP residual to the next block instead of adding it, so the add shares a pass with the next
   LayerNorm (or the final norm): one read and write of the residual stream per block fewer, ~33 us per block at
   1024x1024.
+- FP8 blocks (`graph_runtime/fp8`, Linears converted with `apply_precision`): where a norm or the SwiGLU product
+  feeds FP8 Linears, our kernel writes its output as per-token e4m3 + scales (`Fp8Rows`) instead of bf16, so the
+  FP8 GEMMs need no quantization pass; any other input (the attention output into `to_out`) is quantized by the
+  Linear itself.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ import torch.nn.functional as F
 from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21SwiGLUFeedForward
 
+from ..fp8.convert import precision_of
+from ..fp8.linear import is_fp8_linear
+from ..kernels.fp8_quant import norm_modulate_fp8, residual_norm_modulate_fp8, silu_mul_fp8
 from ..kernels.norm_modulate import norm_modulate, residual_norm_modulate
 from ..kernels.qk_norm_rope import qk_norm_rope_write, rotate_pairs
 from ..kernels.silu_mul import silu_mul
@@ -104,13 +111,23 @@ class TargetDecodeBlock(torch.nn.Module):
         return (self.fuse_mlp and type(mlp) is QwenImage21SwiGLUFeedForward
                 and type(mlp.activation_fn) is torch.nn.SiLU)
 
-    def mlp(self, h: torch.Tensor) -> torch.Tensor:
+    def _fp8_inputs(self, *linears) -> bool:
+        """Whether our kernel should hand `linears` their input as FP8 rows (they are all ours, FP8, and fused)."""
+        return self.fuse_norms and all(map(is_fp8_linear, linears))
+
+    def mlp(self, h) -> torch.Tensor:
         """The block's SwiGLU MLP; with our kernels, its product runs as one pass (its projections still run as the
-        module's own Linear layers, so adapters on them are seen)."""
+        module's own Linear layers, so adapters on them are seen). `h` is FP8 rows only when `_fused_fp8_mlp`."""
         mlp = self.block.img_mlp
         if self._can_fuse_mlp():
-            return mlp.out(silu_mul(mlp.gate_layer(h), mlp.proj(h)))
+            gate, up = mlp.gate_layer(h), mlp.proj(h)
+            product = silu_mul_fp8(gate, up) if self._fp8_inputs(mlp.out) else silu_mul(gate, up)
+            return mlp.out(product)
         return mlp(h)
+
+    def _fused_fp8_mlp(self) -> bool:
+        mlp = self.block.img_mlp
+        return self._can_fuse_mlp() and self._fp8_inputs(mlp.gate_layer, mlp.proj)
 
     def forward(self, x, pending, modulation, cos, sin, k_cache, v_cache, prefix_len: int, static_kv: bool,
                 attn_mask, kv_only: bool = False):
@@ -123,7 +140,8 @@ class TargetDecodeBlock(torch.nn.Module):
         fuse_norms = self._can_fuse_norms()
         scale1, gate1, scale2, gate2 = modulation[:, None].chunk(4, dim=-1)
 
-        x, h = self.add_pending_and_norm(x, pending, block.img_norm1, scale1, fuse_norms)
+        x, h = self.add_pending_and_norm(x, pending, block.img_norm1, scale1, fuse_norms,
+                                         fp8=self._fp8_inputs(attn.to_q, attn.to_k, attn.to_v))
         head_dim = attn.inner_dim // attn.heads
         q = attn.to_q(h).unflatten(-1, (-1, head_dim))
         k = attn.to_k(h).unflatten(-1, (-1, head_dim))
@@ -148,21 +166,27 @@ class TargetDecodeBlock(torch.nn.Module):
             q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attn_mask
         )
         out = attn.to_out[0](out.transpose(1, 2).flatten(2).type_as(q))
-        x, h = self.add_pending_and_norm(x, (out, gate1), block.img_norm2, scale2, fuse_norms, mlp_residual=False)
+        x, h = self.add_pending_and_norm(x, (out, gate1), block.img_norm2, scale2, fuse_norms, mlp_residual=False,
+                                         fp8=self._fused_fp8_mlp())
         return x, (self.mlp(h), gate2)
 
     @staticmethod
-    def add_pending_and_norm(x, pending, norm, scale, fuse: bool, mlp_residual: bool = True):
+    def add_pending_and_norm(x, pending, norm, scale, fuse: bool, mlp_residual: bool = True, fp8: bool = False):
         """`x + tanh(gate) * delta` for a pending `(delta, gate)`, then `norm(x) * (1 + scale)`.
 
-        Fused, both are one pass of our kernel (its norm reads the sum before rounding). An fp16 MLP residual is
-        left unfused: the reference clips the residual stream to fp16's range at the end of each block, before the
-        next norm reads it.
+        Fused, both are one pass of our kernel (its norm reads the sum before rounding); with `fp8` the normed rows
+        come out as per-token e4m3 + scales for the FP8 Linears that read them. An fp16 MLP residual is left
+        unfused: the reference clips the residual stream to fp16's range at the end of each block, before the next
+        norm reads it.
         """
         if fuse and not (mlp_residual and x.dtype == torch.float16):
             if pending is None:
+                if fp8:
+                    return x, norm_modulate_fp8(x, scale[:, 0], norm.eps)
                 return x, norm_modulate(x, scale[:, 0], norm.eps)
             delta, gate = pending
+            if fp8:
+                return residual_norm_modulate_fp8(x, delta, gate[:, 0], scale[:, 0], norm.eps)
             return residual_norm_modulate(x, delta, gate[:, 0], scale[:, 0], norm.eps)
         if pending is not None:
             delta, gate = pending
@@ -204,7 +228,8 @@ class DecodeStep(torch.nn.Module):
     def variant(self) -> str:
         """Names what a captured graph of this step recorded (graph keys include it)."""
         name = "sdpa+compiled-blocks" if self.compiled else "sdpa"
-        return name + ("+kernels" if self.kernels else "")
+        precision = precision_of(self.model)
+        return name + ("+kernels" if self.kernels else "") + ("" if precision == "bf16" else f"+{precision}")
 
     def forward(self, inputs: DecodeInputs) -> torch.Tensor:
         model = self.model

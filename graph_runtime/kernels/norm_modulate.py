@@ -17,12 +17,17 @@ from . import define_once
 
 def reference_norm_modulate(x, delta, gate, scale, eps):
     """`x` `[B, T, D]`; `gate`/`scale` `[B, D]` (views into the modulation); returns (x after the residual, h)."""
+    x_new, h = reference_norm_modulate_fp32(x, delta, gate, scale, eps)
+    return x_new, h.to(x.dtype)
+
+
+def reference_norm_modulate_fp32(x, delta, gate, scale, eps):
+    """As `reference_norm_modulate`, with `h` left in fp32 (what the FP8 variant quantizes)."""
     xf = x.float()
     if delta is not None:
         xf = xf + torch.tanh(gate.float())[:, None] * delta.float()
-    x_new = xf.to(x.dtype)
     h = torch.nn.functional.layer_norm(xf, xf.shape[-1:], eps=eps) * (1 + scale.float()[:, None])
-    return x_new, h.to(x.dtype)
+    return xf.to(x.dtype), h
 
 
 def _define_norm_modulate():
@@ -60,7 +65,8 @@ norm_modulate = define_once("norm_modulate", _define_norm_modulate)
 residual_norm_modulate = define_once("residual_norm_modulate", _define_residual_norm_modulate)
 
 
-def _triton_norm_modulate(x, delta, gate, scale, eps):
+def _triton_norm_modulate(x, delta, gate, scale, eps, fp8: bool = False):
+    """Returns `(x_new or None, h)`, or with `fp8` `(x_new or None, h_fp8, h_scale [B, T, 1])`."""
     import triton
 
     from .norm_modulate_triton import norm_modulate_kernel
@@ -68,11 +74,12 @@ def _triton_norm_modulate(x, delta, gate, scale, eps):
     batch, tokens, dim = x.shape
     has_delta = delta is not None
     x_new = torch.empty_like(x) if has_delta else None
-    h = torch.empty_like(x)
-    # Without a residual the kernel never reads delta/gate or writes x_out (HAS_DELTA is a compile-time constant);
-    # any valid pointers of the right dtype fill those slots.
+    h = torch.empty_like(x, dtype=torch.float8_e4m3fn if fp8 else x.dtype)
+    h_scale = torch.empty((batch, tokens, 1), dtype=torch.float32, device=x.device) if fp8 else None
+    # Without a residual the kernel never reads delta/gate or writes x_out, and without FP8 it never writes h_scale
+    # (HAS_DELTA and FP8_OUT are compile-time constants); any valid pointers fill those slots.
     norm_modulate_kernel[(batch * tokens,)](
-        x, delta if has_delta else x, gate if has_delta else scale, scale, x_new if has_delta else h, h, tokens,
-        dim, gate.stride(0) if has_delta else 0, scale.stride(0), eps, HAS_DELTA=has_delta,
-        BLOCK=triton.next_power_of_2(dim), num_warps=8)
-    return x_new, h
+        x, delta if has_delta else x, gate if has_delta else scale, scale, x_new if has_delta else x, h,
+        h_scale if fp8 else scale, tokens, dim, gate.stride(0) if has_delta else 0, scale.stride(0), eps,
+        HAS_DELTA=has_delta, FP8_OUT=fp8, BLOCK=triton.next_power_of_2(dim), num_warps=8)
+    return (x_new, h, h_scale) if fp8 else (x_new, h)

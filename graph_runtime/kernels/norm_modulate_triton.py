@@ -3,10 +3,21 @@
 import triton
 import triton.language as tl
 
+from . import fp8_quant
 
-@triton.jit
-def norm_modulate_kernel(x_ptr, delta_ptr, gate_ptr, scale_ptr, x_out_ptr, h_ptr, tokens, dim, gate_sb, scale_sb,
-                         eps, HAS_DELTA: tl.constexpr, BLOCK: tl.constexpr):
+# Kernels read module globals only as constexprs; the values are fp8_quant's.
+FP8_MAX = tl.constexpr(fp8_quant.FP8_MAX)
+MIN_SCALE = tl.constexpr(fp8_quant.MIN_SCALE)
+
+
+# The token count varies with every prompt length (prefix passes) and image size: not specialized, so one compiled
+# variant serves them all and a restart finds it in Triton's on-disk cache (see kernels/__init__.py).
+@triton.jit(do_not_specialize=["tokens"])
+def norm_modulate_kernel(x_ptr, delta_ptr, gate_ptr, scale_ptr, x_out_ptr, h_ptr, h_scale_ptr, tokens, dim,
+                         gate_sb, scale_sb, eps, HAS_DELTA: tl.constexpr, FP8_OUT: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """`FP8_OUT`: `h` is stored as e4m3 scaled per row (token) by `h_scale = amax(|h|) / 448`, straight from the fp32
+    values (the row is in registers already, so the FP8 GEMM that reads it needs no pass of its own)."""
     row = tl.program_id(0)
     b = row // tokens
     cols = tl.arange(0, BLOCK)
@@ -22,4 +33,9 @@ def norm_modulate_kernel(x_ptr, delta_ptr, gate_ptr, scale_ptr, x_out_ptr, h_ptr
     centered = tl.where(mask, x - mean, 0.0)
     rstd = tl.rsqrt(tl.sum(centered * centered, axis=0) / dim + eps)
     scale = tl.load(scale_ptr + b * scale_sb + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(h_ptr + row * dim + cols, (centered * rstd * (1.0 + scale)).to(h_ptr.dtype.element_ty), mask=mask)
+    h = centered * rstd * (1.0 + scale)
+    if FP8_OUT:
+        h_scale = tl.maximum(tl.max(tl.abs(h), axis=0) / FP8_MAX, MIN_SCALE)
+        tl.store(h_scale_ptr + row, h_scale)
+        h = h / h_scale
+    tl.store(h_ptr + row * dim + cols, h.to(h_ptr.dtype.element_ty), mask=mask)

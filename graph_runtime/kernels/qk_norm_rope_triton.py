@@ -17,7 +17,9 @@ def norm_rope_heads(src, dst, w_ptr, cols, d, mask, cos, sin, eps, HEAD_DIM: tl.
     out = tl.interleave(real * cos - imag * sin, real * sin + imag * cos)
     tl.store(dst + cols, out.to(dst.dtype.element_ty), mask=mask)
 
-@triton.jit
+# Token count and prefix length vary with the prompt: not specialized (one variant for every length; see
+# kernels/__init__.py). The strides are multiples of heads x head_dim whatever the lengths, so theirs is stable.
+@triton.jit(do_not_specialize=["tokens", "prefix_len"])
 def qk_norm_rope_kernel(q_ptr, k_ptr, v_ptr, qw_ptr, kw_ptr, cos_ptr, sin_ptr, q_out_ptr, k_cache_ptr,
                         v_cache_ptr, tokens, heads, q_sb, q_st, k_sb, k_st, v_sb, v_st, kc_sb, kc_st, vc_sb,
                         vc_st, prefix_len, eps, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr):

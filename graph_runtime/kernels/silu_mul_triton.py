@@ -4,7 +4,8 @@ import triton
 import triton.language as tl
 
 
-@triton.jit
+# The element count varies with the prompt and image size: not specialized (see kernels/__init__.py).
+@triton.jit(do_not_specialize=["n"])
 def silu_mul_kernel(gate_ptr, up_ptr, out_ptr, n, BLOCK: tl.constexpr):
     # int64 offsets: a large batch at a large size may pass 2^31 elements, where int32 offsets would wrap.
     offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)

@@ -80,7 +80,7 @@ def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="auto", reference
     """Nodes as (id, type, widgets [(name, value)], links {input: (source id, slot)}, position)."""
     nodes = [
         (1, "KVGraphLoadTransformer", [("transformer_name", transformer), ("dtype", "bf16"),
-                                       ("int8_weights", "int8")], {}, (40, 80)),
+                                       ("int8_weights", "int8"), ("precision", "bf16")], {}, (40, 80)),
         (2, "KVGraphLoadTextEncoder", [("text_encoder_name", TEXT_ENCODER_FILE), ("dtype", "bf16"),
                                        ("text_encoder_placement", "gpu while encoding, then offload"),
                                        ("int8_weights", "int8")], {}, (40, 260)),

@@ -1,0 +1,200 @@
+"""`python -m graph_runtime bench --e2e`: prompt to PNG, ours against diffusers' pipeline, first prompt and warm.
+
+The parent process only plans and reports; every measurement runs in a child (`e2e_worker`) that builds its own
+models, so a "first prompt" is the first of a fresh process: no kernel loaded, no plan made, no graph captured.
+Our kernels are Triton's, whose compiled code survives restarts in an on-disk cache: the first child of ours runs
+with an empty cache folder (a machine's very first prompt), every later one with that folder as it left it (a
+ComfyUI restart). Then one child runs both paths warm, alternating them, in one process.
+
+Results go to `bench/results/e2e-<time>.md` and `.json`, with the command that produced them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import shlex
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from .e2e_report import write_e2e_reports
+from .e2e_scenarios import select
+from .e2e_worker import SPAWNED_AT_ENV
+
+WORKER_MODULE = __package__ + ".e2e_worker"
+PATHS = ("ours", "diffusers")
+
+
+def plan_tasks(scenarios: list[str], paths: list[str], first: bool, warm: bool, device: str, tiny: bool,
+               repeats: int, extras: bool = True, fp8: bool = False) -> list[dict]:
+    """The child processes to run, in order. Ours' first child meets the empty kernel cache; its first scenario is
+    run again as a restart with the cache it filled."""
+    base = {"device": device, "tiny": tiny}
+    tasks = []
+    if first:
+        if "ours" in paths:
+            ours = {**base, "kind": "first", "paths": ["ours"], "cache": "warm"}
+            tasks.append({**ours, "scenarios": scenarios[:1], "cache": "cold"})
+            tasks += [{**ours, "scenarios": [s]} for s in scenarios]
+            if extras:
+                # The first job again: after the engine's warm_up at load (kernels only, then with its graphs
+                # kept), and profiled (where the first prompt's extra time goes).
+                tasks += [{**ours, "scenarios": scenarios[:1], "warm_up": w} for w in ("kernels", "capture")]
+                tasks.append({**ours, "kind": "profile", "scenarios": scenarios[:1]})
+            if fp8:
+                # The FP8 transformer's first prompt, alone on the card but for the text encoder and VAE (its
+                # DiT-side peak is the memory target's figure).
+                tasks.append({**ours, "paths": ["ours-fp8"], "scenarios": scenarios[:1]})
+        if "diffusers" in paths:
+            tasks += [{**base, "kind": "first", "paths": ["diffusers"], "scenarios": [s], "cache": "warm"}
+                      for s in scenarios]
+    if warm:
+        warm_paths = list(paths) + (["ours-fp8"] if fp8 and "ours" in paths else [])
+        tasks.append({**base, "kind": "warm", "paths": warm_paths, "scenarios": scenarios, "repeats": repeats,
+                      "cache": "warm"})
+    return tasks
+
+
+def describe_task(task: dict) -> str:
+    if task["kind"] == "warm":
+        return f"warm: {'+'.join(task['paths'])} x {','.join(task['scenarios'])}"
+    warm_up = f", warm_up({task['warm_up']}) at load" if task.get("warm_up") else ""
+    return f"{task['kind']}: {task['paths'][0]} {task['scenarios'][0]} (kernel cache {task['cache']}{warm_up})"
+
+
+def run_child(task: dict, workdir: Path, index: int, cache_dir: str, timeout: int) -> dict:
+    """Run one task in a fresh interpreter; its output is streamed with a prefix. A failure (exit, timeout) becomes
+    an `error` record, so one broken child does not lose the rest of the run."""
+    task_path, out_path = workdir / f"task-{index}.json", workdir / f"result-{index}.json"
+    task_path.write_text(json.dumps(task))
+    root = str(Path(__file__).resolve().parents[2])
+    env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+    env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    label = describe_task(task)
+    print(f"bench e2e: [{index}] {label}", flush=True)
+    tail: list[str] = []
+    env[SPAWNED_AT_ENV] = repr(time.time())
+    started = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", WORKER_MODULE, str(task_path), str(out_path)], env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    def pump():
+        for line in proc.stdout:
+            line = line.rstrip("\n")
+            tail.append(line)
+            del tail[:-40]
+            print(f"  [{index}] {line}", flush=True)
+
+    reader = threading.Thread(target=pump, daemon=True)
+    reader.start()
+    try:
+        code = proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        code = proc.wait()
+        tail.append(f"(killed after {timeout} s)")
+    reader.join(timeout=10)
+    wall = time.perf_counter() - started
+    if code != 0 or not out_path.is_file():
+        return {"task": task, "label": label, "wall_s": wall, "error": f"exit code {code}", "log_tail": tail[-20:]}
+    result = json.loads(out_path.read_text())
+    result.update(label=label, wall_s=wall)
+    return result
+
+
+def e2e_main(args) -> int:
+    import torch
+
+    device = args.device
+    if device != "cpu" and not torch.cuda.is_available():
+        print("bench --e2e: no CUDA device; run with --device cpu --tiny for a smoke run", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    command = command_line(args)
+    scenarios = [s.name for s in select(args.e2e_scenarios, args.tiny)]
+    paths = [p.strip() for p in args.e2e_paths.split(",") if p.strip()]
+    if not paths or any(p not in PATHS for p in paths):
+        raise SystemExit(f"--e2e-paths: {args.e2e_paths!r}; choose from {', '.join(PATHS)}")
+    first, warm = (args.e2e_first or not args.e2e_warm), (args.e2e_warm or not args.e2e_first)
+    precisions = [p.strip() for p in args.e2e_precisions.split(",") if p.strip()]
+    if not precisions or any(p not in ("bf16", "fp8") for p in precisions) or "bf16" not in precisions:
+        raise SystemExit(f"--e2e-precisions: {args.e2e_precisions!r}; bf16 or bf16,fp8")
+    tasks = plan_tasks(scenarios, paths, first, warm, device, args.tiny, args.e2e_repeats, not args.e2e_no_extras,
+                       fp8="fp8" in precisions)
+    workdir = Path(tempfile.mkdtemp(prefix="kvgraph-e2e-"))
+    cache_dir = str(workdir / "triton-cache")  # empty: the first child of ours meets a cold kernel cache
+    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "command": command, "device": device, "torch": torch.__version__, "triton": None, "tiny": args.tiny,
+            "planned": [describe_task(t) for t in tasks]}
+    results: list[dict] = []
+    try:
+        for i, task in enumerate(tasks):
+            results.append(run_child(task, workdir, i, cache_dir, args.e2e_timeout))
+            env = next((r["env"] for r in results if "env" in r), None)
+            if env:
+                meta.update(device=env["device"], torch=env["torch"], triton=env["triton"])
+            meta["wall_s"] = round(time.perf_counter() - started, 1)
+            # Rewritten after every child: a run cut short still leaves the results it has.
+            md, js = write_e2e_reports(Path(args.out_dir), meta, results)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    failed = [r["label"] for r in results if "error" in r]
+    for line in summary_lines(results):
+        print("bench e2e: " + line, flush=True)
+    print(f"bench e2e: wrote {md} and {js} in {meta['wall_s']} s" + (f"; FAILED: {failed}" if failed else ""),
+          flush=True)
+    return 1 if failed else 0
+
+
+def command_line(args) -> str:
+    """The command that reproduces this run: `bench --e2e` and every option that differs from its default (read off
+    the parsed options, so it is right however the benchmark was called)."""
+    import argparse
+
+    from .options import add_bench_arguments
+
+    defaults = argparse.ArgumentParser()
+    add_bench_arguments(defaults)
+    parts = ["python -m graph_runtime bench --e2e"]
+    for action in defaults._actions:
+        if not action.option_strings or action.dest in ("help", "e2e"):
+            continue
+        value = getattr(args, action.dest, action.default)
+        if value == action.default:
+            continue
+        flag = action.option_strings[0]
+        parts.append(flag if isinstance(value, bool) else f"{flag} {shlex.quote(str(value))}")
+    return " ".join(parts)
+
+
+def warm_medians(results: list[dict]) -> dict:
+    """{(path, scenario): median total ms of the measured warm runs}."""
+    totals: dict = {}
+    for result in results:
+        if result.get("task", {}).get("kind") != "warm":
+            continue
+        for run in result.get("runs", []):
+            if run["run"].startswith("warm "):
+                totals.setdefault((run["path"], run["scenario"]), []).append(run["total_ms"])
+    return {key: statistics.median(values) for key, values in totals.items()}
+
+
+def summary_lines(results: list[dict]) -> list[str]:
+    lines = []
+    warm = warm_medians(results)
+    for (path, scenario), ms in sorted(warm.items()):
+        lines.append(f"warm {path} {scenario}: {ms / 1e3:.3f} s")
+    for result in results:
+        if result.get("task", {}).get("kind") in ("first", "profile") and "runs" in result:
+            first = next(r for r in result["runs"] if r["run"].startswith("first"))
+            second = next(r for r in result["runs"] if r["run"] == "second")
+            lines.append(f"{result['label']}: first {first['total_ms'] / 1e3:.3f} s, second "
+                         f"{second['total_ms'] / 1e3:.3f} s")
+    return lines

@@ -1,0 +1,145 @@
+"""Precision of the transformer blocks' Linears: bf16 (as loaded) or FP8, whole or by group.
+
+Groups, per block: `qkv` (attn.to_q/k/v), `out` (attn.to_out), `mlp_in` (img_mlp.gate_layer, img_mlp.proj) and
+`mlp_down` (img_mlp.out): together 98% of the decode step's FLOPs. The embeddings, the modulation and the final
+projection stay in the model's dtype. Precisions:
+
+- `bf16`: nothing converted.
+- `fp8`: every group.
+- `fp8-attn`: the attention's Linears only, the MLP kept bf16 (the group others found most sensitive to FP8).
+- `fp8-no-out`: every group but `to_out`, whose input is the attention output that none of our kernels produce
+  (FP8 there costs one small quantization pass; this measures it).
+- `fp8:<groups>`: the listed groups, e.g. `fp8:qkv,mlp_down` (to find which groups tolerate FP8).
+
+`apply_precision` converts in place and frees the float weights (the product's switch, at load); the benchmark
+builds the FP8 modules beside the bf16 ones (`quantized_linears`) and swaps them in (`swapped`) to compare paths on
+the same weights.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+
+import torch
+
+from ..errors import InputError
+from .linear import Fp8Linear, is_fp8_linear
+
+GROUPS = {
+    "qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
+    "out": ("attn.to_out.0",),
+    "mlp_in": ("img_mlp.gate_layer", "img_mlp.proj"),
+    "mlp_down": ("img_mlp.out",),
+}
+PRECISIONS = {
+    "bf16": (),
+    "fp8": ("qkv", "out", "mlp_in", "mlp_down"),
+    "fp8-attn": ("qkv", "out"),
+    "fp8-no-out": ("qkv", "mlp_in", "mlp_down"),
+}
+DEFAULT_PRECISION = "bf16"
+
+
+def groups_of(precision: str) -> tuple[str, ...]:
+    """The groups a precision converts; an InputError names the value and what is accepted."""
+    if precision in PRECISIONS:
+        return PRECISIONS[precision]
+    if isinstance(precision, str) and precision.startswith("fp8:"):
+        groups = tuple(g.strip() for g in precision[4:].split(",") if g.strip())
+        if groups and all(g in GROUPS for g in groups):
+            return groups
+    raise InputError("precision", precision, f"one of {', '.join(PRECISIONS)}, or fp8:<comma list of "
+                                             f"{', '.join(GROUPS)}>")
+
+
+def check_precision(precision: str) -> str:
+    groups_of(precision)
+    return precision
+
+
+def linear_names(precision: str) -> list[str]:
+    """Dotted names, inside a block, of the Linears `precision` converts."""
+    return [name for group in groups_of(precision) for name in GROUPS[group]]
+
+
+def _slot(block: torch.nn.Module, dotted: str) -> tuple[torch.nn.Module, str]:
+    *path, leaf = dotted.split(".")
+    parent = block
+    for part in path:
+        parent = getattr(parent, part)
+    return parent, leaf
+
+
+def module_at(block: torch.nn.Module, dotted: str) -> torch.nn.Module:
+    parent, leaf = _slot(block, dotted)
+    return getattr(parent, leaf)
+
+
+def quantized_linears(transformer, precision: str, factory=Fp8Linear.from_linear) -> dict[tuple[int, str], object]:
+    """`factory(linear)` (an FP8 copy by default) of each Linear `precision` converts, by (block index, dotted
+    name); the model is not changed."""
+    modules = {}
+    for i, block in enumerate(transformer.transformer_blocks):
+        for name in linear_names(precision):
+            linear = module_at(block, name)
+            if type(linear) is not torch.nn.Linear:
+                raise InputError(f"transformer_blocks.{i}.{name}", type(linear).__name__,
+                                 "a plain torch.nn.Linear to quantize (this one is already converted or wrapped)")
+            if linear.in_features % 16 or linear.out_features % 16:
+                raise InputError(f"transformer_blocks.{i}.{name}", (linear.out_features, linear.in_features),
+                                 "FP8 GEMM dimensions that are multiples of 16")
+            modules[(i, name)] = factory(linear)
+    return modules
+
+
+def install(transformer, modules: dict) -> dict:
+    """Put `modules` in their block slots; returns the modules they replaced, by the same keys."""
+    replaced = {}
+    blocks = transformer.transformer_blocks
+    for (i, name), module in modules.items():
+        parent, leaf = _slot(blocks[i], name)
+        replaced[(i, name)] = getattr(parent, leaf)
+        setattr(parent, leaf, module)
+    return replaced
+
+
+@contextlib.contextmanager
+def swapped(transformer, modules: dict):
+    """`modules` installed while inside, the originals back afterwards (the benchmark's FP8 paths)."""
+    replaced = install(transformer, modules)
+    try:
+        yield transformer
+    finally:
+        install(transformer, replaced)
+
+
+def apply_precision(transformer, precision: str) -> dict:
+    """Convert the block Linears to `precision` in place; their float weights are freed. Returns what was done."""
+    start = time.perf_counter()
+    before = _block_linear_bytes(transformer)
+    modules = quantized_linears(transformer, precision) if groups_of(precision) else {}
+    install(transformer, modules)
+    return {"precision": precision, "linears": len(modules), "block_linear_bytes_before": before,
+            "block_linear_bytes_after": _block_linear_bytes(transformer),
+            "seconds": round(time.perf_counter() - start, 2)}
+
+
+def precision_of(transformer) -> str:
+    """The precision whose groups are exactly the FP8 ones (read off the first block), else `fp8:<groups>`."""
+    block = transformer.transformer_blocks[0]
+    converted = {group for group, names in GROUPS.items() if all(is_fp8_linear(module_at(block, n)) for n in names)}
+    for name, groups in PRECISIONS.items():
+        if converted == set(groups):
+            return name
+    return "fp8:" + ",".join(g for g in GROUPS if g in converted)
+
+
+def _block_linear_bytes(transformer) -> int:
+    total = 0
+    for block in transformer.transformer_blocks:
+        for names in GROUPS.values():
+            for name in names:
+                module = module_at(block, name)
+                total += sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+    return total

@@ -1,0 +1,33 @@
+"""The Triton side of `fp8_quant.py` (imported on first CUDA use; see that file for what and why)."""
+
+import triton
+import triton.language as tl
+
+from .norm_modulate_triton import FP8_MAX, MIN_SCALE
+
+
+# Row counts vary with the prompt and image size: not specialized (see kernels/__init__.py).
+@triton.jit(do_not_specialize=["rows"])
+def silu_mul_fp8_kernel(gate_ptr, up_ptr, out_ptr, scale_ptr, rows, cols, BLOCK: tl.constexpr):
+    """`silu(gate) * up` of one row (one token's MLP hidden state), stored as e4m3 with the row's scale."""
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < cols
+    gate = tl.load(gate_ptr + row * cols + offsets, mask=mask, other=0.0).to(tl.float32)
+    up = tl.load(up_ptr + row * cols + offsets, mask=mask, other=0.0).to(tl.float32)
+    y = gate / (1.0 + tl.exp(-gate)) * up
+    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX, MIN_SCALE)
+    tl.store(scale_ptr + row, scale)
+    tl.store(out_ptr + row * cols + offsets, (y / scale).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["rows"])
+def quantize_rows_kernel(x_ptr, out_ptr, scale_ptr, rows, cols, BLOCK: tl.constexpr):
+    """One row of `x` as e4m3 with its scale (for a Linear whose input no kernel of ours produced)."""
+    row = tl.program_id(0).to(tl.int64)
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < cols
+    x = tl.load(x_ptr + row * cols + offsets, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / FP8_MAX, MIN_SCALE)
+    tl.store(scale_ptr + row, scale)
+    tl.store(out_ptr + row * cols + offsets, (x / scale).to(out_ptr.dtype.element_ty), mask=mask)
