@@ -53,7 +53,9 @@ def run_ours(generator, scenario, prompt: str, image=None, seed: int = 0, device
         result = generator.generate(prompt, images=images, width=None if images else scenario.size,
                                     height=None if images else scenario.size, steps=scenario.steps, seed=seed,
                                     sigma_preset=scenario.sigma_preset, reference_resolution=scenario.size,
-                                    on_event=lambda name, data: events.setdefault(name, data))
+                                    # the pipeline's own output: an RGBA image (the nodes and CLI composite it over
+                                    # white), so both paths encode the same PNG
+                                    keep_alpha=True, on_event=lambda name, data: events.setdefault(name, data))
         with phases.phase("png_encode"):
             size = png_bytes(result.images[0])
         end = time.perf_counter()

@@ -120,9 +120,10 @@ class TargetDecodeBlock(torch.nn.Module):
         module's own Linear layers, so adapters on them are seen). `h` is FP8 rows only when `_fused_fp8_mlp`."""
         mlp = self.block.img_mlp
         if self._can_fuse_mlp():
-            gate, up = mlp.gate_layer(h), mlp.proj(h)
-            product = silu_mul_fp8(gate, up) if self._fp8_inputs(mlp.out) else silu_mul(gate, up)
-            return mlp.out(product)
+            # One expression, so the gate and up projections are freed before `out` runs (named locals would keep
+            # them alive through it, and a captured graph's pool would hold them too).
+            product = silu_mul_fp8 if self._fp8_inputs(mlp.out) else silu_mul
+            return mlp.out(product(mlp.gate_layer(h), mlp.proj(h)))
         return mlp(h)
 
     def _fused_fp8_mlp(self) -> bool:
