@@ -1,4 +1,9 @@
-"""Where the user's model files are: ComfyUI's model folders (folder_paths), and ComfyUI's bundled Qwen tokenizer."""
+"""Where the user's model files are: ComfyUI's model folders (folder_paths), and ComfyUI's bundled Qwen tokenizer.
+
+Every name a loader node opens goes through graph_runtime.loading.paths: a name that would leave its model folder
+(absolute, or with a '..') is refused with one message, before anything outside the folder is looked at. ComfyUI's
+own `folder_paths.get_full_path` is not used: it silently rewrites such names into other names inside the folder.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import os
 import folder_paths
 
 from ..graph_runtime.errors import CheckpointError
+from ..graph_runtime.loading.paths import find_in_folders
 
 DIFFUSERS = "diffusers"
 
@@ -24,9 +30,11 @@ def file_choices(folder: str, default: str, *known: str) -> list[str]:
 
 
 def full_path(folder: str, name: str, input_name: str) -> str:
-    path = folder_paths.get_full_path(folder, name)
+    """The file `name` in ComfyUI's `folder` model folders (symlinks inside them followed, as ComfyUI does)."""
+    roots = folder_paths.get_folder_paths(folder)
+    path = find_in_folders(roots, name, input_name=input_name, folder=folder)
     if path is None:
-        searched = ", ".join(folder_paths.get_folder_paths(folder)) or f"models/{folder}"
+        searched = ", ".join(roots) or f"models/{folder}"
         raise CheckpointError(name, f"was not found in ComfyUI's {folder} folder ({searched}).",
                               f"the file named in '{input_name}' to exist in models/{folder}")
     return path
@@ -45,12 +53,12 @@ def diffusers_choices() -> list[str]:
 
 
 def diffusers_path(name: str, input_name: str = "folder") -> str:
-    for root in folder_paths.get_folder_paths(DIFFUSERS):
-        path = os.path.join(root, name)
-        if os.path.isdir(path):
-            return path
-    raise CheckpointError(name, "was not found under ComfyUI's models/diffusers folder.",
-                          f"'{input_name}' to name a diffusers pipeline folder in models/diffusers")
+    path = find_in_folders(folder_paths.get_folder_paths(DIFFUSERS), name, input_name=input_name, folder=DIFFUSERS,
+                           directory=True)
+    if path is None:
+        raise CheckpointError(name, "was not found under ComfyUI's models/diffusers folder.",
+                              f"'{input_name}' to name a diffusers pipeline folder in models/diffusers")
+    return path
 
 
 def bundled_tokenizer_dir() -> str | None:
