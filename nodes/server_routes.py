@@ -6,6 +6,7 @@ lock (`engine.status()`), and a release for an engine that is sampling right now
 
 from __future__ import annotations
 
+import json
 import logging
 
 from . import status
@@ -14,22 +15,33 @@ logger = logging.getLogger("kvgraph")
 
 STATUS_PATH = "/kvgraph/status"
 RELEASE_PATH = "/kvgraph/release"
+EXPECTED_BODY = 'send a JSON object such as {"models": true} (or no body)'
 _registered = []
 
 
-def parse_release_body(body) -> tuple[int, dict]:
-    """Validate a release request body; returns (HTTP status, response)."""
-    if body is None:
-        body = {}
-    if not isinstance(body, dict):
-        return 400, {"error": "the body must be a JSON object such as {\"models\": true}"}
-    models = body.get("models", False)
+def parse_release_body(body: bytes | str | None) -> tuple[int, dict]:
+    """Decode and validate a release request's body (JSON; empty means `{}`); returns (HTTP status, the parsed
+    options or the error). Never raises: a body that is too deeply nested for the JSON parser is a 400 like any
+    other bad body, not a server error."""
+    parsed = {}
+    if body is not None and body.strip():
+        try:
+            parsed = json.loads(body)
+        except RecursionError:
+            return 400, {"error": f"the body is nested too deeply; {EXPECTED_BODY}"}
+        except ValueError:  # not JSON, or not UTF-8
+            return 400, {"error": f"the body is not valid JSON; {EXPECTED_BODY}"}
+    if parsed is None:
+        parsed = {}
+    if not isinstance(parsed, dict):
+        return 400, {"error": f"the body is not a JSON object; {EXPECTED_BODY}"}
+    models = parsed.get("models", False)
     if not isinstance(models, bool):
-        return 400, {"error": f"'models' must be true or false, got {models!r}"}
+        return 400, {"error": f"'models' must be true or false, got {models!r:.80}"}
     return 200, {"models": models}
 
 
-def release_response(body) -> tuple[int, dict]:
+def release_response(body: bytes | str | None) -> tuple[int, dict]:
     code, parsed = parse_release_body(body)
     if code != 200:
         return code, parsed
@@ -51,12 +63,8 @@ def register() -> None:
 
     @routes.post(RELEASE_PATH)
     async def kvgraph_release(request):
-        body = None
-        if request.can_read_body:
-            try:
-                body = await request.json()
-            except ValueError:
-                return web.json_response({"error": "the body is not valid JSON"}, status=400)
+        # The raw bytes, parsed by parse_release_body: aiohttp's request.json() lets a RecursionError escape (a 500).
+        body = await request.read() if request.can_read_body else None
         code, payload = release_response(body)
         return web.json_response(payload, status=code)
 

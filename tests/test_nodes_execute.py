@@ -345,11 +345,13 @@ def test_release_waits_for_a_running_sampler(comfy_env, models, monkeypatch):
 
 
 class Request:
-    def __init__(self, body=None):
+    """The part of aiohttp's request the routes read: the raw body."""
+
+    def __init__(self, body: bytes | None = None):
         self.body = body
         self.can_read_body = body is not None
 
-    async def json(self):
+    async def read(self):
         return self.body
 
 
@@ -397,8 +399,8 @@ def test_status_survives_an_engine_that_cannot_report(comfy_env, models):
 
 def test_release_route_validates_its_body(comfy_env):
     routes = comfy_env.pack.nodes.server_routes
-    assert routes.release_response({"models": "yes"})[0] == 400
-    assert routes.release_response([1])[0] == 400
+    assert routes.release_response(b'{"models": "yes"}')[0] == 400
+    assert routes.release_response(b"[1]")[0] == 400
     code, payload = routes.release_response(None)
     assert code == 200 and payload["models"] == []
 
