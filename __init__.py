@@ -4,6 +4,8 @@ ComfyUI loads this folder (any folder name under custom_nodes) through `comfy_en
 `WEB_DIRECTORY`. Outside ComfyUI (tests, the CLI, tooling) the import succeeds and exposes nothing ComfyUI-specific.
 """
 
+import os
+
 WEB_DIRECTORY = "./web"
 
 try:
@@ -17,6 +19,7 @@ if _IN_COMFYUI:
     from .nodes import comfy_entrypoint  # noqa: F401
     from .nodes import server_routes as _server_routes
 
-    _server_routes.register()
+    # The folder as ComfyUI found it under custom_nodes (not resolved: a linked pack keeps the link's name).
+    _server_routes.register(pack_dir=os.path.dirname(os.path.abspath(__file__)))
 
 __all__ = ["WEB_DIRECTORY", "comfy_entrypoint"] if _IN_COMFYUI else ["WEB_DIRECTORY"]

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 
-from . import status
+from . import pack_files, status
 
 logger = logging.getLogger("kvgraph")
 
@@ -48,8 +48,9 @@ def release_response(body: bytes | str | None) -> tuple[int, dict]:
     return 200, status.release(models=parsed["models"])
 
 
-def register() -> None:
-    """Add the routes to ComfyUI's server. Called at import inside ComfyUI; a second call does nothing."""
+def register(pack_dir: str | None = None) -> None:
+    """Add the routes to ComfyUI's server (and, for a pack folder whose name needs URL quoting, the routes serving
+    its web files: see pack_files). Called at import inside ComfyUI; a second call does nothing."""
     if _registered:
         return
     from aiohttp import web
@@ -69,3 +70,5 @@ def register() -> None:
         return web.json_response(payload, status=code)
 
     _registered.append((kvgraph_status, kvgraph_release))
+    if pack_dir is not None:
+        pack_files.register(routes, pack_dir)
