@@ -373,7 +373,8 @@ def test_status_route_and_node_report_the_graph_cache(comfy_env, models):
     assert model["eager_steps"]["no CUDA"] >= 2 and model["busy"] is False
     assert {"kind": "vae"}.items() <= next(m for m in payload["loaded"] if m["kind"] == "vae").items()
     assert (model["prefill_captures"], model["prefill_replays"], model["eager_prefills"]) == (0, 0, {})
-    report, = run(comfy_env, "KVGraphCacheStatus")
+    report, passthrough = run(comfy_env, "KVGraphCacheStatus")
+    assert passthrough is None
     assert T_FILE in report and "no CUDA" in report and "prefills: 0 captured, 0 replayed, eager: none" in report
 
 
@@ -409,7 +410,7 @@ def test_release_models_then_reload(comfy_env):
     env = make_env()  # its own pack copy: dropping models here must not disturb the module's shared ones
     try:
         transformer, _, _ = load_all(env)
-        report, = run(env, "KVGraphReleaseCaches", release_models=True)
+        report, _ = run(env, "KVGraphReleaseCaches", release_models=True)
         assert "dropped" in report and env.pack.nodes.model_cache.handles() == []
         again, _, _ = load_all(env)
         assert again is not transformer and env.pack.nodes.model_cache.load_count(again.key) == 2

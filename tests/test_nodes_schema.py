@@ -144,7 +144,11 @@ def test_diffusers_loader_lists_pipeline_folders(comfy_env):
 def test_cache_nodes_are_output_nodes_that_always_run(comfy_env):
     for node_id in ("KVGraphCacheStatus", "KVGraphReleaseCaches"):
         s = schema(comfy_env, node_id)
-        assert s.is_output_node and [o.io_type for o in s.outputs] == ["STRING"]
+        assert s.is_output_node and [o.io_type for o in s.outputs] == ["STRING", "COMFY_MATCHTYPE_V3"]
+        # An optional input of any type, whose type the second output takes: it orders the node after another.
+        passthrough = inputs_by_id(comfy_env, node_id)["passthrough"]
+        assert passthrough.io_type == "COMFY_MATCHTYPE_V3" and passthrough.optional
+        assert passthrough.template.template_id == s.outputs[1].template.template_id
         fingerprint = comfy_env.nodes[node_id].fingerprint_inputs(
             **({"release_models": False} if node_id == "KVGraphReleaseCaches" else {}))
         assert fingerprint != fingerprint  # NaN: ComfyUI never treats the node as unchanged

@@ -44,6 +44,32 @@ Image = _socket_type("IMAGE")
 Latent = _socket_type("LATENT")
 Conditioning = _socket_type("CONDITIONING")
 Mask = _socket_type("MASK")
+AnyType = _socket_type("*")
+
+
+class MatchType:
+    """An input whose type the output copies (the frontend retypes the output to whatever is connected)."""
+
+    io_type = "COMFY_MATCHTYPE_V3"
+
+    class Template:
+        def __init__(self, template_id, allowed_types=AnyType):
+            self.template_id, self.allowed_types = template_id, allowed_types
+
+    class Input(Input):
+        io_type = "COMFY_MATCHTYPE_V3"
+
+        def __init__(self, id, template, display_name=None, optional=False, tooltip=None, lazy=None, extra_dict=None,
+                     raw_link=None):
+            super().__init__(id, display_name, optional, tooltip, lazy, extra_dict, raw_link)
+            self.template = template
+
+    class Output(Output):
+        io_type = "COMFY_MATCHTYPE_V3"
+
+        def __init__(self, template, id=None, display_name=None, tooltip=None, is_output_list=False):
+            super().__init__(id, display_name, tooltip, is_output_list)
+            self.template = template
 
 
 class Boolean:
