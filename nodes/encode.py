@@ -80,6 +80,22 @@ class KVGraphTextEncode(io.ComfyNode):
         )
 
     @classmethod
+    def validate_inputs(cls, width=None, height=None):
+        """Checked when the prompt is queued, before any loader runs: ComfyUI answers POST /prompt with this node's
+        error. ComfyUI skips its own min/max check for inputs validated here, so the bounds are checked too. A side
+        linked from another node is not known yet (None) and is checked by execute."""
+        for name, value in (("width", width), ("height", height)):
+            if value is None:
+                continue
+            if isinstance(value, int) and value > MAX_SIZE:
+                return f"{name}={value!r} is invalid: expected at most {MAX_SIZE} pixels."
+            try:
+                check_size(name, value)
+            except InputError as exc:
+                return str(exc)
+        return True
+
+    @classmethod
     def execute(cls, text_encoder, prompt, negative_prompt, width, height, size_from_reference, reference_resolution,
                 vae=None, image1=None, image2=None, image3=None) -> io.NodeOutput:
         width, height = check_size("width", width), check_size("height", height)

@@ -188,6 +188,10 @@ class ComfyNode:
     def fingerprint_inputs(cls, **kwargs):
         raise NotImplementedError
 
+    @classmethod
+    def validate_inputs(cls, **kwargs):
+        raise NotImplementedError
+
 
 class NodeOutput:
     def __init__(self, *args, ui=None, expand=None, block_execution=None):
