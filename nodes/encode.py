@@ -72,8 +72,11 @@ class KVGraphTextEncode(io.ComfyNode):
                 io.Image.Input("image3", optional=True, tooltip="Third reference image (image 3)."),
             ],
             outputs=[
-                io.Conditioning.Output(display_name="positive"),
-                io.Conditioning.Output(display_name="negative"),
+                io.Conditioning.Output(display_name="positive",
+                                       tooltip="The prompt (and reference images), for the sampler's positive."),
+                io.Conditioning.Output(display_name="negative",
+                                       tooltip="The negative prompt (and the same reference images), for the "
+                                               "sampler's negative; it only matters with cfg above 1."),
                 io.Latent.Output(display_name="latent",
                                  tooltip="An empty latent of the output size (connect it to the sampler)."),
             ],

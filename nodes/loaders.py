@@ -49,6 +49,10 @@ INT8_TOOLTIP = (
     "bf16, so with the memory to spare this is the faster choice on Hopper."
 )
 
+TRANSFORMER_OUT = "The Qwen-Image-2.1 transformer, for the KV-Graph sampler's model input."
+TEXT_ENCODER_OUT = "The Qwen3-VL text encoder with its processor, for the KV-Graph text encode node."
+VAE_OUT = "The Qwen-Image-2.1 VAE, for the KV-Graph VAE nodes and the text encode node's reference images."
+
 
 PRECISION_TOOLTIP = (
     "The block Linears' precision. 'bf16' (default) runs them as loaded. 'fp8' quantizes them once at load to e4m3 "
@@ -166,7 +170,7 @@ class KVGraphLoadTransformer(io.ComfyNode):
                 _int8_input(),
                 _precision_input(),
             ],
-            outputs=[Transformer.Output(display_name="transformer")],
+            outputs=[Transformer.Output(display_name="transformer", tooltip=TRANSFORMER_OUT)],
         )
 
     @classmethod
@@ -198,7 +202,7 @@ class KVGraphLoadTextEncoder(io.ComfyNode):
                 _placement_input(),
                 _int8_input(),
             ],
-            outputs=[TextEncoder.Output(display_name="text_encoder")],
+            outputs=[TextEncoder.Output(display_name="text_encoder", tooltip=TEXT_ENCODER_OUT)],
         )
 
     @classmethod
@@ -226,7 +230,7 @@ class KVGraphLoadVAE(io.ComfyNode):
                                tooltip="The Qwen-Image-2.1 VAE file in models/vae (not the Qwen-Image 1.x VAE)."),
                 _dtype_input(),
             ],
-            outputs=[Vae.Output(display_name="vae")],
+            outputs=[Vae.Output(display_name="vae", tooltip=VAE_OUT)],
         )
 
     @classmethod
@@ -256,9 +260,9 @@ class KVGraphLoadDiffusers(io.ComfyNode):
                 _precision_input(),
             ],
             outputs=[
-                Transformer.Output(display_name="transformer"),
-                TextEncoder.Output(display_name="text_encoder"),
-                Vae.Output(display_name="vae"),
+                Transformer.Output(display_name="transformer", tooltip=TRANSFORMER_OUT),
+                TextEncoder.Output(display_name="text_encoder", tooltip=TEXT_ENCODER_OUT),
+                Vae.Output(display_name="vae", tooltip=VAE_OUT),
             ],
         )
 

@@ -66,7 +66,8 @@ class KVGraphVAEDecode(io.ComfyNode):
                 Vae.Input("vae", tooltip="The KV-Graph VAE."),
                 io.Latent.Input("latent", tooltip="Latents [batch, 64, height/16, width/16] to decode."),
             ],
-            outputs=[io.Image.Output(display_name="image")],
+            outputs=[io.Image.Output(display_name="image",
+                                     tooltip="RGB images (alpha composited over white), e.g. for Save Image.")],
         )
 
     @classmethod
@@ -88,7 +89,9 @@ class KVGraphVAEEncode(io.ComfyNode):
                 Vae.Input("vae", tooltip="The KV-Graph VAE."),
                 io.Image.Input("image", tooltip="Images to encode (RGB or RGBA)."),
             ],
-            outputs=[io.Latent.Output(display_name="latent")],
+            outputs=[io.Latent.Output(display_name="latent",
+                                      tooltip="Raw VAE latents [batch, 64, height/16, width/16], e.g. for the "
+                                              "sampler's latent with denoise below 1.")],
         )
 
     @classmethod

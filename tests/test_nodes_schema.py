@@ -64,7 +64,7 @@ def test_routes_are_registered_at_import(comfy_env):
 
 
 @pytest.mark.parametrize("node_id", sorted(EXPECTED_NODES))
-def test_every_node_is_described_and_every_input_has_a_tooltip(comfy_env, node_id):
+def test_every_node_is_described_and_every_socket_has_a_tooltip(comfy_env, node_id):
     s = schema(comfy_env, node_id)
     assert s.node_id.startswith("KVGraph") and s.node_id not in CORE_IDS
     assert s.category == "KV-Graph" or s.category.startswith("KV-Graph/")
@@ -74,6 +74,8 @@ def test_every_node_is_described_and_every_input_has_a_tooltip(comfy_env, node_i
     for item in s.inputs:
         assert item.tooltip and len(item.tooltip) > 15, f"{node_id}.{item.id} has no useful tooltip"
     assert s.outputs, f"{node_id} has no output"
+    for item in s.outputs:
+        assert item.tooltip and len(item.tooltip) > 15, f"{node_id} output {item.display_name} has no useful tooltip"
 
 
 def test_sampler_schema(comfy_env):
