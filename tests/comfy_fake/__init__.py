@@ -309,12 +309,13 @@ class FakeComfy:
         return [d for e, d in self.sent if e == "kvgraph.status" and (phase is None or d["phase"] == phase)]
 
 
-def load_pack(name: str | None = None):
+def load_pack(name: str | None = None, root: Path = PACK_ROOT):
     """Import the pack the way ComfyUI's load_custom_node does: a spec for its __init__.py under an arbitrary module
-    name, with the folder as the package's search location."""
+    name, with the folder as the package's search location. `root` may be a link to the repository under another
+    folder name, as under custom_nodes."""
     name = name or f"kvgraph_pack_{uuid.uuid4().hex[:8]}"
-    spec = importlib.util.spec_from_file_location(name, PACK_ROOT / "__init__.py",
-                                                  submodule_search_locations=[str(PACK_ROOT)])
+    spec = importlib.util.spec_from_file_location(name, Path(root) / "__init__.py",
+                                                  submodule_search_locations=[str(root)])
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module
     spec.loader.exec_module(module)

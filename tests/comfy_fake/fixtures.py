@@ -31,11 +31,11 @@ def tiny_model_dirs() -> tuple[Path, Path]:
     return models, tokenizer_parent
 
 
-def make_env(device: str = "cpu", real_comfy=None):
+def make_env(device: str = "cpu", real_comfy=None, pack_root=None):
     models, tokenizer_parent = tiny_model_dirs()
     fake = FakeComfy(models, tokenizer_parent, device=device, real_comfy=real_comfy).install()
     try:
-        pack = load_pack()
+        pack = load_pack() if pack_root is None else load_pack(root=pack_root)
     except BaseException:
         fake.uninstall()
         raise

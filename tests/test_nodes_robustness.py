@@ -1,0 +1,218 @@
+"""Bad input at the node level (CPU, the fake ComfyUI): model names that would leave their model folder, release
+bodies the JSON parser chokes on, sizes off the 16 px grid at queue time; and the cache nodes' pass-through, their
+text on the node, and the web routes for a pack folder whose name needs URL quoting.
+
+tests/e2e/test_comfyui_robustness.py checks the same against a real ComfyUI, with the next good prompt after each.
+"""
+
+import asyncio
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from comfy_fake import PACK_ROOT  # noqa: E402
+from comfy_fake.fixtures import close_env, comfy_env, make_env  # noqa: E402,F401
+
+T_FILE, VAE_FILE = "qwen_image_2.1_bf16.safetensors", "qwen_image_2.1_vae_bf16.safetensors"
+TINY_PIPELINE = "qwen-image-2.1-tiny"
+DIFFUSERS_INPUTS = {"dtype": "fp32", "text_encoder_placement": "cpu"}
+
+
+def run(env, node_id, **inputs):
+    return env.nodes[node_id].execute(**inputs).args
+
+
+def from_pack(env, module: str):
+    """A module of the pack as loaded in `env` (its classes are not the test process's graph_runtime ones)."""
+    return sys.modules[f"{env.pack.__name__}.graph_runtime.{module}"]
+
+
+def refusal(env, node_id, **inputs) -> str:
+    with pytest.raises(from_pack(env, "loading.paths").OutsideModelFolder) as info:
+        run(env, node_id, **inputs)
+    assert isinstance(info.value, from_pack(env, "errors").InputError)
+    return str(info.value)
+
+
+# -- model paths ---------------------------------------------------------------------------------------------------
+
+
+def test_diffusers_folder_outside_models_diffusers_is_refused_alike(comfy_env, tmp_path):
+    models = comfy_env.models
+    pipeline = models / "diffusers" / TINY_PIPELINE  # a real, loadable pipeline, named by a path that escapes
+    names = [str(pipeline), f"../diffusers/{TINY_PIPELINE}", "../../", str(tmp_path / "missing"), "../../missing"]
+    messages = {refusal(comfy_env, "KVGraphLoadDiffusers", folder=name, **DIFFUSERS_INPUTS) for name in names}
+    assert len(messages) == 1, messages  # one message whether the outside path exists or not
+    message, = messages
+    assert message.startswith("folder:") and "models/diffusers" in message
+    assert str(models) not in message and TINY_PIPELINE not in message and "missing" not in message
+
+
+@pytest.mark.parametrize("node_id, input_name, name", [
+    ("KVGraphLoadTransformer", "transformer_name", f"../vae/{VAE_FILE}"),
+    ("KVGraphLoadTransformer", "transformer_name", "{models}/diffusion_models/" + T_FILE),
+    ("KVGraphLoadVAE", "vae_name", f"sub/../../vae/{VAE_FILE}"),
+    ("KVGraphLoadTextEncoder", "text_encoder_name", "/etc/passwd"),
+])
+def test_single_file_outside_its_folder_is_refused(comfy_env, node_id, input_name, name):
+    inputs = {input_name: name.format(models=comfy_env.models), "dtype": "fp32"}
+    if node_id == "KVGraphLoadTextEncoder":
+        inputs["text_encoder_placement"] = "cpu"
+    message = refusal(comfy_env, node_id, **inputs)
+    assert message.startswith(f"{input_name}:") and str(comfy_env.models) not in message
+    # The loader's change check refuses nothing loudly: it only decides whether to run the node again.
+    fingerprint = comfy_env.nodes[node_id].fingerprint_inputs(**inputs)
+    assert fingerprint[0] == inputs[input_name]
+
+
+def test_a_symlink_inside_models_diffusers_is_followed(comfy_env, tmp_path, monkeypatch):
+    """As in ComfyUI: a pipeline folder linked into models/diffusers from elsewhere loads; after the refusals above,
+    loading works as before."""
+    diffusers = tmp_path / "diffusers"
+    diffusers.mkdir()
+    (diffusers / "linked").symlink_to(comfy_env.models / "diffusers" / TINY_PIPELINE, target_is_directory=True)
+    folder_paths = comfy_env.fake.modules["folder_paths"]
+    monkeypatch.setattr(folder_paths, "get_folder_paths",
+                        lambda folder: [str(diffusers)] if folder == "diffusers" else [str(comfy_env.models / folder)])
+    transformer, text_encoder, vae = run(comfy_env, "KVGraphLoadDiffusers", folder="linked", **DIFFUSERS_INPUTS)
+    assert transformer.source == str(diffusers / "linked")
+    assert type(transformer.module).__name__ == "QwenImage21Transformer2DModel" and vae.module.config.z_dim == 64
+    message = refusal(comfy_env, "KVGraphLoadDiffusers", folder="linked/../linked", **DIFFUSERS_INPUTS)
+    assert message.startswith("folder:")
+
+
+def test_an_unknown_name_inside_the_folder_still_says_not_found(comfy_env):
+    with pytest.raises(Exception) as info:
+        run(comfy_env, "KVGraphLoadVAE", vae_name="qwen_image_2.1_vae_missing.safetensors", dtype="fp32")
+    assert isinstance(info.value, from_pack(comfy_env, "errors").CheckpointError)
+    assert "qwen_image_2.1_vae_missing.safetensors" in str(info.value) and "not found" in str(info.value)
+
+
+# -- POST /kvgraph/release body -----------------------------------------------------------------------------------
+
+
+class Request:
+    def __init__(self, body: bytes | None):
+        self.body, self.can_read_body = body, body is not None
+
+    async def read(self):
+        return self.body
+
+
+def post_release(env, body: bytes | None):
+    response = asyncio.run(env.fake.routes[("POST", "/kvgraph/release")](Request(body)))
+    if hasattr(response, "data"):  # the fake aiohttp
+        return response.status, response.data
+    return response.status, json.loads(response.text)
+
+
+@pytest.mark.parametrize("body, fragment", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"a":' * 50_000 + b"1" + b"}" * 50_000, "nested too deeply"),
+    (b"{not json", "not valid JSON"),
+    (b"\xff\xfe{}", "not valid JSON"),
+    (b"[1]", "not a JSON object"),
+    (b'{"models": "yes"}', "'models' must be true or false"),
+])
+def test_release_route_answers_400_for_a_bad_body(comfy_env, body, fragment):
+    code, payload = post_release(comfy_env, body)
+    assert code == 400 and fragment in payload["error"]
+    assert set(payload) == {"error"}
+    assert comfy_env.pack.nodes.server_routes.parse_release_body(body) == (400, payload)  # the parser alone
+
+
+@pytest.mark.parametrize("body", [None, b"", b"  ", b"null", b"{}", b'{"models": false}'])
+def test_release_route_accepts_an_empty_or_plain_body(comfy_env, body):
+    code, payload = post_release(comfy_env, body)
+    assert code == 200 and set(payload) == {"graphs", "models"} and payload["models"] == []
+
+
+# -- queue-time size check ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("inputs, name, fragment", [
+    ({"width": 100, "height": 96}, "width", "width=100 is invalid"),
+    ({"width": 128, "height": 8}, "height", "height=8 is invalid"),
+    ({"width": 0, "height": 96}, "width", "width=0 is invalid"),
+    ({"width": 128, "height": 8208}, "height", "at most 8192"),
+])
+def test_encode_validates_the_size_when_queued(comfy_env, inputs, name, fragment):
+    result = comfy_env.nodes["KVGraphTextEncode"].validate_inputs(**inputs)
+    assert isinstance(result, str) and fragment in result and result.startswith(f"{name}=")
+
+
+def test_encode_accepts_good_and_linked_sizes_when_queued(comfy_env):
+    validate = comfy_env.nodes["KVGraphTextEncode"].validate_inputs
+    assert validate(width=128, height=96) is True
+    assert validate(width=8192, height=16) is True
+    assert validate() is True  # both linked from other nodes: checked when the node runs
+
+
+# -- cache nodes: pass-through and text on the node ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("node_id, inputs", [("KVGraphCacheStatus", {}),
+                                             ("KVGraphReleaseCaches", {"release_models": False})])
+def test_cache_nodes_pass_their_input_on_and_show_their_report(comfy_env, node_id, inputs):
+    latent = {"samples": torch.zeros(1, 64, 6, 8)}
+    comfy_env.fake.set_context("prompt-7", "12")
+    comfy_env.fake.texts.clear()
+    try:
+        output = comfy_env.nodes[node_id].execute(passthrough=latent, **inputs)
+    finally:
+        comfy_env.fake.context = None
+    report, passed = output.args
+    assert passed is latent  # the very object: nothing is copied or changed
+    assert output.ui == {"text": [report]} and report
+    assert comfy_env.fake.texts == [("12", report, "fake-client")]  # to the client that queued the prompt
+    # Outside a running prompt (no node id) the text is not sent, and the node still works.
+    comfy_env.fake.texts.clear()
+    report, passed = comfy_env.nodes[node_id].execute(**inputs).args
+    assert passed is None and comfy_env.fake.texts == []
+
+
+# -- web routes for a pack folder whose name needs URL quoting ------------------------------------------------------
+
+
+def pack_regex(route: str) -> str:
+    return re.fullmatch(r"/[a-z_]+/\{pack:(.+)\}/\{path:\.\+\}", route).group(1)
+
+
+@pytest.mark.parametrize("folder, decoded", [
+    ("kv graph", "kv graph"), ("ComfyUI KV-Graph (v1)", "ComfyUI KV-Graph (v1)"), ("kv{1,2}", "kv{1,2}"),
+    ("grafik-über", "grafik-über"), ("50%", "50%25"),  # aiohttp leaves %25 undecoded in the path it matches
+])
+def test_route_for_a_quoted_folder_name_matches_only_that_name(comfy_env, folder, decoded):
+    pack_files = comfy_env.pack.nodes.pack_files
+    assert pack_files.needs_own_routes(folder)
+    route = pack_files.route_path("/extensions", folder)
+    regex = pack_regex(route)
+    assert "{" not in regex and "}" not in regex  # aiohttp's pattern syntax allows no braces inside a variable
+    assert re.fullmatch(regex, decoded)
+    assert not re.fullmatch(regex, decoded + "x") and not re.fullmatch(regex, "x" + decoded)
+
+
+def test_plain_folder_names_need_no_routes(comfy_env):
+    pack_files = comfy_env.pack.nodes.pack_files
+    for folder in ("comfyui-kv-graph", "kv_graph_e2e", "KVGraph.v1"):
+        assert not pack_files.needs_own_routes(folder)
+        assert pack_files.register(None, f"/custom_nodes/{folder}") == []
+
+
+def test_pack_under_a_folder_with_a_space_registers_its_file_routes(tmp_path):
+    link = tmp_path / "kv graph"
+    link.symlink_to(PACK_ROOT, target_is_directory=True)
+    env = make_env(pack_root=link)
+    try:
+        added = {path for method, path in env.fake.routes if method == "GET" and "{pack:" in path}
+        assert {p.split("/{")[0] for p in added} == {"/extensions", "/workflow_templates"}
+        for path in added:
+            assert re.fullmatch(pack_regex(path), "kv graph")
+    finally:
+        close_env(env)
