@@ -26,9 +26,9 @@ SMALL = 128  # output / reference resolution for end-to-end runs
 LORA_FILE = "qwen_image_2.1_lora.safetensors"  # the LoRA example's file: a tiny random LoRA for the tiny model
 
 
-def prepare_base(base: Path) -> Path:
+def prepare_base(base: Path, pack_folder: str = PACK_FOLDER) -> Path:
     """Tiny model files in ComfyUI's layout (the INT8 ConvRot files the examples load and the bf16 ones, under the
-    released names), a tiny diffusers folder, reference images, the pack linked in."""
+    released names), a tiny diffusers folder, reference images, the pack linked in under custom_nodes/<pack_folder>."""
     import numpy as np
     from PIL import Image
 
@@ -36,7 +36,7 @@ def prepare_base(base: Path) -> Path:
     from graph_runtime.tiny import write_comfyui_files, write_comfyui_int8_files, write_diffusers_folder
 
     (base / "custom_nodes").mkdir(parents=True, exist_ok=True)
-    (base / "custom_nodes" / PACK_FOLDER).symlink_to(REPO, target_is_directory=True)
+    (base / "custom_nodes" / pack_folder).symlink_to(REPO, target_is_directory=True)
     write_comfyui_files(base / "models")
     write_comfyui_int8_files(base / "models")
     write_diffusers_folder(base / "models" / "diffusers" / "qwen-image-2.1-tiny")
@@ -170,6 +170,21 @@ def load_api_workflow(name: str, seed: int | None = None, **encode_overrides) ->
             node["inputs"].update(encode_overrides)
         if node["class_type"] == "KVGraphSampler" and seed is not None:
             node["inputs"]["seed"] = seed
+    return prompt
+
+
+def with_diffusers_loader(prompt: dict, folder, placement: str = "gpu while encoding, then offload") -> dict:
+    """An example API workflow with its three single-file loaders (ids 1-3) replaced by the diffusers-folder
+    loader (id 1), rewired in place."""
+    prompt["1"] = {"class_type": "KVGraphLoadDiffusers",
+                   "inputs": {"folder": folder, "dtype": "bf16", "text_encoder_placement": placement}}
+    for node in prompt.values():
+        for key, value in node["inputs"].items():
+            if value == ["2", 0]:
+                node["inputs"][key] = ["1", 1]
+            elif value == ["3", 0]:
+                node["inputs"][key] = ["1", 2]
+    del prompt["2"], prompt["3"]
     return prompt
 
 

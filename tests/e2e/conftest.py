@@ -6,8 +6,12 @@ environment, with diffusers installed). Without them every test here is skipped.
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,3 +45,24 @@ def classic_server(comfyui_install, comfy_base):
     server = start_server(comfyui_install, comfy_base)
     yield server
     server.stop()
+
+
+@pytest.fixture
+def websocket_log(server, comfyui_install, tmp_path):
+    """Messages of the module's `server` websocket for its client id, recorded by a helper run with ComfyUI's
+    Python; call it for the messages so far."""
+    out = tmp_path / "ws.jsonl"
+    url = f"ws://127.0.0.1:{server.port}/ws?clientId={server.client_id}"
+    listener = subprocess.Popen([comfyui_install[1], str(Path(__file__).parent / "ws_listen.py"), url, str(out)],
+                                start_new_session=True)
+    deadline = time.time() + 30
+    while not (out.exists() and out.read_text()):
+        assert listener.poll() is None and time.time() < deadline, "websocket listener did not connect"
+        time.sleep(0.1)
+
+    def read():
+        return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
+
+    yield read
+    os.killpg(listener.pid, signal.SIGTERM)
+    listener.wait(timeout=10)

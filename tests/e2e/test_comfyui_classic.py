@@ -16,7 +16,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).parent))
 
 from comfy_server import (  # noqa: E402
-    REFERENCE_IMAGES, SMALL, error_message, load_api_workflow, node_of,
+    REFERENCE_IMAGES, SMALL, error_message, load_api_workflow, node_of, with_diffusers_loader,
 )
 
 pytestmark = pytest.mark.comfyui
@@ -162,17 +162,7 @@ def test_broken_model_file_fails_with_a_message_naming_it(server):
 
 
 def test_diffusers_folder_workflow(server):
-    prompt = load_api_workflow(EXAMPLES[0], seed=601)
-    prompt["1"] = {"class_type": "KVGraphLoadDiffusers",
-                   "inputs": {"folder": "qwen-image-2.1-tiny", "dtype": "bf16",
-                              "text_encoder_placement": "gpu while encoding, then offload"}}
-    for node in prompt.values():
-        for key, value in node["inputs"].items():
-            if value == ["2", 0]:
-                node["inputs"][key] = ["1", 1]
-            elif value == ["3", 0]:
-                node["inputs"][key] = ["1", 2]
-    del prompt["2"], prompt["3"]
+    prompt = with_diffusers_loader(load_api_workflow(EXAMPLES[0], seed=601), "qwen-image-2.1-tiny")
     entry = server.run(prompt)
     assert Image.open(server.output_images(entry)[0]).size == (SMALL, SMALL * 3 // 4)
 

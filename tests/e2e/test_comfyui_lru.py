@@ -4,10 +4,6 @@ websocket events carrying the prompt id and node id."""
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -29,26 +25,6 @@ def server(comfyui_install, comfy_base):
     srv = start_server(comfyui_install, comfy_base, "--cache-lru", "10", "--preview-method", "auto")
     yield srv
     srv.stop()
-
-
-@pytest.fixture
-def websocket_log(server, comfyui_install, tmp_path):
-    """Messages of the server's websocket for our client id, recorded by a helper run with ComfyUI's Python."""
-    out = tmp_path / "ws.jsonl"
-    url = f"ws://127.0.0.1:{server.port}/ws?clientId={server.client_id}"
-    listener = subprocess.Popen([comfyui_install[1], str(Path(__file__).parent / "ws_listen.py"), url, str(out)],
-                                start_new_session=True)
-    deadline = time.time() + 30
-    while not (out.exists() and out.read_text()):
-        assert listener.poll() is None and time.time() < deadline, "websocket listener did not connect"
-        time.sleep(0.1)
-
-    def read():
-        return [json.loads(line) for line in out.read_text().splitlines() if line.strip()]
-
-    yield read
-    os.killpg(listener.pid, signal.SIGTERM)
-    listener.wait(timeout=10)
 
 
 def transformer_models(server):

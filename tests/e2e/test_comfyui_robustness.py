@@ -1,0 +1,347 @@
+"""Bad input in a real ComfyUI, and the pack installed under a folder name with a space.
+
+One server (CPU, tiny models) with the pack linked in as custom_nodes/"kv graph e2e", started with `--cache-none` so
+every node of every prompt runs. Each refused input (a model name outside the model folders, a size off the 16 px
+grid at queue time, a release body the JSON parser chokes on) is followed by the same good prompt, whose image must
+equal, pixel for pixel, the one that prompt gave first: a refusal leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import re
+import shutil
+import sys
+import urllib.parse
+from pathlib import Path
+
+import pytest
+import requests
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from comfy_server import (  # noqa: E402
+    REPO, SMALL, load_api_workflow, node_of, prepare_base, start_server, with_diffusers_loader,
+)
+
+pytestmark = pytest.mark.comfyui
+
+SPACE_FOLDER = "kv graph e2e"
+QUOTED_FOLDER = urllib.parse.quote(SPACE_FOLDER)
+T2I = "qwen_image_2.1_text_to_image"
+T_FILE, VAE_FILE = "qwen_image_2.1_bf16.safetensors", "qwen_image_2.1_vae_bf16.safetensors"
+PIPELINE = "qwen-image-2.1-tiny"
+STEPS = 4
+ENCODE, SAMPLER, DECODE = "4", "5", "6"  # node ids in the example API workflows
+
+
+@pytest.fixture(scope="module")
+def base(comfyui_install, tmp_path_factory):
+    """The usual base, plus a real pipeline outside models/ (what a traversal would reach) and a link to it that
+    lives inside models/diffusers (which, as in ComfyUI, is followed)."""
+    from graph_runtime.tiny import write_diffusers_folder
+
+    base = prepare_base(tmp_path_factory.mktemp("comfyui-space"), pack_folder=SPACE_FOLDER)
+    write_diffusers_folder(base / "outside" / PIPELINE)
+    (base / "models" / "diffusers" / "linked-tiny").symlink_to(base / "outside" / PIPELINE, target_is_directory=True)
+    return base
+
+
+@pytest.fixture(scope="module")
+def server(comfyui_install, base):
+    srv = start_server(comfyui_install, base, "--cache-none")
+    yield srv
+    srv.stop()
+
+
+def good_prompt() -> dict:
+    prompt = load_api_workflow(T2I, seed=2024)
+    node_of(prompt, "KVGraphSampler")["inputs"]["steps"] = STEPS
+    return prompt
+
+
+def pixels(server, entry) -> tuple[tuple[int, int], bytes]:
+    path, = server.output_images(entry)
+    image = Image.open(path).convert("RGB")
+    return image.size, image.tobytes()
+
+
+@pytest.fixture(scope="module")
+def reference(server):
+    """The good prompt's image from its first run on this server."""
+    return pixels(server, server.run(good_prompt()))
+
+
+def assert_next_good_prompt_matches(server, reference) -> None:
+    entry = server.run(good_prompt())
+    cached = [data["nodes"] for kind, data in entry["status"]["messages"] if kind == "execution_cached"]
+    assert cached == [[]]  # every node ran again, the sampler included
+    assert pixels(server, entry) == reference
+
+
+def execution_error(entry) -> dict:
+    assert entry["status"]["status_str"] == "error", entry["status"]
+    return next(data for kind, data in entry["status"]["messages"] if kind == "execution_error")
+
+
+def link_string(prompt: dict, value: str) -> list:
+    """A string that reaches a combo input through a link: core's String primitive through core's Switch, whose
+    output takes any type (so ComfyUI's combo check, which only sees widget values, never sees it)."""
+    prompt["90"] = {"class_type": "PrimitiveString", "inputs": {"value": value}}
+    prompt["91"] = {"class_type": "ComfySwitchNode", "inputs": {"switch": True, "on_true": ["90", 0],
+                                                                 "on_false": ["90", 0]}}
+    return ["91", 0]
+
+
+def diffusers_prompt(folder) -> dict:
+    return with_diffusers_loader(good_prompt(), folder, placement="cpu")
+
+
+def raw_get(server, path: str) -> int:
+    """GET a path exactly as written (no client-side normalising of `..` or percent escapes); returns the status."""
+    connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+    try:
+        connection.request("GET", path)
+        return connection.getresponse().status
+    finally:
+        connection.close()
+
+
+# -- the pack folder with a space ----------------------------------------------------------------------------------
+
+
+def test_web_files_and_templates_are_served_under_a_folder_name_with_a_space(server):
+    prefix = f"/extensions/{QUOTED_FOLDER}/"
+    listed = sorted(u for u in server.get("/extensions") if u.startswith(prefix))
+    assert listed == sorted(prefix + p.name for p in (REPO / "web").glob("*.js"))
+    for url in listed:
+        response = requests.get(server.url + url, timeout=30)
+        assert response.status_code == 200, url
+        assert "javascript" in response.headers["Content-Type"]
+        assert response.content == (REPO / "web" / url[len(prefix):]).read_bytes()
+
+    examples = sorted(p.stem for p in (REPO / "example_workflows").glob("*.json"))
+    assert sorted(server.get("/workflow_templates")[SPACE_FOLDER]) == examples
+    for name in examples:  # where the frontend's template browser fetches them
+        response = requests.get(f"{server.url}/api/workflow_templates/{QUOTED_FOLDER}/{name}.json", timeout=30)
+        assert response.status_code == 200, name
+        assert response.json() == json.loads((REPO / "example_workflows" / f"{name}.json").read_text())
+
+    for path in ("..%2F__init__.py", "%2E%2E/__init__.py", "../__init__.py", "%2Fetc%2Fpasswd", "/etc/passwd",
+                 "", "missing.js"):
+        assert raw_get(server, prefix + path) == 404, path
+    assert raw_get(server, f"/api/workflow_templates/{QUOTED_FOLDER}/..%2Fweb%2Fkvgraph.js") == 404
+    assert "needs URL quoting" in server.log_path.read_text()  # the start-up line saying what the pack does
+
+
+# -- model names outside the model folders -------------------------------------------------------------------------
+
+
+def test_model_names_outside_the_model_folders_are_refused_alike(server, base, reference):
+    outside = base / "outside" / PIPELINE  # a valid pipeline: before the check, it loaded
+    names = [str(outside), f"../../outside/{PIPELINE}", "../../outside/missing", "/nonexistent/pipeline"]
+    messages = set()
+    for name in names:
+        prompt = diffusers_prompt(None)
+        node_of(prompt, "KVGraphLoadDiffusers")["inputs"]["folder"] = link_string(prompt, name)
+        error = execution_error(server.wait(server.queue_ok(prompt)))
+        assert error["node_type"] == "KVGraphLoadDiffusers"
+        messages.add(error["exception_message"].strip())
+    assert len(messages) == 1, messages  # the same words whether the outside path exists or not
+    message, = messages
+    assert message.startswith("folder:") and "models/diffusers" in message
+    assert str(base) not in message and "outside" not in message and "missing" not in message
+
+    prompt = good_prompt()
+    node_of(prompt, "KVGraphLoadTransformer")["inputs"]["transformer_name"] = link_string(prompt,
+                                                                                          f"../vae/{VAE_FILE}")
+    error = execution_error(server.wait(server.queue_ok(prompt)))
+    assert error["exception_message"].startswith("transformer_name:") and VAE_FILE not in error["exception_message"]
+    assert_next_good_prompt_matches(server, reference)
+
+
+def test_a_pipeline_linked_into_models_diffusers_loads(server):
+    options = server.get("/object_info/KVGraphLoadDiffusers")["KVGraphLoadDiffusers"]["input"]["required"]
+    assert "linked-tiny" in options["folder"][1]["options"]
+    entry = server.run(diffusers_prompt("linked-tiny"))
+    assert pixels(server, entry)[0] == (SMALL, SMALL * 3 // 4)
+
+
+# -- sizes checked when the prompt is queued -------------------------------------------------------------------------
+
+
+@pytest.fixture
+def nothing_loaded(server):
+    response = server.post("/kvgraph/release", {"models": True})
+    assert response.ok and server.status()["loaded"] == []
+
+
+@pytest.mark.parametrize("side, value, fragment", [
+    ("width", 100, "multiple of 16"), ("height", 8, "multiple of 16"), ("width", 0, "multiple of 16"),
+    ("height", 8208, "at most 8192"),
+])
+def test_a_size_off_the_grid_is_refused_when_queued(server, nothing_loaded, side, value, fragment):
+    response = server.queue(load_api_workflow(T2I, seed=3, **{side: value}))
+    assert response.status_code == 400
+    body = response.json()
+    assert body["error"]["type"] == "prompt_outputs_failed_validation"
+    errors = body["node_errors"][ENCODE]["errors"]
+    ours = [e for e in errors if e["extra_info"]["input_name"] == side]
+    assert ours and f"{side}={value} is invalid" in ours[0]["details"] and fragment in ours[0]["details"]
+    # Refused before anything ran: no model was loaded and nothing is queued.
+    assert server.status()["loaded"] == []
+    assert server.get("/queue") == {"queue_running": [], "queue_pending": []}
+
+
+def test_after_refused_sizes_the_good_prompt_loads_and_matches(server, nothing_loaded, reference):
+    for side, value in (("width", 100), ("height", 8)):
+        assert server.queue(load_api_workflow(T2I, seed=3, **{side: value})).status_code == 400
+    assert_next_good_prompt_matches(server, reference)
+    assert {item["kind"] for item in server.status()["loaded"]} == {"transformer", "text_encoder", "vae"}
+
+
+# -- POST /kvgraph/release bodies -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("body, fragment", [
+    ("[" * 100_000 + "]" * 100_000, "nested too deeply"),
+    ('{"a":' * 50_000 + "1" + "}" * 50_000, "nested too deeply"),
+    ("{not json", "not valid JSON"),
+])
+def test_a_bad_release_body_is_a_400_and_the_next_prompt_matches(server, reference, body, fragment):
+    response = requests.post(f"{server.url}/kvgraph/release", data=body.encode(),
+                             headers={"Content-Type": "application/json"}, timeout=30)
+    assert response.status_code == 400 and fragment in response.json()["error"]
+    assert server.status()["running"] == []
+    assert_next_good_prompt_matches(server, reference)
+
+
+# -- cache nodes ordered by their pass-through ----------------------------------------------------------------------
+
+
+def eager_steps(status: dict) -> dict:
+    return {m["engine_id"]: m["eager_steps"].get("no CUDA", 0) for m in status["models"]
+            if (m.get("source") or "").endswith(T_FILE)}
+
+
+def test_cache_nodes_run_after_the_sampler_they_pass_through(server, reference, websocket_log):
+    """sampler -> Cache Status -> Release Caches -> VAE Decode: both run after the sampler (the report counts this
+    run's steps), pass the latent on unchanged (same image), and show their report on the node."""
+    before = eager_steps(server.status())
+    prompt = good_prompt()
+    prompt["20"] = {"class_type": "KVGraphCacheStatus", "inputs": {"passthrough": [SAMPLER, 0]}}
+    prompt["21"] = {"class_type": "KVGraphReleaseCaches",
+                    "inputs": {"release_models": False, "passthrough": ["20", 1]}}
+    prompt[DECODE]["inputs"]["latent"] = ["21", 1]
+    prompt_id = server.queue_ok(prompt)
+    entry = server.wait(prompt_id)
+    assert entry["status"]["status_str"] == "success"
+    assert pixels(server, entry) == reference
+
+    after = eager_steps(server.status())
+    engine, = [e for e in after if after[e] - before.get(e, 0) == STEPS]  # the engine this run sampled on
+    report = entry["outputs"]["20"]["text"][0]
+    line = next(line for line in report.splitlines() if line.startswith("graph cache") and T_FILE in line)
+    assert f"eager steps: no CUDA: {after[engine]};" in line  # counts this run: the node ran after the sampler
+    released = entry["outputs"]["21"]["text"][0]
+    assert "QwenImage21Transformer2DModel" in released
+
+    messages = websocket_log()
+    order = [m["data"]["node"] for m in messages if m.get("type") == "executing"
+             and m["data"].get("prompt_id") == prompt_id and m["data"].get("node")]
+    assert order.index(SAMPLER) < order.index("20") < order.index("21") < order.index(DECODE), order
+    texts = {m["node"]: m["text"] for m in messages if m.get("type") == "binary" and m["event"] == 3}
+    assert texts.get("20") == report and texts.get("21") == released  # the text the frontend shows on the nodes
+
+
+def test_every_socket_of_every_node_has_a_tooltip(server):
+    info = server.get("/object_info")
+    ours = {k: v for k, v in info.items() if v["category"].startswith("KV-Graph")}
+    assert len(ours) >= 10
+    for node_id, spec in ours.items():
+        assert spec["output_tooltips"] and all(spec["output_tooltips"]), node_id
+        for section in ("required", "optional"):
+            for name, (_, *options) in spec["input"].get(section, {}).items():
+                assert options and options[0].get("tooltip"), f"{node_id}.{name}"
+
+
+# -- the real frontend (headless Chromium) --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def page(server):
+    sync_api = pytest.importorskip("playwright.sync_api", reason="needs playwright (pip install playwright)")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("needs a Chromium executable (Debian: apt-get install chromium)")
+    assert server.post("/settings/Comfy.TutorialCompleted", True).ok  # no template browser opening by itself
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=chromium, args=["--no-sandbox"])
+        tab = browser.new_page(viewport={"width": 1600, "height": 900})
+        tab.errors = []
+        tab.on("pageerror", lambda exc: tab.errors.append(str(exc)))
+        tab.goto(server.url)
+        tab.wait_for_function("window.app?.graph && window.app.extensionManager", timeout=90_000)
+        tab.wait_for_function("window.comfyAPI?.api?.api?.socket?.readyState === 1", timeout=30_000)
+        yield tab
+        browser.close()
+
+
+@pytest.mark.browser
+def test_frontend_loads_the_extension_and_templates_under_the_folder_with_a_space(page):
+    assert "kvgraph.panel" in page.evaluate("window.app.extensions.map(e => e.name)")
+    page.evaluate("window.app.extensionManager.command.execute('Comfy.BrowseTemplates')")
+    page.get_by_text(SPACE_FOLDER, exact=True).click()  # the pack's category in the template browser
+    page.locator(f"[data-testid='template-workflow-{T2I}']").click()
+    page.wait_for_function("window.app.graph.nodes.some(n => n.type === 'KVGraphSampler')", timeout=30_000)
+    types = sorted(page.evaluate("window.app.graph.nodes.map(n => n.type)"))
+    expected = json.loads((REPO / "example_workflows" / f"{T2I}.json").read_text())
+    assert types == sorted(n["type"] for n in expected["nodes"])
+    assert page.errors == []
+
+
+@pytest.mark.browser
+def test_frontend_retypes_the_passthrough_and_shows_the_status_text(page, server):
+    wiring = page.evaluate("""async () => {
+        const app = window.app, LiteGraph = window.LiteGraph ?? window.comfyAPI.litegraph.LiteGraph;
+        app.graph.clear();
+        const [sampler, status, decode] = ['KVGraphSampler', 'KVGraphCacheStatus', 'KVGraphVAEDecode']
+            .map(type => { const n = LiteGraph.createNode(type); app.graph.add(n); return n; });
+        const before = status.outputs[1].type;
+        const toStatus = sampler.connect(0, status, status.findInputSlot('passthrough'));
+        const toDecode = status.connect(1, decode, decode.findInputSlot('latent'));
+        const prompt = (await app.graphToPrompt()).output;
+        return { before, after: status.outputs[1].type, linked: !!toStatus && !!toDecode,
+                 decodeLatent: prompt[String(decode.id)].inputs.latent, statusId: String(status.id) };
+    }""")
+    # The output takes the type of what is connected, so only LATENT inputs accept it once the latent is wired in.
+    assert wiring["before"] == "*" and wiring["after"] == "LATENT" and wiring["linked"]
+    assert wiring["decodeLatent"] == [wiring["statusId"], 1]
+
+    shown = page.evaluate("""async () => {
+        const app = window.app, LiteGraph = window.LiteGraph ?? window.comfyAPI.litegraph.LiteGraph;
+        app.graph.clear();
+        const node = LiteGraph.createNode('KVGraphCacheStatus');
+        app.graph.add(node);
+        node.pos = [200, 200];
+        await app.queuePrompt(0);
+        for (let i = 0; i < 600; i++) {
+            const widget = node.widgets?.find(w => w.name === '$$node-text-preview');
+            if (widget?.value) {
+                await new Promise(r => setTimeout(r, 300));  // let the canvas lay the widget out
+                const dom = Array.from(document.querySelectorAll('.dom-widget')).map(e => e.innerText).join('\\n');
+                return { value: widget.value, dom, id: String(node.id) };
+            }
+            await new Promise(r => setTimeout(r, 100));
+        }
+        return null;
+    }""")
+    assert shown is not None, "the status node never showed its text"
+    history = server.get("/history?max_items=1")
+    report = next(iter(history.values()))["outputs"][shown["id"]]["text"][0]
+    assert shown["value"] == report
+    first_line = report.splitlines()[0]
+    assert re.search(re.escape(first_line[:40]), shown["dom"])  # drawn on the page, not only held by the widget
+    assert page.errors == []
