@@ -132,12 +132,11 @@ def test_interrupt_during_sampling_then_the_next_prompt_runs(server):
     server.run(load_api_workflow(EXAMPLES[0], seed=202))
 
 
-def test_width_off_the_grid_fails_that_prompt_only(server):
-    bad = load_api_workflow(EXAMPLES[0], seed=301, width=100)
-    entry = server.wait(server.queue_ok(bad))
-    assert entry["status"]["status_str"] == "error"
-    message = error_message(entry)
-    assert "width=100" in message and "multiple of 16" in message
+def test_width_off_the_grid_is_refused_when_queued(server):
+    response = server.queue(load_api_workflow(EXAMPLES[0], seed=301, width=100))
+    # The encode node's validate_inputs answers before anything runs (test_comfyui_robustness has the details).
+    assert response.status_code == 400
+    assert "width=100 is invalid" in response.text and "multiple of 16" in response.text
     server.run(load_api_workflow(EXAMPLES[0], seed=302))
 
 
