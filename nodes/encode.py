@@ -12,7 +12,7 @@ from comfy_api.latest import io
 from ..graph_runtime.comfy_interop import comfy_image_to_pil, empty_latent, prompt_to_conditioning
 from ..graph_runtime.encoding.images import prepare_references
 from ..graph_runtime.errors import InputError
-from ..graph_runtime.generate import check_size
+from ..graph_runtime.validation import check_size
 from .types import CONDITIONING, TextEncoder, Vae
 from .vae import encode_raw
 
