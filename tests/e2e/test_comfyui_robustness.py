@@ -31,7 +31,9 @@ pytestmark = pytest.mark.comfyui
 SPACE_FOLDER = "kv graph e2e"
 QUOTED_FOLDER = urllib.parse.quote(SPACE_FOLDER)
 T2I = "qwen_image_2.1_text_to_image"
-T_FILE, VAE_FILE = "qwen_image_2.1_bf16.safetensors", "qwen_image_2.1_vae_bf16.safetensors"
+# The files the example loads (its transformer is an INT8 ConvRot file; the e2e base holds both kinds).
+T_FILE = node_of(load_api_workflow(T2I), "KVGraphLoadTransformer")["inputs"]["transformer_name"]
+VAE_FILE = node_of(load_api_workflow(T2I), "KVGraphLoadVAE")["inputs"]["vae_name"]
 PIPELINE = "qwen-image-2.1-tiny"
 STEPS = 4
 ENCODE, SAMPLER, DECODE = "4", "5", "6"  # node ids in the example API workflows
