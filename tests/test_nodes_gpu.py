@@ -109,3 +109,25 @@ def test_comfyui_model_management_tracks_and_unloads_the_model(gpu_env, prepared
     assert done["captures"] == 1 and done["replays"] == STEPS and done["eager_steps"] == {}
     _, done = sample(gpu_env, transformer, positive, latent, seed=8)  # stays loaded between prompts: replays only
     assert done["captures"] == 0 and done["replays"] == STEPS
+
+
+def test_status_route_reports_two_queued_prompts_replaying(gpu_env, prepared):
+    """What `GET /kvgraph/status` answers after two prompts with the same shapes: the transformer's one graph entry,
+    captured once, replayed every step, nothing eager. With KVGRAPH_STATUS_DUMP=FILE the payload is also written to
+    FILE: the README's screenshot (tests/browser, KVGRAPH_DOCS_STATUS) shows this real GPU status in the web panel."""
+    import json
+
+    transformer, _, positive, latent = prepared
+    transformer.engine.release()
+    before = transformer.engine.status()
+    sample(gpu_env, transformer, positive, latent, seed=11)
+    sample(gpu_env, transformer, positive, latent, seed=12)
+    payload = gpu_env.pack.nodes.status.status_payload()
+    model = next(m for m in payload["models"] if m.get("source") == transformer.source)
+    assert len(model["entries"]) == 1 and model["entries"][0]["captures"] == 1
+    assert model["captures"] - before["captures"] == 1
+    assert model["replays"] - before["replays"] == 2 * STEPS
+    assert model["eager_total"] == before["eager_total"]
+    dump = os.environ.get("KVGRAPH_STATUS_DUMP")
+    if dump:
+        Path(dump).write_text(json.dumps(payload, indent=1, default=str))
