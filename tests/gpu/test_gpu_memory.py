@@ -187,9 +187,20 @@ def test_a_budget_over_the_card_is_refused_before_anything_is_allocated():
     assert "weights mode int8" in str(info.value) and not engine_for(transformer).manager.entries
 
 
+def _copies(run) -> list[str]:
+    """The names of the memory copies the GPU ran during `run()` (CUPTI's, e.g. "Memcpy HtoD (Pinned -> Device)")."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        run()
+        torch.cuda.synchronize()
+    return [e.name for e in prof.events() if e.name.startswith("Memcpy")]
+
+
 def test_pinned_round_trip_is_bit_equal_and_offload_copies_nothing():
-    """A 2.1 GB module: the host copy is page-locked, a load copies from it (at pinned speed), an offload points the
-    weights back at it without any device-to-host copy, and the values survive bit for bit."""
+    """A 2.1 GB module: the host copy is page-locked, a load copies only from it (pinned host-to-device copies, the
+    ones that run at bus speed), an offload points the weights back at it without any device-to-host copy, and the
+    values survive bit for bit. The times are printed, not asserted: bench/placement.py measures them."""
     torch.manual_seed(0)
     with torch.device("cuda"):
         module = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192, bias=False) for _ in range(8)]).bfloat16()
@@ -197,22 +208,20 @@ def test_pinned_round_trip_is_bit_equal_and_offload_copies_nothing():
     placement = PinnedWeights(module, "cuda")
     assert placement.pinned and all(p.is_pinned() and p.device.type == "cpu" for p in module.parameters())
     host_ptrs = [p.data_ptr() for p in module.parameters()]
-    times = []
-    for _ in range(3):
-        torch.cuda.synchronize()
+    for _ in range(2):
         start = time.perf_counter()
-        placement.load()
-        times.append(time.perf_counter() - start)
+        loads = _copies(placement.load)
+        load_s = time.perf_counter() - start
+        assert loads and all("HtoD" in name and "Pinned" in name for name in loads), loads
         assert all(p.is_cuda for p in module.parameters())
         assert all(torch.equal(p, r) for p, r in zip(module.parameters(), reference))
         start = time.perf_counter()
-        placement.offload()
+        offloads = _copies(placement.offload)
         offload_s = time.perf_counter() - start
+        assert offloads == []  # no device-to-host copy: the pinned copy is still the weights' value
         assert [p.data_ptr() for p in module.parameters()] == host_ptrs  # the pinned copy's own memory
-        assert offload_s < 0.05  # no copy: a pageable 2.1 GB device-to-host copy takes ~1 s
-    gb_s = placement.host_bytes / 1e9 / min(times)
-    print(f"pinned load {min(times) * 1e3:.1f} ms ({gb_s:.1f} GB/s), offload {offload_s * 1e3:.2f} ms")
-    assert gb_s > 8  # pinned host-to-device copies run at bus speed; pageable ones measured ~5 GB/s
+    print(f"pinned load {load_s * 1e3:.1f} ms ({placement.host_bytes / 1e9 / load_s:.1f} GB/s, under the profiler), "
+          f"offload {offload_s * 1e3:.2f} ms")
     placement.load()
     assert all(torch.equal(p, r) for p, r in zip(module.parameters(), reference))
 
