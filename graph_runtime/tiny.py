@@ -45,16 +45,6 @@ _QWEN_SPLIT = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# A chat template rendering each turn as `<|im_start|>{role}\n{text}<|im_end|>\n`, images as vision blocks: what
-# Qwen3-VL's own template renders for the turns the Qwen-Image pipeline builds.
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
-    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
 _CORPUS = [
     "A capybara wearing a wizard hat, reading a book by candlelight, oil painting.",
     "Comprehend and analyze the provided prompt. A photo of a red cube on a blue sphere at sunset.",
@@ -68,6 +58,8 @@ def build_tokenizer():
     """A byte-level BPE tokenizer with Qwen's pre-tokenizer and special tokens at their real ids."""
     from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers, trainers
     from transformers import Qwen2TokenizerFast
+
+    from .loading.processor import CHAT_TEMPLATE
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -97,17 +89,10 @@ def build_tokenizer():
 
 
 def build_processor(tokenizer=None):
-    """Qwen3-VL's processor with Qwen3-VL's image settings (16 px patches, 2x2 merge, mean/std 0.5)."""
-    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+    """The production processor (loading/processor.py) around `tokenizer`, by default the tiny one."""
+    from .loading import processor  # the toy models build on the real loaders, never the reverse
 
-    image_processor = Qwen2VLImageProcessor(
-        patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
-        size={"shortest_edge": 64 * 64, "longest_edge": 16777216},
-    )
-    video_processor = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2)
-    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer or build_tokenizer(),
-                            video_processor=video_processor, chat_template=CHAT_TEMPLATE)
+    return processor.build_processor(tokenizer or build_tokenizer())
 
 
 def tiny_text_encoder_config():

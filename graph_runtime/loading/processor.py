@@ -21,6 +21,16 @@ ACCEPTED_TOKENIZER_FOLDERS = (
 REQUIRED_TOKEN_IDS = {"<|im_start|>": 151644, "<|im_end|>": 151645, "<|vision_start|>": 151652,
                       "<|image_pad|>": 151655}
 
+# A chat template rendering each turn as `<|im_start|>{role}\n{text}<|im_end|>\n`, images as vision blocks: what
+# Qwen3-VL's own template renders for the turns the Qwen-Image pipeline builds.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    "{% for item in message['content'] %}{% if item['type'] == 'image' %}<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif item['type'] == 'text' %}{{ item['text'] }}{% endif %}{% endfor %}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 
 def _has_tokenizer(folder: Path) -> bool:
     return (folder / "tokenizer.json").is_file() or ((folder / "vocab.json").is_file()
@@ -51,6 +61,21 @@ def _check_special_tokens(folder: Path, tokenizer) -> None:
                               ACCEPTED_TOKENIZER_FOLDERS)
 
 
+def build_processor(tokenizer):
+    """Qwen3-VL's processor around `tokenizer`, with Qwen3-VL's image settings (16 px patches, 2x2 merge, mean/std
+    0.5) and CHAT_TEMPLATE."""
+    from transformers import Qwen2VLImageProcessor, Qwen3VLProcessor
+    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
+
+    image_processor = Qwen2VLImageProcessor(
+        patch_size=16, merge_size=2, temporal_patch_size=2, image_mean=[0.5, 0.5, 0.5], image_std=[0.5, 0.5, 0.5],
+        size={"shortest_edge": 64 * 64, "longest_edge": 16777216},
+    )
+    video_processor = Qwen3VLVideoProcessor(patch_size=16, merge_size=2, temporal_patch_size=2)
+    return Qwen3VLProcessor(image_processor=image_processor, tokenizer=tokenizer, video_processor=video_processor,
+                            chat_template=CHAT_TEMPLATE)
+
+
 def load_processor(path: str | os.PathLike):
     """A Qwen3VLProcessor from `path` (see ACCEPTED_TOKENIZER_FOLDERS).
 
@@ -60,8 +85,6 @@ def load_processor(path: str | os.PathLike):
     content as text.
     """
     from transformers import AutoTokenizer, Qwen2TokenizerFast, Qwen3VLProcessor
-
-    from ..tiny import build_processor
 
     path = Path(path)
     if not path.exists():
