@@ -9,7 +9,9 @@ from __future__ import annotations
 import comfy.model_management as mm
 from comfy_api.latest import io
 
-from ..graph_runtime.comfy_interop import comfy_image_to_pil, empty_latent, prompt_to_conditioning
+from ..graph_runtime.comfy_interop.conditioning import prompt_to_conditioning
+from ..graph_runtime.comfy_interop.latents import empty_latent
+from ..graph_runtime.comfy_interop.pixels import comfy_image_to_pil
 from ..graph_runtime.encoding.images import prepare_references
 from ..graph_runtime.errors import InputError
 from ..graph_runtime.validation import check_size

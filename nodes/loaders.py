@@ -10,7 +10,7 @@ from __future__ import annotations
 import comfy.model_management as mm
 from comfy_api.latest import io
 
-from ..graph_runtime.comfy_interop import file_identity
+from ..graph_runtime.comfy_interop.files import file_identity
 from ..graph_runtime.fp8 import DEFAULT_PRECISION, PRECISIONS, apply_precision, check_precision
 from ..graph_runtime.loading import (
     default_scheduler_config, load_pipeline_folder, load_text_encoder, load_transformer, load_vae,

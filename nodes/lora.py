@@ -12,7 +12,7 @@ import math
 
 from comfy_api.latest import io
 
-from ..graph_runtime.comfy_interop import file_identity
+from ..graph_runtime.comfy_interop.files import file_identity
 from ..graph_runtime.errors import InputError
 from ..graph_runtime.lora import LoraChoice, read_lora
 from . import model_files

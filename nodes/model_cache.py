@@ -14,7 +14,7 @@ import threading
 from collections import Counter
 from typing import Callable
 
-from ..graph_runtime.comfy_interop import file_identity
+from ..graph_runtime.comfy_interop.files import file_identity
 
 logger = logging.getLogger("kvgraph")
 

@@ -247,7 +247,7 @@ class VAEHandle(ModelHandle):
     def preview_projection(self):
         """The latent -> RGB projection for live previews, fitted once to these weights."""
         if self._preview is None:
-            from ..graph_runtime.comfy_interop import fit_preview_projection
+            from ..graph_runtime.comfy_interop.previews import fit_preview_projection
 
             self._preview = fit_preview_projection(self.module)
         return self._preview

@@ -7,7 +7,7 @@ import logging
 import comfy.model_management
 import comfy.utils
 
-from ..graph_runtime.comfy_interop import PreviewProjection, gray_projection, preview_image
+from ..graph_runtime.comfy_interop.previews import PreviewProjection, gray_projection, preview_image
 from . import in_flight, model_cache
 
 logger = logging.getLogger("kvgraph")

@@ -11,9 +11,8 @@ import logging
 import comfy.model_management as mm
 from comfy_api.latest import io
 
-from ..graph_runtime.comfy_interop import (
-    conditioning_to_prompt, latent_samples, latent_stats, normalized_to_raw, raw_to_normalized,
-)
+from ..graph_runtime.comfy_interop.conditioning import conditioning_to_prompt
+from ..graph_runtime.comfy_interop.latents import latent_samples, latent_stats, normalized_to_raw, raw_to_normalized
 from ..graph_runtime.decode.graph_manager import DECODE_MODES
 from ..graph_runtime.errors import InputError
 from ..graph_runtime.loading.variant import AUTO, TURBO, sigma_preset_for

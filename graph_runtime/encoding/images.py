@@ -121,7 +121,7 @@ def to_pil(images: torch.Tensor, keep_alpha: bool = False) -> list:
     """
     if keep_alpha:
         return image_processor().postprocess(images.float(), output_type="pil")
-    from ..comfy_interop import comfy_image_to_pil, vae_pixels_to_comfy_image
+    from ..comfy_interop.pixels import comfy_image_to_pil, vae_pixels_to_comfy_image
 
     rgb = vae_pixels_to_comfy_image(images)
     return [comfy_image_to_pil(rgb[i:i + 1]) for i in range(rgb.shape[0])]

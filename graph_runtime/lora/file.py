@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..comfy_interop import file_identity
+from ..comfy_interop.files import file_identity
 from ..errors import CheckpointError
 from ..loading.safetensors_file import iter_tensors, read_header
 from .formats import (ALPHA, DIFF, DIFF_BIAS, DOWN, UP, Target, foreign_model, peft_scale, split_key,

@@ -1,0 +1,31 @@
+"""Pure conversions between ComfyUI's data conventions and the runtime's. No ComfyUI import here: these modules
+speak ComfyUI's data formats (as core ComfyUI's Qwen-Image-2.1 support uses them) without importing ComfyUI.
+
+- latents: LATENT dicts, raw <-> normalized latent space, empty latents;
+- conditioning: CONDITIONING <-> PromptEmbeds and reference latents;
+- pixels: IMAGE tensors <-> VAE pixels, cropping, PIL;
+- previews: the latent -> RGB projection for live previews;
+- files: a model file's identity (the loaded-model cache key).
+
+Every name is re-exported here, so `from graph_runtime.comfy_interop import X` works for all of them.
+"""
+
+# `encode_pixels_raw` / `decode_raw_latents` are the names this module has always given the runtime's raw VAE calls
+# (graph_runtime/encoding/images.py: `vae_encode`, `vae_decode`); they stay importable under them.
+from ..encoding.images import vae_decode as decode_raw_latents, vae_encode as encode_pixels_raw
+from .conditioning import ParsedConditioning, conditioning_to_prompt, prompt_to_conditioning
+from .files import file_identity
+from .latents import (
+    LATENT_CHANNELS, VAE_SCALE, LatentStats, empty_latent, latent_samples, latent_stats, normalized_to_raw,
+    raw_to_normalized,
+)
+from .pixels import comfy_image_to_pil, comfy_image_to_vae_pixels, crop_to_multiple, vae_pixels_to_comfy_image
+from .previews import PreviewProjection, fit_preview_projection, gray_projection, preview_image
+
+__all__ = [
+    "LATENT_CHANNELS", "VAE_SCALE", "LatentStats", "ParsedConditioning", "PreviewProjection", "comfy_image_to_pil",
+    "comfy_image_to_vae_pixels", "conditioning_to_prompt", "crop_to_multiple", "decode_raw_latents", "empty_latent",
+    "encode_pixels_raw", "file_identity", "fit_preview_projection", "gray_projection", "latent_samples",
+    "latent_stats", "normalized_to_raw", "preview_image", "prompt_to_conditioning", "raw_to_normalized",
+    "vae_pixels_to_comfy_image",
+]

@@ -1,0 +1,56 @@
+"""ComfyUI IMAGEs (`[B, H, W, 3|4]` in [0, 1]) <-> the VAE's RGBA pixels (`[B, 4, 1, H, W]` in [-1, 1]), cropping to
+the VAE's grid, and PIL images.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import InputError
+from .latents import VAE_SCALE
+
+
+def comfy_image_to_vae_pixels(image: torch.Tensor, name: str = "image") -> torch.Tensor:
+    """ComfyUI IMAGE `[B, H, W, 3|4]` in [0, 1] -> the VAE's RGBA input `[B, 4, 1, H, W]` in [-1, 1].
+
+    An RGB image gets an opaque alpha channel: the Qwen-Image-2.1 VAE reads and writes RGBA.
+    """
+    if not isinstance(image, torch.Tensor) or image.dim() != 4 or image.shape[-1] not in (3, 4):
+        raise InputError(name, getattr(image, "shape", type(image).__name__), "an IMAGE [batch, height, width, 3 or 4]")
+    pixels = image.float().movedim(-1, 1)
+    if pixels.shape[1] == 3:
+        pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
+    return (pixels * 2.0 - 1.0).clamp(-1.0, 1.0).unsqueeze(2)
+
+
+def vae_pixels_to_comfy_image(pixels: torch.Tensor) -> torch.Tensor:
+    """The VAE's output `[B, 3|4, H, W]` in [-1, 1] -> ComfyUI IMAGE `[B, H, W, 3]` in [0, 1].
+
+    ComfyUI images are RGB; alpha is composited over white, which is also what the vision encoder sees.
+    """
+    images = ((pixels.float() + 1.0) / 2.0).clamp(0.0, 1.0)
+    rgb = images[:, :3]
+    if images.shape[1] == 4:
+        alpha = images[:, 3:4]
+        rgb = rgb * alpha + (1.0 - alpha)
+    return rgb.movedim(1, -1).contiguous()
+
+
+def crop_to_multiple(image: torch.Tensor, multiple: int = VAE_SCALE) -> torch.Tensor:
+    """Center-crop an IMAGE `[B, H, W, C]` to sides that are multiples of `multiple` (the VAE's 16x grid)."""
+    if not isinstance(image, torch.Tensor) or image.dim() != 4:
+        raise InputError("image", getattr(image, "shape", type(image).__name__), "an IMAGE [batch, height, width, C]")
+    height, width = image.shape[1], image.shape[2]
+    new_h, new_w = height // multiple * multiple, width // multiple * multiple
+    if new_h < multiple or new_w < multiple:
+        raise InputError("image", f"{width}x{height} px", f"at least {multiple}x{multiple} px")
+    top, left = (height - new_h) // 2, (width - new_w) // 2
+    return image[:, top:top + new_h, left:left + new_w]
+
+
+def comfy_image_to_pil(image: torch.Tensor):
+    """The first image of an IMAGE batch as a PIL image (RGBA when it has an alpha channel)."""
+    from PIL import Image
+
+    array = (image[0].float().clamp(0, 1) * 255.0).round().to(torch.uint8).cpu().numpy()
+    return Image.fromarray(array, mode="RGBA" if array.shape[-1] == 4 else "RGB")
