@@ -12,6 +12,8 @@ import threading
 import time
 from contextlib import contextmanager
 
+from ..graph_runtime.report import mib
+
 logger = logging.getLogger("kvgraph")
 
 _lock = threading.RLock()
@@ -74,5 +76,5 @@ def release_graphs(engine, reason: str = "requested") -> str:
 def _release_now(engine, reason: str) -> None:
     held = engine.release()
     if held.get("entries"):
-        logger.info("KV-Graph: released %d decode graph entries (%.1f MiB) of %s: %s.", held["entries"],
-                    held.get("bytes", 0) / 2**20, engine.manager.name, reason)
+        logger.info("KV-Graph: released %d decode graph entries (%s) of %s: %s.", held["entries"],
+                    mib(held.get("bytes", 0)), engine.manager.name, reason)

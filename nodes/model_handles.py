@@ -22,7 +22,7 @@ import comfy.model_patcher
 
 from ..graph_runtime.encoding.prompt import PromptEncoder
 from ..graph_runtime.lora import merged_loras
-from ..graph_runtime.memory import module_bytes
+from ..graph_runtime.memory import gib, module_bytes
 from ..graph_runtime.placement import PinnedWeights
 from ..graph_runtime.registry import engine_for
 
@@ -49,10 +49,6 @@ class ModuleHost(torch.nn.Module):
 
     def get_dtype(self):
         return next(self.inner.parameters()).dtype
-
-
-# Sizes count each storage once (the text encoder ties its head to its embedding table); kept under its old name.
-unique_nbytes = module_bytes
 
 
 def same_device(a, b) -> bool:
@@ -153,7 +149,7 @@ class ModelHandle:
         except torch.OutOfMemoryError as exc:
             raise RuntimeError(
                 f"KV-Graph: not enough free memory on {self.patcher.load_device} to load the {self.kind} "
-                f"({self.size_bytes / 2**30:.1f} GiB, {self.source}). KV-Graph keeps a model whole on the GPU while "
+                f"({gib(self.size_bytes)}, {self.source}). KV-Graph keeps a model whole on the GPU while "
                 "it runs (no lowvram streaming); close other models or use a smaller dtype."
             ) from exc
         devices = {p.device for p in self.module.parameters()}

@@ -12,13 +12,17 @@ import comfy.model_management as mm
 from comfy_api.latest import io
 
 from ..graph_runtime.comfy_interop.conditioning import conditioning_to_prompt
-from ..graph_runtime.comfy_interop.latents import latent_samples, latent_stats, normalized_to_raw, raw_to_normalized
+from ..graph_runtime.comfy_interop.latents import (
+    latent_samples, latent_stats, normalized_to_raw, raw_to_normalized,
+)
 from ..graph_runtime.decode.graph_manager import DECODE_MODES
 from ..graph_runtime.errors import InputError
 from ..graph_runtime.loading.variant import AUTO, TURBO, sigma_preset_for
 from ..graph_runtime.lora import loras_in_use
+from ..graph_runtime.report import run_summary
 from ..graph_runtime.sampling.sampler import Cancelled, SamplingRequest, sample
 from ..graph_runtime.sampling.schedule import SIGMA_PRESETS, TURBO_SIGMAS
+from ..graph_runtime.validation import MAX_SEED, VAE_SCALE, check_seed
 from . import events, in_flight, memory_budget
 from .progress import SamplerProgress
 from .types import SAMPLING, Transformer
@@ -27,7 +31,6 @@ logger = logging.getLogger("kvgraph")
 
 COMPILE_OPTIONS = ("off", "blocks")
 NODE_SIGMA_PRESETS = (AUTO, *SIGMA_PRESETS)
-MAX_SEED = 0xFFFFFFFFFFFFFFFF
 
 
 def _check_choice(name: str, value, options) -> None:
@@ -38,25 +41,6 @@ def _check_choice(name: str, value, options) -> None:
 def _same_references(positive, negative) -> bool:
     shapes = [tuple(r.shape) for r in positive.reference_latents]
     return shapes == [tuple(r.shape) for r in negative.reference_latents]
-
-
-def summary_line(width: int, height: int, batch: int, result, preset: str, cfg: float) -> str:
-    stats, timings = result.stats, result.timings
-    eager = stats.get("eager_steps", {})
-    reasons = ", ".join(f"{reason}: {n}" for reason, n in eager.items())
-    return (f"KV-Graph: {batch}x {width}x{height}, {timings.get('steps')} steps ({preset}, cfg {cfg:g}): "
-            f"prefill {timings.get('prefill_ms', 0.0):.1f} ms{_prefill_path(stats)}, decode {timings.get('decode_ms_per_step', 0.0):.2f} "
-            f"ms/step, captures {stats.get('captures', 0)}, replays {stats.get('replays', 0)}, eager steps "
-            f"{sum(eager.values())}" + (f" ({reasons})" if reasons else ""))
-
-
-def _prefill_path(stats: dict) -> str:
-    eager = stats.get("eager_prefills", {})
-    if eager:
-        return " (eager: " + ", ".join(eager) + ")"
-    if stats.get("prefill_captures"):
-        return " (captured)"
-    return " (replayed)" if stats.get("prefill_replays") else ""
 
 
 class KVGraphSampler(io.ComfyNode):
@@ -136,8 +120,8 @@ class KVGraphSampler(io.ComfyNode):
                 mm.throw_exception_if_processing_interrupted()
                 raise
         preset = request.sigma_preset + (f" ({AUTO})" if sigma_preset == AUTO else "")
-        logger.info(summary_line(request.latent_width * 16, request.latent_height * 16, request.batch_size, result,
-                                 preset, cfg))
+        logger.info(run_summary(request.latent_width * VAE_SCALE, request.latent_height * VAE_SCALE,
+                                request.batch_size, result, preset, cfg))
         out = normalized_to_raw(result.latents.float(), stats).to(mm.intermediate_device())
         return io.NodeOutput({"samples": out})
 
@@ -152,8 +136,7 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
     preset = sigma_preset_for(sigma_preset, model.info.get("variant"))
     _check_choice("decode_mode", decode_mode, DECODE_MODES)
     _check_choice("compile", compile, COMPILE_OPTIONS)
-    if not 0 <= int(seed) <= MAX_SEED:
-        raise InputError("seed", seed, f"an integer in [0, {MAX_SEED}]")
+    check_seed(int(seed))
     channels = model.module.config.in_channels
     samples = latent_samples(latent, "latent", channels)
     if latent.get("noise_mask") is not None:

@@ -1,13 +1,14 @@
 """What the pack holds (loaded models, decode graphs, runs in progress) and how to let it go.
 
 Shared by the HTTP routes and the cache nodes, so both report and release the same way. Graph-manager state is
-read through `engine.status()`, which holds the manager's lock.
+read through `engine.status()`, which holds the manager's lock; the text reports are worded by graph_runtime/report.py.
 """
 
 from __future__ import annotations
 
 from ..graph_runtime.lora import merged_loras
 from ..graph_runtime.registry import process_registry
+from ..graph_runtime.report import graph_cache_fields, release_text, status_text
 from . import in_flight, model_cache
 
 
@@ -40,18 +41,7 @@ def status_payload() -> dict:
             "device": str(handle.device) if handle else None,
             "loads": model_cache.load_count(handle.key) if handle else None,
             "busy": in_flight.is_busy(engine),
-            "entries": state["entries"],
-            "captures": state["captures"],
-            "replays": state["replays"],
-            "eager_steps": state["eager_steps"],
-            "eager_total": state["eager_total"],
-            "evictions": state["evictions"],
-            "prefill_replays": state["prefill_replays"],
-            "prefill_captures": state["prefill_captures"],
-            "eager_prefills": state["eager_prefills"],
-            "bytes_held": state["bytes_held"],
-            "max_entries": state["max_entries"],
-            "compiled": state.get("compiled", False),
+            **graph_cache_fields(state),
             "lora": merged_loras(engine.transformer),
             "budget": handle.last_budget if handle else None,
         })
@@ -90,52 +80,8 @@ def release(models: bool = False) -> dict:
 
 def status_report() -> str:
     """The status as text, for the cache-status node."""
-    payload = status_payload()
-    lines = []
-    if not payload["loaded"]:
-        lines.append("No models loaded by KV-Graph.")
-    for item in payload["loaded"]:
-        lines.append(f"{item['kind']}: {item['source']} ({item['dtype']}, on {item['device']}, "
-                     f"{item['bytes'] / 2**20:.1f} MiB, loaded {item['loads']}x)")
-    for model in payload["models"]:
-        if "error" in model:
-            lines.append(f"graph cache {model['engine_id']}: unreadable ({model['error']})")
-            continue
-        eager = ", ".join(f"{reason}: {n}" for reason, n in model["eager_steps"].items()) or "none"
-        eager_prefills = ", ".join(f"{reason}: {n}" for reason, n in model["eager_prefills"].items()) or "none"
-        lines.append(f"graph cache of {model['model']} ({model['source'] or 'not loaded by a KV-Graph loader'}): "
-                     f"{len(model['entries'])} entries, {model['bytes_held'] / 2**20:.1f} MiB held, "
-                     f"{model['captures']} captures, {model['replays']} replays, eager steps: {eager}; prefills: "
-                     f"{model['prefill_captures']} captured, {model['prefill_replays']} replayed, eager: "
-                     f"{eager_prefills}")
-        lora = model["lora"]
-        if lora["loras"]:
-            names = ", ".join(f"{item['name']} ({item['strength']:g})" for item in lora["loras"])
-            lines.append(f"  LoRAs merged: {names}; {lora['weights']} weights, originals "
-                         f"{lora['originals_bytes'] / 2**20:.1f} MiB on the host")
-        budget = model.get("budget")
-        if budget:
-            available = budget.get("available_bytes")
-            lines.append(f"  last request's memory budget: {budget['total_bytes'] / 2**30:.1f} GiB"
-                         + (f" of {available / 2**30:.1f} GiB available" if available is not None else "")
-                         + (" (VAE decode tiled)" if budget.get("vae_tiled") else ""))
-        for entry in model["entries"]:
-            key = entry["key"]
-            shape = f"{key['branch']} batch {key['batch']}, {key['prefix_tokens']}+{key['target_tokens']} tokens"
-            if entry.get("state") == "failed":
-                lines.append(f"  - {shape}: failed ({entry['reason']})")
-            else:
-                lines.append(f"  - {shape}: {entry['state']}, {entry['captures']} captures, {entry['replays']} "
-                             f"replays, {entry['bytes'] / 2**20:.1f} MiB, owner alive: {entry['owner_alive']}")
-    for run in payload["running"]:
-        lines.append(f"running: prompt {run['prompt_id']} node {run['node']} step {run['step']}/{run['total']}")
-    return "\n".join(lines)
+    return status_text(status_payload())
 
 
 def release_report(models: bool) -> str:
-    result = release(models)
-    lines = [f"graphs of {g['model']}: {g['result']} ({g['bytes'] / 2**20:.1f} MiB)" for g in result["graphs"]]
-    lines += [f"model {m['kind']} {m['source']}: dropped" + ("" if m["unloaded"] else " (in use: unloads when done)")
-              for m in result["models"]]
-    return "\n".join(lines) or "Nothing to release."
-
+    return release_text(release(models))

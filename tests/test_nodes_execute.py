@@ -437,8 +437,8 @@ def test_summary_line_says_how_the_prefill_ran(comfy_env, stats, expected):
     eagerly and why (nothing when the request had no graph entry: its eager steps say why)."""
     import types
 
-    nodes_sampler = sys.modules[f"{comfy_env.pack.__name__}.nodes.sampler"]
+    report = sys.modules[f"{comfy_env.pack.__name__}.graph_runtime.report"]
     result = types.SimpleNamespace(stats={"captures": 0, "replays": 8, "eager_steps": {}, **stats},
                                    timings={"steps": 8, "prefill_ms": 18.0, "decode_ms_per_step": 107.0})
-    line = nodes_sampler.summary_line(1024, 1024, 1, result, "turbo", 1.0)
+    line = report.run_summary(1024, 1024, 1, result, "turbo", 1.0)
     assert expected in line and "replays 8" in line

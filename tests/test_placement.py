@@ -15,6 +15,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from graph_runtime.memory import module_bytes
 from graph_runtime.placement import ALIGNMENT, PinnedWeights
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -136,7 +137,7 @@ def test_text_encoder_patcher_loads_and_offloads_through_the_placement(tiny_part
     try:
         handles = sys.modules[env.pack.__name__ + ".nodes.model_handles"]
         module = copy.deepcopy(tiny_parts["text_encoder"])
-        size = handles.unique_nbytes(module)
+        size = module_bytes(module)
         before = state(module)
         handle = handles.TextEncoderHandle.create("text_encoder", module, "test", "fp32", "cpu", "cpu")
         assert handle.patcher.placement is None  # the CPU is both load and offload device: nothing to swap

@@ -240,7 +240,7 @@ def test_text_encoder_handle_loads_from_its_pinned_copy(tiny_parts):
     try:
         handles = sys.modules[env.pack.__name__ + ".nodes.model_handles"]
         module = copy.deepcopy(tiny_parts["text_encoder"])
-        size = handles.unique_nbytes(module)
+        size = memory.module_bytes(module)
         handle = handles.TextEncoderHandle.create("text_encoder", module, "test", "fp32", "cuda", "cpu")
         placement = handle.patcher.placement
         assert placement is not None and placement.pinned and handle.size_bytes == size

@@ -1,0 +1,124 @@
+"""Plain-text reports of what the runtime did and holds: the one-line summary of a sampling run, and the status and
+release reports (loaded models, decode-graph caches, the last request's memory budget, runs in progress).
+
+Pure functions over the plain dicts the runtime already hands out (a `SamplingResult`'s `stats` and `timings`,
+`engine.status()`, `MemoryBudget.as_dict()`, `engine.release()`), so whoever shows them (the ComfyUI nodes, their
+HTTP routes, a log) words them the same way and a test can check the wording without a model.
+"""
+
+from __future__ import annotations
+
+from .memory import MiB, gib
+
+
+def mib(n: int | float) -> str:
+    return f"{n / MiB:.1f} MiB"
+
+
+def by_reason(counts: dict) -> str:
+    """`{"no CUDA": 3}` -> "no CUDA: 3" (several joined by commas); an empty dict -> ""."""
+    return ", ".join(f"{reason}: {n}" for reason, n in counts.items())
+
+
+# -- one sampling run ------------------------------------------------------------------------------------------------
+
+
+def prefill_path(stats: dict) -> str:
+    """How the run's prefill ran: " (eager: <reasons>)", " (captured)", " (replayed)", or "" when the request had no
+    graph entry (its eager steps say why)."""
+    eager = stats.get("eager_prefills", {})
+    if eager:
+        return " (eager: " + ", ".join(eager) + ")"
+    if stats.get("prefill_captures"):
+        return " (captured)"
+    return " (replayed)" if stats.get("prefill_replays") else ""
+
+
+def run_summary(width: int, height: int, batch: int, result, preset: str, cfg: float) -> str:
+    """One line for a finished run (`result`: anything with the sampler's `stats` and `timings` dicts): size, steps,
+    schedule, prefill and per-step decode time, and how many steps were captured, replayed or eager (and why)."""
+    stats, timings = result.stats, result.timings
+    eager = stats.get("eager_steps", {})
+    reasons = by_reason(eager)
+    return (f"KV-Graph: {batch}x {width}x{height}, {timings.get('steps')} steps ({preset}, cfg {cfg:g}): "
+            f"prefill {timings.get('prefill_ms', 0.0):.1f} ms{prefill_path(stats)}, decode "
+            f"{timings.get('decode_ms_per_step', 0.0):.2f} ms/step, captures {stats.get('captures', 0)}, replays "
+            f"{stats.get('replays', 0)}, eager steps {sum(eager.values())}" + (f" ({reasons})" if reasons else ""))
+
+
+# -- what is held ----------------------------------------------------------------------------------------------------
+
+# The fields of `engine.status()` a status record carries, in the order it lists them.
+GRAPH_CACHE_FIELDS = ("entries", "captures", "replays", "eager_steps", "eager_total", "evictions", "prefill_replays",
+                      "prefill_captures", "eager_prefills", "bytes_held", "max_entries")
+
+
+def graph_cache_fields(state: dict) -> dict:
+    """The reported part of an engine's status (`engine.status()`); `compiled` is False when the engine says nothing."""
+    return {**{name: state[name] for name in GRAPH_CACHE_FIELDS}, "compiled": state.get("compiled", False)}
+
+
+def budget_record(budget, device, available: int | None) -> dict:
+    """A request's memory budget as the status reports it: its parts, where it ran and what was available there
+    (None when the device reports no free memory)."""
+    return {**budget.as_dict(), "device": str(device), "available_bytes": available}
+
+
+def loaded_model_line(item: dict) -> str:
+    """A loaded model (`kind`, `source`, `dtype`, `device`, `bytes`, `loads`)."""
+    return (f"{item['kind']}: {item['source']} ({item['dtype']}, on {item['device']}, {mib(item['bytes'])}, "
+            f"loaded {item['loads']}x)")
+
+
+def graph_cache_lines(model: dict) -> list[str]:
+    """An engine's status record (`graph_cache_fields` plus `engine_id`, `model`, `source`, `lora`, `budget`; or
+    `engine_id` and `error` when it could not be read): a summary line, then indented details, one per entry."""
+    if "error" in model:
+        return [f"graph cache {model['engine_id']}: unreadable ({model['error']})"]
+    lines = [f"graph cache of {model['model']} ({model['source'] or 'not loaded by a KV-Graph loader'}): "
+             f"{len(model['entries'])} entries, {mib(model['bytes_held'])} held, {model['captures']} captures, "
+             f"{model['replays']} replays, eager steps: {by_reason(model['eager_steps']) or 'none'}; prefills: "
+             f"{model['prefill_captures']} captured, {model['prefill_replays']} replayed, eager: "
+             f"{by_reason(model['eager_prefills']) or 'none'}"]
+    lora = model["lora"]
+    if lora["loras"]:
+        names = ", ".join(f"{item['name']} ({item['strength']:g})" for item in lora["loras"])
+        lines.append(f"  LoRAs merged: {names}; {lora['weights']} weights, originals {mib(lora['originals_bytes'])} "
+                     "on the host")
+    budget = model.get("budget")
+    if budget:
+        available = budget.get("available_bytes")
+        lines.append(f"  last request's memory budget: {gib(budget['total_bytes'])}"
+                     + (f" of {gib(available)} available" if available is not None else "")
+                     + (" (VAE decode tiled)" if budget.get("vae_tiled") else ""))
+    lines += [f"  - {entry_line(entry)}" for entry in model["entries"]]
+    return lines
+
+
+def entry_line(entry: dict) -> str:
+    """One graph entry of `engine.status()["entries"]`: its shape, then its state."""
+    key = entry["key"]
+    shape = f"{key['branch']} batch {key['batch']}, {key['prefix_tokens']}+{key['target_tokens']} tokens"
+    if entry.get("state") == "failed":
+        return f"{shape}: failed ({entry['reason']})"
+    return (f"{shape}: {entry['state']}, {entry['captures']} captures, {entry['replays']} replays, "
+            f"{mib(entry['bytes'])}, owner alive: {entry['owner_alive']}")
+
+
+def status_text(payload: dict) -> str:
+    """The whole status (`loaded` models, graph-cache `models`, `running` runs) as lines of text."""
+    lines = [] if payload["loaded"] else ["No models loaded by KV-Graph."]
+    lines += [loaded_model_line(item) for item in payload["loaded"]]
+    for model in payload["models"]:
+        lines += graph_cache_lines(model)
+    lines += [f"running: prompt {run['prompt_id']} node {run['node']} step {run['step']}/{run['total']}"
+              for run in payload["running"]]
+    return "\n".join(lines)
+
+
+def release_text(result: dict) -> str:
+    """What a release let go (`graphs`: per engine its result and bytes; `models`: the models dropped)."""
+    lines = [f"graphs of {g['model']}: {g['result']} ({mib(g['bytes'])})" for g in result["graphs"]]
+    lines += [f"model {m['kind']} {m['source']}: dropped" + ("" if m["unloaded"] else " (in use: unloads when done)")
+              for m in result["models"]]
+    return "\n".join(lines) or "Nothing to release."
