@@ -50,6 +50,10 @@ VAE_FP32_TENSORS = 2
 VAE_TILE_PIXELS = 256 * 256
 VAE_TILE_CACHE_FACTOR = 2.0
 
+# What to have free before encoding one image with the VAE, per input pixel: a rough figure (the ComfyUI nodes have
+# always asked for this much), not traced like the decoder's.
+VAE_ENCODE_BYTES_PER_PIXEL = 600
+
 MARGIN_BYTES = 256 * MiB
 MARGIN_FRACTION = 0.02
 
@@ -210,6 +214,11 @@ def vae_decode_bytes(v: VaeDims, width: int, height: int, tiled: bool = False) -
     return per_pixel * width * height + output
 
 
+def vae_encode_bytes(width: int, height: int) -> int:
+    """The memory to have free before encoding one `width` x `height` px image (the encoders run one at a time)."""
+    return width * height * VAE_ENCODE_BYTES_PER_PIXEL
+
+
 # -- the budget ----------------------------------------------------------------------------------------------------
 
 
@@ -325,6 +334,11 @@ def eager_free_bytes(device) -> int | None:
     from .registry import process_registry
 
     return device_free_bytes(device, exclude=graph_pool_bytes(process_registry().engines()))
+
+
+def graph_bytes_held(engines) -> int:
+    """The static buffers the engines' graph managers hold (what releasing their graphs would free)."""
+    return sum(engine.manager.bytes_held() for engine in engines)
 
 
 def graph_pool_bytes(engines) -> int:

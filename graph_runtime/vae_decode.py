@@ -13,6 +13,7 @@ output that differs slightly at the seams), as ComfyUI's own VAE decode falls ba
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import torch
 
@@ -59,3 +60,26 @@ def should_tile(vae, height: int, width: int, free_bytes: int | None) -> bool:
         logger.info("KV-Graph: VAE decode at %dx%d is tiled: a whole decode needs %s and %s is free next to the "
                     "models and graphs on the GPU.", width, height, memory.gib(whole + margin), memory.gib(free_bytes))
     return True
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """How one image decodes: its output size in pixels, whole or tiled, and the memory that decode needs."""
+
+    width: int
+    height: int
+    tiled: bool
+    bytes: int
+
+
+def plan_decode(vae, latent_height: int, latent_width: int, free_bytes: int | None,
+                weights_to_load: bool = False) -> DecodePlan:
+    """The decode of one `latent_height` x `latent_width` latent in `free_bytes` (None: unknown): whole, or tiled when
+    only a tiled decode fits (`should_tile`). `weights_to_load`: the VAE's own weights are not on the device yet, so
+    they come out of `free_bytes` first."""
+    dims = memory.VaeDims.of(vae)
+    height, width = latent_height * dims.spatial_ratio, latent_width * dims.spatial_ratio
+    if free_bytes is not None and weights_to_load:
+        free_bytes -= dims.weight_bytes
+    tiled = should_tile(vae, height, width, free_bytes)
+    return DecodePlan(width, height, tiled, memory.vae_decode_bytes(dims, width, height, tiled))

@@ -8,49 +8,33 @@ import comfy.model_management as mm
 from comfy_api.latest import io
 
 from ..graph_runtime import memory
-from ..graph_runtime.comfy_interop import (
-    comfy_image_to_vae_pixels, crop_to_multiple, decode_raw_latents, encode_pixels_raw, latent_samples,
-    vae_pixels_to_comfy_image,
-)
-from ..graph_runtime.vae_decode import should_tile
+from ..graph_runtime.comfy_interop.latents import latent_samples
+from ..graph_runtime.comfy_interop.pixels import comfy_image_to_vae_pixels, crop_to_multiple, vae_pixels_to_comfy_image
+from ..graph_runtime.encoding.images import decode_each, encode_each
+from ..graph_runtime.vae_decode import plan_decode
 from .memory_budget import free_bytes
 from .model_handles import same_device
 from .types import LATENT, Vae
 
-# Rough activation memory per input pixel of the Qwen-Image-2.1 VAE encoder, for ComfyUI's memory planning (the
-# decoder's is computed from its config: graph_runtime/memory.py).
-_BYTES_PER_PIXEL = 2400
 
-
-@torch.no_grad()
 def encode_raw(vae, pixels: torch.Tensor) -> torch.Tensor:
     """[B, 4, 1, H, W] in [-1, 1] -> raw latents [B, 64, H/16, W/16] (the distribution's mode), on the
-    intermediate device."""
-    vae.ensure_loaded(memory_required=pixels.shape[-1] * pixels.shape[-2] * _BYTES_PER_PIXEL // 4)
-    out = []
-    for i in range(pixels.shape[0]):  # one image at a time bounds the VAE's activation memory
-        out.append(encode_pixels_raw(vae.module, pixels[i:i + 1]).to(mm.intermediate_device()))
-    return torch.cat(out)
+    intermediate device; ComfyUI is asked for the room one image's encode needs (they are encoded one at a time)."""
+    vae.ensure_loaded(memory_required=memory.vae_encode_bytes(pixels.shape[-1], pixels.shape[-2]))
+    device = mm.intermediate_device()
+    return encode_each(vae.module, pixels, finish=lambda latent: latent.to(device))
 
 
-@torch.no_grad()
 def decode_raw(vae, raw: torch.Tensor) -> torch.Tensor:
     """Raw latents [B, 64, h, w] -> VAE output [B, 4, 16h, 16w] in [-1, 1], on the intermediate device.
 
     Whole images when that fits next to what is on the GPU (the transformer and its graphs stay), else tiled
     (graph_runtime/vae_decode.py); ComfyUI is asked for that much room."""
-    module = vae.module
-    dims = memory.VaeDims.of(module)
-    height, width = raw.shape[-2] * dims.spatial_ratio, raw.shape[-1] * dims.spatial_ratio
-    free = free_bytes(vae.patcher.load_device)
-    if free is not None and not same_device(vae.device, vae.patcher.load_device):
-        free -= dims.weight_bytes  # the VAE's own weights come first
-    tiled = should_tile(module, height, width, free)
-    vae.ensure_loaded(memory_required=memory.vae_decode_bytes(dims, width, height, tiled))
-    out = []
-    for i in range(raw.shape[0]):
-        out.append(decode_raw_latents(module, raw[i:i + 1], tiled).float().to(mm.intermediate_device()))
-    return torch.cat(out)
+    plan = plan_decode(vae.module, raw.shape[-2], raw.shape[-1], free_bytes(vae.patcher.load_device),
+                       weights_to_load=not same_device(vae.device, vae.patcher.load_device))
+    vae.ensure_loaded(memory_required=plan.bytes)
+    device = mm.intermediate_device()
+    return decode_each(vae.module, raw, plan.tiled, finish=lambda image: image.float().to(device))
 
 
 class KVGraphVAEDecode(io.ComfyNode):

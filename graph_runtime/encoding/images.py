@@ -95,6 +95,22 @@ def vae_decode(vae, raw: torch.Tensor, tiled: bool = False) -> torch.Tensor:
         return decode_frames(vae, raw.to(param.device, param.dtype).unsqueeze(2), tiled)[:, :, 0]
 
 
+def _keep(image: torch.Tensor) -> torch.Tensor:
+    return image
+
+
+def encode_each(vae, pixels: torch.Tensor, finish=_keep) -> torch.Tensor:
+    """`vae_encode` one image at a time, which bounds the encoder's activations to one image's; `finish` is applied
+    to each image's raw latents as soon as they are made (e.g. moving them off the GPU)."""
+    return torch.cat([finish(vae_encode(vae, pixels[i:i + 1])) for i in range(pixels.shape[0])])
+
+
+def decode_each(vae, raw: torch.Tensor, tiled: bool = False, finish=_keep) -> torch.Tensor:
+    """`vae_decode` one image at a time (the memory budgets size the decode of one image: memory.py); `finish` is
+    applied to each decoded image as soon as it is made (e.g. moving it off the GPU)."""
+    return torch.cat([finish(vae_decode(vae, raw[i:i + 1], tiled)) for i in range(raw.shape[0])])
+
+
 def encode_pixels(vae, pixels: torch.Tensor) -> torch.Tensor:
     """[B, C, 1, H, W] in [-1, 1] -> normalized latents [B, z, H/16, W/16] (the distribution's mode)."""
     latents = vae_encode(vae, pixels)
@@ -110,7 +126,7 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     mean, std = _stats(vae, latents)
     raw = latents * std + mean
     tiled = should_tile(vae, raw.shape[-2] * VAE_SCALE, raw.shape[-1] * VAE_SCALE, eager_free_bytes(param.device))
-    return torch.cat([vae_decode(vae, raw[i:i + 1], tiled) for i in range(raw.shape[0])])
+    return decode_each(vae, raw, tiled)
 
 
 def to_pil(images: torch.Tensor, keep_alpha: bool = False) -> list:
