@@ -84,6 +84,23 @@ def largest_fitting_size(dims, shape, weights, vae, available: int) -> tuple[int
     return None
 
 
+@dataclass(frozen=True)
+class Available:
+    """What a request may use on its device: the memory free now plus what would be freed for it, named (e.g.
+    "of its models": weights already on the device that the request reuses)."""
+
+    free: int
+    freeable: tuple[tuple[str, int], ...] = ()
+
+    @property
+    def total(self) -> int:
+        return self.free + sum(n for _, n in self.freeable)
+
+    def describe(self) -> str:
+        """The `where` of a refusal: "<free> free + <n> <label> + ..."."""
+        return " + ".join([f"{gib(self.free)} free", *(f"{gib(n)} {label}" for label, n in self.freeable)])
+
+
 def check(budget: MemoryBudget, available: int, device, where: str, options) -> None:
     """Raise MemoryBudgetError when `budget` (margin included) exceeds `available`; `options()` lists settings."""
     if budget.total > available:
@@ -129,6 +146,10 @@ class RequestPlan:
             return estimate(self.dims, self.shape, self.weights, self.vae)
         return fitting_estimate(self.dims, self.shape, self.weights, self.vae, available)
 
+    def check_available(self, available: Available, device) -> MemoryBudget:
+        """`check` against `available`'s total, a refusal saying what it is made of."""
+        return self.check(available.total, device, available.describe())
+
     def check(self, available: int, device, where: str) -> MemoryBudget:
         """The budget, or MemoryBudgetError naming the settings to change when it exceeds `available`."""
         budget = self.budget(available)
@@ -153,9 +174,8 @@ def check_runtime_request(transformer, request, vae=None, text_encoder=None) -> 
     plan = RequestPlan.for_request(transformer, request, vae_dims, graphs=True, other_weights=others)
     models = [m for m in (transformer, vae, text_encoder) if m is not None]
     resident = sum(module_bytes(m) for m in models if next(m.parameters()).device == device)
-    free = eager_free_bytes(device)
-    available = free + resident + engine.manager.bytes_held()
-    where = f"{gib(free)} free + {gib(resident)} of its models + {gib(engine.manager.bytes_held())} of graphs"
-    budget = plan.check(available, device, where)
-    logger.info("KV-Graph: memory budget %s of %s available on %s.", budget.describe(), gib(available), device)
+    available = Available(eager_free_bytes(device), (("of its models", resident),
+                                                      ("of graphs", engine.manager.bytes_held())))
+    budget = plan.check_available(available, device)
+    logger.info("KV-Graph: memory budget %s of %s available on %s.", budget.describe(), gib(available.total), device)
     return budget

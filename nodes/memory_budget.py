@@ -15,6 +15,8 @@ import comfy.model_management as mm
 
 from ..graph_runtime import budget as budgets, memory
 from ..graph_runtime.registry import process_registry
+from ..graph_runtime.report import budget_record
+from ..graph_runtime.validation import VAE_SCALE
 from . import model_cache
 from .model_handles import TE_GPU, same_device
 
@@ -65,25 +67,24 @@ def check_request(model, request, device) -> memory.MemoryBudget:
     free = free_bytes(device)
     if free is None:
         budget = plan.budget()
-        reported.last_budget = {**budget.as_dict(), "device": str(device), "available_bytes": None}
+        reported.last_budget = budget_record(budget, device, None)
         return budget
-    ours = _resident_bytes(model, device) + _resident_bytes(vae, device)
-    others = _unloadable_bytes(device, keep=(model, vae))
-    graphs = sum(engine.manager.bytes_held() for engine in process_registry().engines())
-    available = free + ours + others + graphs
-    where = (f"{memory.gib(free)} free + {memory.gib(ours)} of this request's models + {memory.gib(others)} of "
-             f"models ComfyUI can unload + {memory.gib(graphs)} of decode graphs")
-    budget = plan.check(available, device, where)
+    available = budgets.Available(free, (
+        ("of this request's models", _resident_bytes(model, device) + _resident_bytes(vae, device)),
+        ("of models ComfyUI can unload", _unloadable_bytes(device, keep=(model, vae))),
+        ("of decode graphs", memory.graph_bytes_held(process_registry().engines())),
+    ))
+    budget = plan.check_available(available, device)
     if vae is None:
         budget.notes.append("VAE sized as the standard Qwen-Image-2.1 VAE (none loaded yet)")
     text_encoder = _latest("text_encoder")
     if (text_encoder is not None and text_encoder.placement == TE_GPU
-            and budget.total + text_encoder.size_bytes > available):
+            and budget.total + text_encoder.size_bytes > available.total):
         budget.notes.append(f"the text encoder ('{TE_GPU}', {memory.gib(text_encoder.size_bytes)}) does not fit "
                             "next to this request: ComfyUI unloads it, and encoding a changed prompt then unloads "
                             "the transformer and its graphs")
-    reported.last_budget = {**budget.as_dict(), "device": str(device), "available_bytes": available}
+    reported.last_budget = budget_record(budget, device, available.total)
     logger.info("KV-Graph: memory budget for %dx %dx%d: %s of %s available on %s%s", request.batch_size,
-                request.latent_width * 16, request.latent_height * 16, budget.describe(), memory.gib(available),
-                device, "".join(f"; {note}" for note in budget.notes))
+                request.latent_width * VAE_SCALE, request.latent_height * VAE_SCALE, budget.describe(),
+                memory.gib(available.total), device, "".join(f"; {note}" for note in budget.notes))
     return budget
