@@ -9,7 +9,7 @@ from __future__ import annotations
 import comfy.model_management as mm
 from comfy_api.latest import io
 
-from ..graph_runtime.comfy_interop.conditioning import prompt_to_conditioning
+from ..graph_runtime.comfy_interop.conditioning import conditioning_to, prompt_to_conditioning
 from ..graph_runtime.comfy_interop.latents import empty_latent
 from ..graph_runtime.comfy_interop.pixels import comfy_image_to_pil
 from ..graph_runtime.encoding.images import prepare_references
@@ -19,20 +19,6 @@ from .types import CONDITIONING, TextEncoder, Vae
 from .vae import encode_raw
 
 MAX_SIZE = 8192
-
-
-def _to_intermediate(conditioning: list) -> list:
-    # Conditioning outlives this node (ComfyUI caches it); keep it off the GPU like core's encoders do.
-    device = mm.intermediate_device()
-    out = []
-    for cond, extras in conditioning:
-        extras = dict(extras)
-        if "attention_mask" in extras:
-            extras["attention_mask"] = extras["attention_mask"].to(device)
-        if "reference_latents" in extras:
-            extras["reference_latents"] = [r.to(device) for r in extras["reference_latents"]]
-        out.append([cond.to(device), extras])
-    return out
 
 
 class KVGraphTextEncode(io.ComfyNode):
@@ -126,7 +112,9 @@ class KVGraphTextEncode(io.ComfyNode):
             raw_refs = [encode_raw(vae, r.vae_pixels) for r in references]
         if references and size_from_reference:
             width, height = references[-1].width, references[-1].height
+        # The outputs outlive this node (ComfyUI caches them): keep them off the GPU, as core's encoders do.
+        device = mm.intermediate_device()
         latent = empty_latent(width, height)
-        latent["samples"] = latent["samples"].to(mm.intermediate_device())
-        return io.NodeOutput(_to_intermediate(prompt_to_conditioning(positive, raw_refs)),
-                             _to_intermediate(prompt_to_conditioning(negative, raw_refs)), latent)
+        latent["samples"] = latent["samples"].to(device)
+        return io.NodeOutput(conditioning_to(prompt_to_conditioning(positive, raw_refs), device),
+                             conditioning_to(prompt_to_conditioning(negative, raw_refs), device), latent)

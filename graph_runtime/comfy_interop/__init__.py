@@ -13,7 +13,9 @@ Every name is re-exported here, so `from graph_runtime.comfy_interop import X` w
 # `encode_pixels_raw` / `decode_raw_latents` are the names this module has always given the runtime's raw VAE calls
 # (graph_runtime/encoding/images.py: `vae_encode`, `vae_decode`); they stay importable under them.
 from ..encoding.images import vae_decode as decode_raw_latents, vae_encode as encode_pixels_raw
-from .conditioning import ParsedConditioning, conditioning_to_prompt, prompt_to_conditioning
+from .conditioning import (
+    ParsedConditioning, conditioning_to, conditioning_to_prompt, prompt_to_conditioning,
+)
 from .files import file_identity
 from .latents import (
     LATENT_CHANNELS, VAE_SCALE, LatentStats, empty_latent, latent_samples, latent_stats, normalized_to_raw,
@@ -24,7 +26,7 @@ from .previews import PreviewProjection, fit_preview_projection, gray_projection
 
 __all__ = [
     "LATENT_CHANNELS", "VAE_SCALE", "LatentStats", "ParsedConditioning", "PreviewProjection", "comfy_image_to_pil",
-    "comfy_image_to_vae_pixels", "conditioning_to_prompt", "crop_to_multiple", "decode_raw_latents", "empty_latent",
+    "comfy_image_to_vae_pixels", "conditioning_to", "conditioning_to_prompt", "crop_to_multiple", "decode_raw_latents", "empty_latent",
     "encode_pixels_raw", "file_identity", "fit_preview_projection", "gray_projection", "latent_samples",
     "latent_stats", "normalized_to_raw", "preview_image", "prompt_to_conditioning", "raw_to_normalized",
     "vae_pixels_to_comfy_image",

@@ -112,6 +112,20 @@ def conditioning_to_prompt(conditioning, name: str = "positive",
     return ParsedConditioning(PromptEmbeds(embeds=embeds, image_mask=image_mask, text_mask=text_mask), refs)
 
 
+def conditioning_to(conditioning: list, device) -> list:
+    """CONDITIONING with its tensors (`cond`, `attention_mask`, `reference_latents`) on `device`; each entry's
+    extras are a copy, so the conditioning given is left as it is."""
+    out = []
+    for cond, extras in conditioning:
+        extras = dict(extras)
+        if "attention_mask" in extras:
+            extras["attention_mask"] = extras["attention_mask"].to(device)
+        if "reference_latents" in extras:
+            extras["reference_latents"] = [r.to(device) for r in extras["reference_latents"]]
+        out.append([cond.to(device), extras])
+    return out
+
+
 def prompt_to_conditioning(embeds: PromptEmbeds, reference_latents=()) -> list:
     """PromptEmbeds + raw reference latents -> core-format CONDITIONING (readable by core's sampler too).
 
