@@ -10,7 +10,6 @@ from __future__ import annotations
 import comfy.model_management as mm
 from comfy_api.latest import io
 
-from ..graph_runtime.comfy_interop.files import file_identity
 from ..graph_runtime.fp8 import DEFAULT_PRECISION, PRECISIONS, apply_precision, check_precision
 from ..graph_runtime.loading import (
     default_scheduler_config, load_pipeline_folder, load_text_encoder, load_transformer, load_vae,
@@ -79,14 +78,6 @@ def _int8_input():
 def _placement_input():
     return io.Combo.Input("text_encoder_placement", options=list(TE_PLACEMENTS), default=TE_OFFLOAD,
                           tooltip=PLACEMENT_TOOLTIP)
-
-
-def _fingerprint(folder: str, name: str, *rest):
-    # Re-run the loader when the file changes on disk, not only when the widget changes.
-    try:
-        return (file_identity(model_files.full_path(folder, name, "")), *rest)
-    except Exception:  # noqa: BLE001 - a missing file is reported by execute, with a proper message
-        return (name, *rest)
 
 
 def weights_info(module, int8_weights: str) -> dict:
@@ -175,7 +166,7 @@ class KVGraphLoadTransformer(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, transformer_name, dtype, int8_weights=KEEP_INT8, precision=DEFAULT_PRECISION):
-        return _fingerprint("diffusion_models", transformer_name, dtype, int8_weights, precision)
+        return model_files.fingerprint("diffusion_models", transformer_name, dtype, int8_weights, precision)
 
     @classmethod
     def execute(cls, transformer_name, dtype, int8_weights=KEEP_INT8, precision=DEFAULT_PRECISION) -> io.NodeOutput:
@@ -207,7 +198,7 @@ class KVGraphLoadTextEncoder(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, text_encoder_name, dtype, text_encoder_placement, int8_weights=KEEP_INT8):
-        return _fingerprint("text_encoders", text_encoder_name, dtype, text_encoder_placement, int8_weights)
+        return model_files.fingerprint("text_encoders", text_encoder_name, dtype, text_encoder_placement, int8_weights)
 
     @classmethod
     def execute(cls, text_encoder_name, dtype, text_encoder_placement, int8_weights=KEEP_INT8) -> io.NodeOutput:
@@ -235,7 +226,7 @@ class KVGraphLoadVAE(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, vae_name, dtype):
-        return _fingerprint("vae", vae_name, dtype)
+        return model_files.fingerprint("vae", vae_name, dtype)
 
     @classmethod
     def execute(cls, vae_name, dtype) -> io.NodeOutput:

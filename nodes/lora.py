@@ -12,7 +12,6 @@ import math
 
 from comfy_api.latest import io
 
-from ..graph_runtime.comfy_interop.files import file_identity
 from ..graph_runtime.errors import InputError
 from ..graph_runtime.lora import LoraChoice, read_lora
 from . import model_files
@@ -57,11 +56,7 @@ class KVGraphLoadLoRA(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, model, lora_name, strength):
-        # Run again when the file changes on disk, not only when the widgets change.
-        try:
-            return (file_identity(model_files.full_path(LORA_FOLDER, lora_name, "lora_name")), strength)
-        except Exception:  # noqa: BLE001 - a missing file is reported by execute, with a proper message
-            return (lora_name, strength)
+        return model_files.fingerprint(LORA_FOLDER, lora_name, strength)
 
     @classmethod
     def execute(cls, model, lora_name, strength) -> io.NodeOutput:

@@ -11,6 +11,7 @@ import os
 
 import folder_paths
 
+from ..graph_runtime.comfy_interop.files import file_identity
 from ..graph_runtime.errors import CheckpointError
 from ..graph_runtime.loading.paths import find_in_folders
 
@@ -38,6 +39,15 @@ def full_path(folder: str, name: str, input_name: str) -> str:
         raise CheckpointError(name, f"was not found in ComfyUI's {folder} folder ({searched}).",
                               f"the file named in '{input_name}' to exist in models/{folder}")
     return path
+
+
+def fingerprint(folder: str, name: str, *rest) -> tuple:
+    """A loader node's `fingerprint_inputs`: the file's identity (graph_runtime.comfy_interop.files) and `rest`, so
+    ComfyUI runs the node again when the file changes on disk, not only when a widget changes."""
+    try:
+        return (file_identity(full_path(folder, name, "")), *rest)
+    except Exception:  # noqa: BLE001 - a missing file is reported by execute, with a proper message
+        return (name, *rest)
 
 
 def diffusers_choices() -> list[str]:
