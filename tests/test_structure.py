@@ -3,7 +3,10 @@
 - the production loaders (graph_runtime/loading/) never import the toy models (graph_runtime/tiny.py): tiny builds on
   loading, never the reverse, so a real checkpoint's load cannot depend on test scaffolding;
 - the runtime (graph_runtime/, comfy_interop included: it speaks ComfyUI's data formats) imports no ComfyUI module,
-  so it runs where ComfyUI is absent (the CLI, the benchmarks, CPU tests).
+  so it runs where ComfyUI is absent (the CLI, the benchmarks, CPU tests);
+- nodes/ stays ComfyUI glue: it defines no function or class under a name a runtime module defines too (a second
+  copy of a runtime function drifts from the first), repeats no runtime function's body, and words no byte sizes
+  itself (2**20 / 2**30 arithmetic: sizes are worded by graph_runtime/report.py and memory.gib).
 """
 
 import ast
@@ -15,6 +18,7 @@ COMFYUI_MODULES = ("comfy", "comfy_api", "comfy_execution", "comfy_extras", "fol
 
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / "graph_runtime"
+NODES = ROOT / "nodes"
 
 
 def imported_modules(path: Path) -> set[str]:
@@ -81,3 +85,78 @@ def test_comfy_interop_is_split_by_concern_and_reexports_every_name():
         assert public, concern
         for name in public:
             assert getattr(interop, name) is getattr(module, name), f"{concern}.{name} is not re-exported"
+
+
+def module_level_definitions(folder: Path) -> dict[str, list[str]]:
+    """Name -> the files under `folder` that define a function or class of that name at module level."""
+    found: dict[str, list[str]] = {}
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.parse(path.read_text(), str(path)).body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                found.setdefault(node.name, []).append(str(path.relative_to(ROOT)))
+    return found
+
+
+def test_nodes_define_nothing_the_runtime_defines():
+    nodes, runtime = module_level_definitions(NODES), module_level_definitions(RUNTIME)
+    assert nodes and runtime
+    both = {name: nodes[name] + runtime[name] for name in sorted(set(nodes) & set(runtime))}
+    assert both == {}, f"defined in nodes/ and in graph_runtime/: {both}"
+
+
+class _Shape(ast.NodeTransformer):
+    """Forgets names, attributes and constants, so two functions written alike with other names compare equal."""
+
+    def visit_Name(self, node):
+        return ast.copy_location(ast.Name(id="_", ctx=node.ctx), node)
+
+    def visit_Attribute(self, node):
+        node = self.generic_visit(node)
+        node.attr = "_"
+        return node
+
+    def visit_Constant(self, node):
+        return ast.copy_location(ast.Constant(value=0), node)
+
+    def visit_arg(self, node):
+        node.arg, node.annotation = "_", None
+        return node
+
+
+def function_shapes(folder: Path, min_statements: int = 3) -> dict[str, str]:
+    """The shape of every function body under `folder` with at least `min_statements` statements (docstring left
+    out) -> where it is."""
+    shapes = {}
+    for path in sorted(folder.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+                if len(body) >= min_statements:
+                    shape = ast.dump(_Shape().visit(ast.Module(body=body, type_ignores=[])))
+                    shapes.setdefault(shape, f"{path.relative_to(ROOT)}:{node.lineno} {node.name}")
+    return shapes
+
+
+def test_function_shapes_match_a_renamed_copy():
+    """The helper itself: a copy with other names and values has the shape of the original."""
+    original = ast.parse("def f(a):\n    b = a * 2\n    c = g(b)\n    return c.x\n").body[0]
+    renamed = ast.parse("def h(z):\n    y = z * 3\n    w = k(y)\n    return w.q\n").body[0]
+    other = ast.parse("def h(z):\n    y = z * 3\n    w = k(y, 1)\n    return w.q\n").body[0]
+    shape = [ast.dump(_Shape().visit(ast.Module(body=f.body, type_ignores=[]))) for f in (original, renamed, other)]
+    assert shape[0] == shape[1] != shape[2]
+
+
+def test_nodes_repeat_no_runtime_function_body():
+    runtime = function_shapes(RUNTIME)
+    repeated = {where: runtime[shape] for shape, where in function_shapes(NODES).items() if shape in runtime}
+    assert repeated == {}, f"nodes/ functions shaped like runtime ones: {repeated}"
+
+
+def test_nodes_word_no_byte_sizes():
+    def is_size_unit(node) -> bool:
+        return (isinstance(node, ast.BinOp) and isinstance(node.op, ast.Pow) and isinstance(node.left, ast.Constant)
+                and node.left.value == 2 and isinstance(node.right, ast.Constant) and node.right.value in (20, 30))
+
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in sorted(NODES.rglob("*.py"))
+             for node in ast.walk(ast.parse(path.read_text(), str(path))) if is_size_unit(node)]
+    assert found == [], f"byte sizes worded in nodes/ (use graph_runtime.report.mib / memory.gib): {found}"
