@@ -215,7 +215,7 @@ def vae_decode_bytes(v: VaeDims, width: int, height: int, tiled: bool = False) -
 
 
 def vae_encode_bytes(width: int, height: int) -> int:
-    """The memory to have free before encoding one `width` x `height` px image (the encoders run one at a time)."""
+    """The memory to have free before encoding one `width` x `height` px image (images are encoded one at a time)."""
     return width * height * VAE_ENCODE_BYTES_PER_PIXEL
 
 
