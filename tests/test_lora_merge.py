@@ -100,7 +100,7 @@ def test_guards_accept_an_in_place_merge_and_refuse_moved_or_wrapped_weights(mod
     prefix, latents = _request(generator, "a red cube", engine=engine)
     t = torch.full((1,), 0.6)
     assert engine.decode(prefix, latents, t).path == "capture"
-    scan = engine.manager._scan
+    scan = engine.guard.scan
     fingerprint = scan.fingerprint()
     before = engine.decode(prefix, latents, t).output
     merge_state(model).apply([LoraChoice(loras["a"][0], 1.0)])
