@@ -11,9 +11,8 @@ import logging
 import pytest
 import torch
 
+from graph_runtime.decode import DecodeEngine, TokenLayout
 from graph_runtime.decode import eligibility as why
-from graph_runtime.decode.engine import DecodeEngine
-from graph_runtime.decode.layout import TokenLayout
 from graph_runtime.decode.graph_entry import DecodeGraphEntry, FailedEntry
 from graph_runtime.decode.graph_manager import make_key
 from graph_runtime.decode.prefill import run_prefill

@@ -22,7 +22,7 @@ from lora_layouts import reference_weights, write_layout  # noqa: E402
 from test_graph_manager import RecordingBackend, _eager, _request  # noqa: E402
 
 from graph_runtime.decode import eligibility as why  # noqa: E402
-from graph_runtime.decode.engine import DecodeEngine  # noqa: E402
+from graph_runtime.decode import DecodeEngine  # noqa: E402
 from graph_runtime.lora import LoraChoice, loras_in_use, merge_state, read_lora  # noqa: E402
 from graph_runtime.lora.file import WeightPatch  # noqa: E402
 from graph_runtime.sampling.sampler import SamplingRequest, sample  # noqa: E402
