@@ -1,4 +1,5 @@
-"""Counters the graph manager keeps, readable as one plain dict (for logs, the CLI and the HTTP status route)."""
+"""Counters the decode engine keeps (its graph manager counts evictions into them), readable as one plain dict (for
+logs, the CLI and the HTTP status route), and the record of which fallback reasons were already logged."""
 
 from __future__ import annotations
 

@@ -5,9 +5,9 @@ Triton's on-disk cache), every GEMM's cuBLAS kernel, cuDNN's attention plan for 
 the graph entry's buffers. `warm_up` runs one prefix pass and one decode step per size, on a graph entry's static
 buffers and under the capture's settings (so exactly the kernels a replay runs), with a random prompt of
 `prompt_tokens` tokens, and drops them: the next prompt of those sizes then only pays its own captures. With
-`capture=True` it goes through the graph manager instead and keeps the captured graphs of that exact layout (a text
-prompt of `prompt_tokens` tokens): a first prompt of that length replays at once. Those graphs are an idle entry,
-evicted first when memory runs short.
+`capture=True` it goes through the engine's prefill and decode instead and keeps the captured graphs of that exact
+layout (a text prompt of `prompt_tokens` tokens): a first prompt of that length replays at once. Those graphs are an
+idle entry, evicted first when memory runs short.
 """
 
 from __future__ import annotations
