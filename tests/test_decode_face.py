@@ -53,6 +53,8 @@ def test_the_package_exports_the_engine_face():
 
 
 def test_an_entry_is_claimed_by_one_token_refused_to_another_while_alive_and_free_after_release():
+    """Two prompts never share an entry's buffers: the owner may use it, any other token is refused while the owner
+    lives, and once the owner's token dies the key is free for the next request to claim."""
     owners, key = EntryOwners(), "key"
     first, second = OwnerToken(), OwnerToken()
     assert not owners.alive(key) and not owners.owned_by_other(key, first)
@@ -79,6 +81,8 @@ def test_forgetting_a_key_frees_it_even_while_its_owner_lives():
 
 
 def test_a_plain_model_gets_an_ok_verdict_with_its_fingerprint(tiny_models):
+    """An unwrapped model on a backend with no objection may replay and keeps its graphs; the request's own checks
+    (here a padded text mask) refuse replay without asking for the graphs to go."""
     guard = why.ModelGuard(tiny_models.transformer, RecordingBackend())
     verdict = guard.check(torch.float32, None)
     assert verdict.ok and verdict.reason is None and not verdict.drop_graphs
@@ -89,6 +93,8 @@ def test_a_plain_model_gets_an_ok_verdict_with_its_fingerprint(tiny_models):
 
 def test_a_lora_wrapped_model_gets_a_drop_verdict_and_the_engine_not_the_guard_drops_the_entries(tiny_models,
                                                                                               generator):
+    """LoRA wrappers appearing after a capture give a verdict that asks for the graphs to be dropped; judging alone
+    leaves the manager's entries in place, and the engine's decode is what removes them and runs eagerly."""
     transformer = _fresh_transformer(tiny_models)
     engine = DecodeEngine(transformer, backend=RecordingBackend())
     prefix, latents = _captured_prefix(engine, generator)
@@ -125,6 +131,8 @@ def _outcome(path, reason=None):
 
 
 def test_reporter_reports_the_first_replay_once_and_fallbacks_of_step_one_only():
+    """Captures are reported where they happen, fallbacks only for step 1 (they say why the run is eager), and
+    `replay` once per run, at the first step any branch replays."""
     events = []
     reporter = SampleReporter(on_event=lambda name, data: events.append((name, data)))
     reporter.decoded(1, "cond", _outcome("capture"))
@@ -140,6 +148,7 @@ def test_reporter_reports_the_first_replay_once_and_fallbacks_of_step_one_only()
 
 
 def test_reporter_progress_unpacks_only_for_a_listener():
+    """Unpacking the latents for progress costs a copy per step: it happens only when a progress callback is set."""
     made = []
     SampleReporter().progress(1, 2, lambda: made.append(1))
     assert made == []
