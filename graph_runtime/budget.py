@@ -113,7 +113,7 @@ def check(budget: MemoryBudget, available: int, device, where: str, options) -> 
 def request_shape(request, graphs: bool = True) -> GenerationShape:
     """The memory-relevant shape of a `SamplingRequest` (prefix tokens per branch as its token layouts count them);
     `graphs=False` where the decode cannot replay graphs (off CUDA), which then runs eagerly."""
-    from .decode.layout import TOKENS_PER_SLOT
+    from .decode import TOKENS_PER_SLOT
 
     branches = [request.positive] + ([request.negative] if request.do_cfg else [])
     # Each image slot of the encoder sequence becomes TOKENS_PER_SLOT latent tokens of its reference (layout.py).
@@ -175,7 +175,7 @@ def check_runtime_request(transformer, request, vae=None, text_encoder=None) -> 
     models = [m for m in (transformer, vae, text_encoder) if m is not None]
     resident = sum(module_bytes(m) for m in models if next(m.parameters()).device == device)
     available = Available(eager_free_bytes(device), (("of its models", resident),
-                                                      ("of graphs", engine.manager.bytes_held())))
+                                                      ("of graphs", engine.bytes_held())))
     budget = plan.check_available(available, device)
     logger.info("KV-Graph: memory budget %s of %s available on %s.", budget.describe(), gib(available.total), device)
     return budget

@@ -179,10 +179,10 @@ def entry_buffer_bytes(d: TransformerDims, batch: int, prefix: int, target: int)
 
 
 def _is_captured(prefix: int) -> bool:
-    """Whether a prefix of this length is captured (its pass replays from the graph pool): prefix_pass.py."""
-    from .decode.prefix_pass import SHORT_PREFIX_TOKENS  # here: the decode package imports this module
+    """Whether a prefix of this length is captured (its pass replays from the graph pool): decode/prefix_pass.py."""
+    from .decode import DecodeEngine  # here: the decode package imports this module
 
-    return prefix <= SHORT_PREFIX_TOKENS
+    return DecodeEngine.captures_prefix_pass(prefix)
 
 
 def prefix_graph_bytes(d: TransformerDims, batch: int, prefix: int) -> int:
@@ -338,17 +338,9 @@ def eager_free_bytes(device) -> int | None:
 
 def graph_bytes_held(engines) -> int:
     """The static buffers the engines' graph managers hold (what releasing their graphs would free)."""
-    return sum(engine.manager.bytes_held() for engine in engines)
+    return sum(engine.bytes_held() for engine in engines)
 
 
 def graph_pool_bytes(engines) -> int:
     """Memory the engines' captured graphs hold in their private pools (reserved, reusable only by them)."""
-    total = 0
-    for engine in engines:
-        manager = engine.manager
-        with manager.lock:
-            for entry in manager.entries.values():
-                total += getattr(entry, "pool_bytes", 0)
-                prefix = getattr(entry, "captured_prefix", None)
-                total += prefix.pool_bytes if prefix is not None else 0
-    return total
+    return sum(engine.pool_bytes() for engine in engines)

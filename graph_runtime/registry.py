@@ -52,7 +52,7 @@ def engine_for(transformer, **options):
     """The transformer's decode engine, created on first use and alive as long as the transformer is."""
     engine = getattr(transformer, _ENGINE_ATTR, None)
     if engine is None:
-        from .decode.engine import DecodeEngine
+        from .decode import DecodeEngine
 
         registry = process_registry()
         with registry.lock:

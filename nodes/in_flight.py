@@ -29,7 +29,7 @@ def sampling(engine, prompt_id: str | None, node_id: str | None, total_steps: in
     with _lock:
         _next_id[0] += 1
         run_id = _next_id[0]
-        record = {"run": run_id, "prompt_id": prompt_id, "node": node_id, "model": engine.manager.name,
+        record = {"run": run_id, "prompt_id": prompt_id, "node": node_id, "model": engine.name,
                   "step": 0, "total": total_steps, "started": time.time()}
         _runs[run_id] = record
         _busy[id(engine)] = _busy.get(id(engine), 0) + 1
@@ -77,4 +77,4 @@ def _release_now(engine, reason: str) -> None:
     held = engine.release()
     if held.get("entries"):
         logger.info("KV-Graph: released %d decode graph entries (%s) of %s: %s.", held["entries"],
-                    mib(held.get("bytes", 0)), engine.manager.name, reason)
+                    mib(held.get("bytes", 0)), engine.name, reason)

@@ -15,7 +15,7 @@ from ..graph_runtime.comfy_interop.conditioning import conditioning_to_prompt
 from ..graph_runtime.comfy_interop.latents import (
     latent_samples, latent_stats, normalized_to_raw, raw_to_normalized,
 )
-from ..graph_runtime.decode.graph_manager import DECODE_MODES
+from ..graph_runtime.decode import DECODE_MODES
 from ..graph_runtime.errors import InputError
 from ..graph_runtime.loading.variant import AUTO, TURBO, sigma_preset_for
 from ..graph_runtime.lora import loras_in_use

@@ -61,12 +61,12 @@ def release(models: bool = False) -> dict:
         try:
             if engine.transformer is None:
                 continue
-            bytes_held = engine.manager.bytes_held()
+            bytes_held = engine.bytes_held()
             result = in_flight.release_graphs(engine, reason="released by the user")
         except Exception as exc:  # noqa: BLE001 - release the others regardless
             graphs.append({"engine_id": f"{id(engine):x}", "model": None, "result": f"failed: {exc}", "bytes": 0})
             continue
-        graphs.append({"model": engine.manager.name, "engine_id": f"{id(engine):x}", "result": result,
+        graphs.append({"model": engine.name, "engine_id": f"{id(engine):x}", "result": result,
                        "bytes": bytes_held})
     dropped = []
     if models:

@@ -11,8 +11,7 @@ a wrong prefix (stale step, wrong modulation row, wrong RoPE offset) is off by >
 import pytest
 import torch
 
-from graph_runtime.decode.engine import DecodeEngine
-from graph_runtime.decode.layout import TokenLayout
+from graph_runtime.decode import DecodeEngine, TokenLayout
 from graph_runtime.encoding.images import encode_pixels, prepare_references
 from graph_runtime.sampling.sampler import initial_noise, pack
 from graph_runtime.sampling.schedule import build_schedule, euler_step

@@ -11,9 +11,8 @@ import logging
 import pytest
 import torch
 
+from graph_runtime.decode import DecodeEngine, TokenLayout
 from graph_runtime.decode import eligibility as why
-from graph_runtime.decode.engine import DecodeEngine
-from graph_runtime.decode.layout import TokenLayout
 from graph_runtime.decode.graph_entry import DecodeGraphEntry, FailedEntry
 from graph_runtime.decode.graph_manager import make_key
 from graph_runtime.decode.prefill import run_prefill
@@ -358,7 +357,7 @@ def test_prefix_pass_is_recaptured_when_the_weights_move(engine, generator):
     second, eager_second = _prefix_only(generator, engine, text_scale=0.5)
     assert engine.manager.stats.prefill_captures == 2 and _same_kv(second, eager_second)
     entry = next(iter(engine.manager.entries.values()))
-    assert entry.prefix_graph.weights_fingerprint == engine.manager._fingerprint()
+    assert entry.prefix_graph.weights_fingerprint == engine.guard.fingerprint()
 
 
 def test_structure_watch_sees_a_linear_replaced_or_wrapped(tiny_models):

@@ -248,8 +248,7 @@ def test_block_calls_a_replaced_norm_instead_of_fusing(tiny_models):
 _FORCED_KERNELS_SCRIPT = textwrap.dedent("""
     import torch
     from graph_runtime.kernels import norm_modulate as nm, qk_norm_rope as qm, silu_mul as sm
-    from graph_runtime.decode.engine import DecodeEngine
-    from graph_runtime.decode.layout import TokenLayout
+    from graph_runtime.decode import DecodeEngine, TokenLayout
     from graph_runtime.sampling.sampler import initial_noise, pack
     from graph_runtime.tiny import build_tiny_components
     from tests.test_graph_manager import RecordingBackend

@@ -22,7 +22,7 @@ from lora_layouts import reference_weights, write_layout  # noqa: E402
 from test_graph_manager import RecordingBackend, _eager, _request  # noqa: E402
 
 from graph_runtime.decode import eligibility as why  # noqa: E402
-from graph_runtime.decode.engine import DecodeEngine  # noqa: E402
+from graph_runtime.decode import DecodeEngine  # noqa: E402
 from graph_runtime.lora import LoraChoice, loras_in_use, merge_state, read_lora  # noqa: E402
 from graph_runtime.lora.file import WeightPatch  # noqa: E402
 from graph_runtime.sampling.sampler import SamplingRequest, sample  # noqa: E402
@@ -100,7 +100,7 @@ def test_guards_accept_an_in_place_merge_and_refuse_moved_or_wrapped_weights(mod
     prefix, latents = _request(generator, "a red cube", engine=engine)
     t = torch.full((1,), 0.6)
     assert engine.decode(prefix, latents, t).path == "capture"
-    scan = engine.manager._scan
+    scan = engine.guard.scan
     fingerprint = scan.fingerprint()
     before = engine.decode(prefix, latents, t).output
     merge_state(model).apply([LoraChoice(loras["a"][0], 1.0)])

@@ -194,7 +194,7 @@ def test_estimate_covers_the_h200_sampler_peaks():
 
 
 def test_request_shape_counts_prefix_tokens_like_the_token_layout():
-    from graph_runtime.decode.layout import TokenLayout
+    from graph_runtime.decode import TokenLayout
     from graph_runtime.encoding.prompt import PromptEmbeds
     from graph_runtime.sampling.sampler import SamplingRequest
 

@@ -126,7 +126,7 @@ def test_check_available_refuses_with_what_is_available(tiny_models):
 
 
 def test_graph_bytes_held_sums_every_engine():
-    engines = [types.SimpleNamespace(manager=types.SimpleNamespace(bytes_held=lambda n=n: n)) for n in (3, 4)]
+    engines = [types.SimpleNamespace(bytes_held=lambda n=n: n) for n in (3, 4)]
     assert memory.graph_bytes_held(engines) == 7 and memory.graph_bytes_held([]) == 0
 
 

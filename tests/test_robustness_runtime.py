@@ -21,7 +21,7 @@ import pytest
 import torch
 from PIL import Image
 
-from graph_runtime.decode.engine import DecodeEngine
+from graph_runtime.decode import DecodeEngine
 from graph_runtime.encoding.prompt import PromptEmbeds
 from graph_runtime.errors import CheckpointError, InputError, NonFiniteError
 from graph_runtime.generate import QwenImageGenerator

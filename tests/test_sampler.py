@@ -4,7 +4,7 @@ import gc
 import weakref
 
 import pytest
-from graph_runtime.decode.engine import DecodeEngine
+from graph_runtime.decode import DecodeEngine
 from graph_runtime.errors import InputError
 from graph_runtime.sampling.sampler import Cancelled, SamplingRequest, sample
 

@@ -7,8 +7,7 @@ buffers) runs the manager for real; CUDA graphs themselves are tests/gpu/test_gp
 
 import torch
 
-from graph_runtime.decode.engine import DecodeEngine
-from graph_runtime.decode.layout import TokenLayout
+from graph_runtime.decode import DecodeEngine, TokenLayout
 from graph_runtime.sampling.sampler import initial_noise, pack
 from tests.test_graph_manager import RecordingBackend
 

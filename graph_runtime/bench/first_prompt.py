@@ -29,7 +29,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..decode import graph_entry
+from ..decode import CudaGraphBackend
 from ..kernels import norm_modulate, qk_norm_rope, silu_mul
 
 TOP_ITEMS = 25
@@ -93,7 +93,7 @@ class FirstPromptProfile:
                                                       f"{attr}", category))
         for owner, attr, name in self.phase_targets:
             self._patch(owner, attr, self._phase_wrapper(getattr(owner, attr), name))
-        backend = graph_entry.CudaGraphBackend
+        backend = CudaGraphBackend
         self._patch(backend, "_capture", self._capture_wrapper(backend._capture))
         if self._profiler is not None:
             self._profiler.enable()

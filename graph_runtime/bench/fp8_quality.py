@@ -25,9 +25,7 @@ import math
 
 import torch
 
-from ..decode.graph_entry import DecodeGraphEntry, EntrySpec
-from ..decode.prefill import run_prefill
-from ..decode.step import DecodeStep
+from ..decode import DecodeEngine
 from ..fp8.convert import GROUPS, groups_of, quantized_linears, swapped
 from .int8_reference import KitchenInt8Linear, convrot_group
 from .model import fp32_copy
@@ -93,19 +91,8 @@ def _cast(value, dtype):
     return value
 
 
-def _static_inputs(transformer, layout, hidden_all, embeds, timestep, latents):
-    """A throwaway graph entry's static inputs with this branch's prefix pass written into them."""
-    entry = DecodeGraphEntry(None, EntrySpec.for_request(transformer, layout, latents.shape[0]))
-    _, prefix = run_prefill(transformer, layout, hidden_all, embeds, timestep,
-                            static_kv=(entry.inputs.k, entry.inputs.v), with_target=False)
-    entry.set_rope(prefix.cos, prefix.sin)
-    entry.load_inputs(latents, timestep)
-    prefix.release()
-    return entry.inputs
-
-
 @contextlib.contextmanager
-def _recorded_blocks(step: DecodeStep, store: list):
+def _recorded_blocks(step, store: list):
     """Record each block's call `(args, outputs)` (the residual and hand-off tensors cloned) while inside."""
     handles = []
     for block in step.blocks:
@@ -151,10 +138,11 @@ class QualityRun:
 def _reference(model32, inputs32) -> dict:
     """The fp32 run: every branch's output, and the first branch's per-block records."""
     outputs, records = [], []
-    step32 = DecodeStep(model32)
+    engine32 = DecodeEngine(model32)
+    step32 = engine32.step
     for n, branch in enumerate(inputs32.branches):
-        static = _static_inputs(model32, branch.layout, inputs32.hidden_all, branch.embeds, inputs32.timestep,
-                                inputs32.latents)
+        static = engine32.static_inputs(branch.layout, inputs32.hidden_all, branch.embeds, inputs32.timestep,
+                                        inputs32.latents)
         with _recorded_blocks(step32, records) if n == 0 else contextlib.nullcontext():
             outputs.append(step32(static))
         if n == 0:
@@ -163,7 +151,7 @@ def _reference(model32, inputs32) -> dict:
 
 
 def _block_errors(transformer, reference: dict, dtype) -> list[float]:
-    step = DecodeStep(transformer)
+    step = DecodeEngine(transformer).step  # built now: the variant's Linears are the ones swapped in
     static32 = reference["blocks"][0]["static"]
     prefix_len = static32.prefix_len
     errors = []
@@ -180,12 +168,12 @@ def _block_errors(transformer, reference: dict, dtype) -> list[float]:
 
 
 def _step_outputs(transformer, inputs) -> list[torch.Tensor]:
-    step = DecodeStep(transformer)
+    engine = DecodeEngine(transformer)  # built now: the variant's Linears are the ones swapped in
     outs = []
     for branch in inputs.branches:
-        static = _static_inputs(transformer, branch.layout, inputs.hidden_all, branch.embeds, inputs.timestep,
-                                inputs.latents)
-        outs.append(step(static))
+        static = engine.static_inputs(branch.layout, inputs.hidden_all, branch.embeds, inputs.timestep,
+                                      inputs.latents)
+        outs.append(engine.step(static))
     return outs
 
 

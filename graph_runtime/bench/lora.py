@@ -79,10 +79,10 @@ def step_times(transformer, lora: LoraFile, scenario, device, iters: int) -> dic
     path = OursPath(spec, transformer)
     state = merge_state(transformer)
     with torch.no_grad():
-        prefixes = _prefixes(transformer, inputs, with_target=False)
+        prefixes = _prefixes(path.engine, inputs, with_target=False)
         step = path.step(inputs, prefixes)
         plain = step()[0].clone()  # the capture, before any merge
-        captures = path.engine.manager.stats.captures
+        captures = path.engine.stats.captures
         times = {"without": [], "merged": []}
         merged_out, restored_equal = None, True
         for label in ROUNDS:
@@ -94,7 +94,7 @@ def step_times(transformer, lora: LoraFile, scenario, device, iters: int) -> dic
                 restored_equal = restored_equal and torch.equal(out, plain)
             times[label].append(device_ms(step, device, iters=iters, warmup=2))
         state.apply([])
-        recaptured = path.engine.manager.stats.captures - captures
+        recaptured = path.engine.stats.captures - captures
         path.engine.release()
         for prefix in prefixes.values():
             prefix.release()

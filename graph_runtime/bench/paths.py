@@ -17,8 +17,7 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
-from ..decode.engine import DecodeEngine
-from ..decode.step import DecodeStep
+from ..decode import DecodeEngine
 from ..fp8.convert import quantized_linears, swapped
 
 
@@ -118,9 +117,7 @@ class OursPath:
             # the engine holds its transformer weakly: the path keeps its own copy alive
             transformer = quantized_transformer(transformer, spec.weights)
         self.transformer = transformer
-        self.engine = DecodeEngine(transformer, max_entries=4)
-        if not spec.kernels:
-            self.engine.step = DecodeStep(transformer, kernels=False)
+        self.engine = DecodeEngine(transformer, max_entries=4, kernels=spec.kernels)
         if spec.compile:
             self.engine.enable_compile()
         # FP8 paths keep their quantized Linears (7 GB for the full model) and swap them in while they run.

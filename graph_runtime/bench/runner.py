@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from ..decode.prefill import run_prefill
+from ..decode import DecodeEngine
 from . import quality
 from .model import build_transformer, fp32_copy
 from .paths import ALL_PATHS, DEFAULT_PATHS, OursPath, reference_caches, reference_prefill, reference_step
@@ -58,11 +58,12 @@ def _select_paths(spec: str, device):
     return specs
 
 
-def _prefixes(transformer, inputs, with_target=True):
+def _prefixes(engine, inputs, with_target=True):
+    """Every branch's prefill, eager and unclaimed (no graph entry): the prefix caches every path decodes from."""
     prefixes = {}
     for branch in inputs.branches:
-        _, prefixes[branch.name] = run_prefill(transformer, branch.layout, inputs.hidden_all, branch.embeds,
-                                               inputs.timestep, branch=branch.name, with_target=with_target)
+        _, prefixes[branch.name] = engine.prefill(branch.layout, inputs.hidden_all, branch.embeds, inputs.timestep,
+                                                  branch=branch.name, mode="eager", with_target=with_target)
     return prefixes
 
 
@@ -97,7 +98,7 @@ def _fp32_references(transformer, scenarios, device, context, channels):
         for scenario in wanted:
             inputs = build_inputs(scenario, context, channels, device, torch.bfloat16).to(torch.float32)
             with torch.no_grad():
-                caches = reference_caches(_prefixes(model32, inputs))
+                caches = reference_caches(_prefixes(DecodeEngine(model32), inputs))
                 refs[scenario.name] = [o.cpu() for o in reference_step(model32, inputs, caches)()]
             del inputs, caches
     finally:
@@ -134,7 +135,7 @@ def run_scenario(transformer, scenario, path_specs, engines, refs, device, iters
     with torch.no_grad():
         inputs = build_inputs(scenario, context, channels, device,
                               torch.bfloat16 if device != "cpu" else torch.float32)
-        prefixes = _prefixes(transformer, inputs)
+        prefixes = _prefixes(DecodeEngine(transformer), inputs)
         try:
             _run_paths(transformer, scenario, inputs, prefixes, path_specs, engines, refs, device, iters, rows,
                        fp8_verdicts or {})
@@ -153,7 +154,8 @@ def _run_paths(transformer, scenario, inputs, prefixes, path_specs, engines, ref
     # Our sampler runs the prefix rows alone and predicts step 1 with a decode step (DecodeEngine.prefill): eagerly
     # here, replayed from the entry's captured prefix pass on graph paths (measured per path below); diffusers'
     # prefill is its extract forward, which predicts step 1 itself.
-    prefill_ms = device_ms(lambda: _prefixes(transformer, inputs, with_target=False), device, iters=3, warmup=1)
+    prefill_engine = DecodeEngine(transformer)  # made outside the timed call
+    prefill_ms = device_ms(lambda: _prefixes(prefill_engine, inputs, with_target=False), device, iters=3, warmup=1)
     caches = reference_caches(prefixes)
     seen = {"reference_outputs": None, "reference_err": None, "eager_outputs": None}
     for spec in path_specs:
@@ -198,13 +200,13 @@ def _run_paths(transformer, scenario, inputs, prefixes, path_specs, engines, ref
 
 def _measure(row, step, path, spec, transformer, inputs, prefixes, caches, refs, device, iters, seen) -> None:
     """One path's figures on one scenario into `row` (`path` is None for the reference)."""
-    stats_before = None if path is None else path.engine.manager.stats.snapshot()
+    stats_before = None if path is None else path.engine.stats.snapshot()
     outputs, row["first_call_s"] = wall_s(step, device)
     if stats_before is not None:
-        delta = path.engine.manager.stats.delta(stats_before)
+        delta = path.engine.stats.delta(stats_before)
         row["captures"] = delta["captures"]
         row["capture_s"] = delta["capture_seconds"]
-        row["warmup_s"] = sum(getattr(e, "warmup_seconds", 0.0) for e in path.engine.manager.entries.values())
+        row["warmup_s"] = path.engine.warmup_seconds()
         row["compile_s"] = row["warmup_s"] if spec.compile else 0.0
         row["eager_steps"] = delta["eager_steps"]
     with ClockSampler(device) as clocks:
@@ -215,7 +217,7 @@ def _measure(row, step, path, spec, transformer, inputs, prefixes, caches, refs,
         row["decode_ms_after_idle"] = after_idle_ms(step, device)
     row["peak_gb"] = _peak_gb(device)
     if path is not None:
-        row["graph_bytes"] = path.engine.manager.bytes_held()
+        row["graph_bytes"] = path.engine.bytes_held()
         row["weights_gb"] = _weights_gb(path.engine.transformer)
     if spec.reference:
         seen["reference_outputs"] = outputs
@@ -247,16 +249,9 @@ def _replay_vs_body(path, inputs, prefixes) -> float:
     for branch in inputs.branches:
         prefix = prefixes[branch.name]
         replayed = path.engine.decode(prefix, inputs.latents, inputs.timestep, "graph").output
-        body = _body_as_captured(path, path.engine.manager.entries[prefix.graph_key])
+        body = path.engine.body_as_captured(prefix)  # on torch 2.13+ without a cuBLAS workspace, as captured
         worst = max(worst, (body - replayed).abs().max().item())
     return worst
-
-
-def _body_as_captured(path, entry):
-    """The entry's step body run eagerly on its static buffers under the settings its capture ran with (on torch
-    2.13+ no cuBLAS workspace), so it launches the kernels a replay runs."""
-    with path.engine.manager.backend.capture_settings():
-        return path.engine.step(entry.inputs)
 
 
 IDLE_S = 3.0
@@ -307,7 +302,7 @@ def amortization(transformer, device, context, channels):
             "decode_ms_per_step": result.timings["decode_ms_per_step"], "captures": result.stats["captures"],
             "replays": result.stats["replays"], "eager_steps": result.stats["eager_steps"],
             "compiles": engine.compiles - compiles_before, "peak_gb": _peak_gb(device),
-            "graph_bytes": engine.manager.bytes_held(),
+            "graph_bytes": engine.bytes_held(),
         })
         del result, inputs
     engine.release()
@@ -416,10 +411,10 @@ def _profile(transformer, spec, device, context, channels) -> str:
     inputs = build_inputs(scenario, context, channels, device, torch.bfloat16)
     path = OursPath(spec, transformer)
     with torch.no_grad(), path.installed():
-        prefixes = _prefixes(transformer, inputs)
+        prefixes = _prefixes(DecodeEngine(transformer), inputs)
         path.step(inputs, prefixes)()
-        entry = next(e for e in path.engine.manager.entries.values() if hasattr(e, "inputs"))
-        table = kernel_table(lambda: _body_as_captured(path, entry), device)
+        prefix = prefixes[inputs.branches[0].name]  # the first entry the step registered
+        table = kernel_table(lambda: path.engine.body_as_captured(prefix), device)
     layout = inputs.branches[0].layout
     rates = op_rates(transformer, layout.target_tokens, layout.seq_len, device)
     path.engine.release()

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decode.layout import TOKENS_PER_SLOT
+from ..decode import TOKENS_PER_SLOT
 from ..encoding.prompt import PromptEmbeds
 from ..errors import InputError
 from .latents import LATENT_CHANNELS

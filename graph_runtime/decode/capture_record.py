@@ -6,7 +6,7 @@ from __future__ import annotations
 class CaptureRecord:
     """The backend reads `inputs` (the static buffers the body reads, set by the subclass) and `warmups`; capture
     sets `graph`, `output` (None when the body's results are buffers it writes), the counters and timings, and the
-    manager records the weights' fingerprint the graph was captured against."""
+    capturing caller (`replay.py`, `prefix_pass.py`) records the weights' fingerprint it was captured against."""
 
     warmups = 1  # eager runs before capture
 

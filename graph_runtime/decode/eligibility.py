@@ -1,12 +1,16 @@
-"""Why a decode step cannot replay a captured graph. Each function returns a reason string, or None when fine.
+"""Why a decode step cannot replay a captured graph. Each check returns a reason string, or None when fine.
 
-Every reason here ends in an eager step that is still correct; the manager logs each reason once and counts it.
+Every reason here ends in an eager step that is still correct; the engine logs each reason once and counts it.
+`ModelGuard` judges the model a request runs on and answers with a `Verdict`; it never touches the graph entries:
+when the verdict says the captured graphs must go, the engine drops them.
 """
 
 from __future__ import annotations
 
 import functools
 import operator
+import weakref
+from dataclasses import dataclass
 
 import torch
 
@@ -201,3 +205,72 @@ def _parallel(transformer) -> bool:
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         return torch.distributed.get_world_size() > 1
     return False
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The guard's answer for one request or step.
+
+    `reason`: why it must run eagerly, None when it may replay. `fingerprint`: the weights' addresses its graphs are
+    keyed on. `drop_graphs`: the model was judged anew and found wrapped for LoRA, so every captured graph replays
+    layers that no longer compute what the model does; the caller must drop them all.
+    """
+
+    reason: str | None
+    fingerprint: tuple
+    drop_graphs: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return self.reason is None
+
+
+class ModelGuard:
+    """Judges whether the loaded model may replay captured graphs, cheaply enough for every decode step.
+
+    The whole-model checks (devices, hooks, LoRA wrappers) run over one `ModelScan` at every request start
+    (`new_request`), and again only when the weights' addresses or the Linear layers change; per step only the
+    fingerprint and the structure watch run, plus the request's own checks. `backend.unavailable_reason` is the
+    capture backend's static check (the CUDA one: `static_reason`).
+    """
+
+    def __init__(self, transformer: torch.nn.Module, backend):
+        self._transformer = weakref.ref(transformer)
+        self._backend = backend
+        self.scan: ModelScan | None = None
+        self._static: tuple = (None, None)  # (weights fingerprint judged, its reason or None)
+
+    def new_request(self) -> None:
+        """A request starts: modules may have been hooked or wrapped since the last one, so judge the model again,
+        once. The module tree is walked again only when it changed; an unchanged one keeps its scan (and its LoRA
+        verdict)."""
+        if self.scan is None or self.scan.stale():
+            self.scan = None
+        else:
+            self.scan.checked = False
+        self._static = (None, None)
+
+    def fingerprint(self) -> tuple:
+        """The weights' addresses: a captured graph is valid only while this is unchanged."""
+        if self.scan is None:
+            self.scan = ModelScan(self._transformer())
+        return self.scan.fingerprint()
+
+    def check(self, kv_dtype: torch.dtype, key_valid) -> Verdict:
+        """Whether a request with prefix K/V of `kv_dtype` and this text mask may replay, on the model as it is."""
+        fingerprint = self.fingerprint()
+        seen, reason = self._static
+        drop = False
+        if seen != fingerprint or self.scan.changed():
+            transformer = self._transformer()
+            if self.scan.checked:
+                # The model changed after this scan was judged: scan the new module tree (once, not every step).
+                self.scan = ModelScan(transformer)
+                fingerprint = self.scan.fingerprint()
+            reason = self._backend.unavailable_reason(transformer, self.scan.params)
+            if reason is None and self.scan.lora_wrapped:
+                reason = LORA
+            self.scan.checked = True
+            self._static = (fingerprint, reason)
+            drop = reason == LORA
+        return Verdict(reason or request_reason(kv_dtype, key_valid), fingerprint, drop)

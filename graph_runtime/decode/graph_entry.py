@@ -94,7 +94,7 @@ class DecodeGraphEntry(CaptureRecord):
 
     # Eager runs before the capture: one does the lazy set-up (kernels loaded, cuBLAS and cuDNN plans made, Triton
     # binaries compiled or read from their cache); compiled blocks may compile on the first call and settle on the
-    # second, so the manager gives a compiled step `COMPILED_WARMUPS`. Each warm-up is a whole step (~110-130 ms at
+    # second, so the replay gives a compiled step `COMPILED_WARMUPS`. Each warm-up is a whole step (~110-130 ms at
     # 1024x1024), paid on the first prompt of every new shape.
     warmups = 1
     COMPILED_WARMUPS = 2

@@ -34,7 +34,7 @@ class PrefixCache:
     """One request branch's prefix K/V and everything its decode steps need.
 
     The request owns these tensors: dropping the cache (or `release()`) frees them and kills `owner`, which is how
-    the graph manager learns that the request is gone.
+    the entry's owner record (`ownership.py`) learns that the request is gone.
     """
 
     branch: str

@@ -6,19 +6,25 @@ on the host (43 ms of host time for a few ms of kernels on the H200's host). A r
 claimed a graph entry therefore replays a captured prefix pass (`PrefixGraph`), captured the first time the
 entry's key is prefilled: its K/V land straight in the entry's static buffers, as the eager pass's do. A long
 prefix (reference images) keeps the GPU busy on its own: its replay runs no faster than the eager pass while its
-capture costs a first prompt more (docs/performance.md), so it runs eagerly.
+capture costs a first prompt more (docs/performance.md), so it runs eagerly. `PrefixPassRunner` makes that choice
+for a claimed entry, captures, replays, and counts and logs what ran.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
+import weakref
 from dataclasses import dataclass
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from . import eligibility as why
 from .capture_record import CaptureRecord
 from .step import TargetDecodeBlock
+
+logger = logging.getLogger("kvgraph")
 
 
 @dataclass
@@ -90,3 +96,65 @@ class PrefixGraph(CaptureRecord):
     def nbytes(self) -> int:
         own = (self.inputs.hidden, self.inputs.modulation, self.inputs.cos, self.inputs.sin, self.inputs.mask)
         return sum(t.numel() * t.element_size() for t in own) + self.pool_bytes
+
+
+class PrefixPassRunner:
+    """Runs the prefix pass of a request that claimed a graph entry: replayed from the entry's captured pass
+    (captured the first time) when the prefix is short, else eagerly.
+
+    It shares the engine's capture backend, lock (replays of one pool are serialized), statistics, logged-once
+    reasons and model guard (whose fingerprint says whether a captured pass still reads the weights it was
+    captured with).
+    """
+
+    def __init__(self, transformer, backend, guard, stats, logged, lock):
+        self._transformer = weakref.ref(transformer)
+        self._backend, self._guard, self._stats, self._logged, self._lock = backend, guard, stats, logged, lock
+
+    @torch.no_grad()
+    def run(self, entry, inputs: PrefixInputs) -> str:
+        """The pass for `entry`'s request, whose K/V rows `inputs` points into. Returns "replay", "capture" or
+        "eager"."""
+        if inputs.hidden.shape[1] > SHORT_PREFIX_TOKENS:
+            return self._eager(inputs, why.LONG_PREFIX)
+        fingerprint = self._guard.fingerprint()
+        with self._lock:
+            graph = entry.prefix_graph
+            if isinstance(graph, PrefixGraph) and graph.weights_fingerprint != fingerprint:
+                # It reads the weights at the addresses it was captured with: recapture rather than replay stale.
+                entry.prefix_graph = graph = None
+            path = "replay"
+            if graph is None:
+                graph = self._capture(entry, inputs, fingerprint)
+                path = "capture"
+            if isinstance(graph, PrefixGraph):
+                graph.load(inputs)
+                self._backend.replay(graph)
+                self._stats.prefill_replays += 1
+                return path
+        return self._eager(inputs, graph)  # outside the lock: other requests' replays need not wait
+
+    def _capture(self, entry, inputs: PrefixInputs, fingerprint) -> PrefixGraph | str:
+        graph = PrefixGraph(inputs)
+        graph.load(inputs)
+        blocks = prefix_blocks(self._transformer())
+        try:
+            self._backend.capture(graph, lambda static: run_prefix_blocks(blocks, static))
+        except Exception as exc:  # noqa: BLE001 - a failed capture must end eager, not fail the prompt
+            entry.prefix_graph = why.CAPTURE_FAILED  # a marker: this key's prefills stay eager
+            logger.warning("KV-Graph: prefix pass capture failed for %s: %s; its prefills run eagerly.",
+                           entry.key.describe(), f"{type(exc).__name__}: {exc}"[:500])
+            return why.CAPTURE_FAILED
+        graph.weights_fingerprint = fingerprint
+        entry.prefix_graph = graph
+        self._stats.prefill_captures += 1
+        logger.info("KV-Graph: captured prefix pass %s in %.2f s (warm-up %.2f s)", entry.key.describe(),
+                    graph.capture_seconds, graph.warmup_seconds)
+        return graph
+
+    def _eager(self, inputs: PrefixInputs, reason: str) -> str:
+        self._stats.eager_prefills[reason] += 1
+        if self._logged.first("prefix:" + reason):
+            logger.info("KV-Graph: prefix pass runs eagerly: %s.", reason)
+        run_prefix_eagerly(self._transformer(), inputs)
+        return "eager"

@@ -1,4 +1,5 @@
-"""Counters the graph manager keeps, readable as one plain dict (for logs, the CLI and the HTTP status route)."""
+"""Counters the decode engine keeps (its graph manager counts evictions into them), readable as one plain dict (for
+logs, the CLI and the HTTP status route), and the record of which fallback reasons were already logged."""
 
 from __future__ import annotations
 
@@ -52,3 +53,18 @@ class DecodeStats:
 def _counter_delta(now: dict, before: dict) -> dict:
     """Per-reason counts added since `before`, reasons that did not grow left out."""
     return {k: v - before.get(k, 0) for k, v in now.items() if v - before.get(k, 0)}
+
+
+class LoggedOnce:
+    """The fallback reasons already logged: each is logged the first time it happens, while the counters above count
+    every step, so a 40-step eager prompt leaves one line in the log rather than forty."""
+
+    def __init__(self):
+        self._seen: set[str] = set()
+
+    def first(self, key: str) -> bool:
+        """True the first time `key` is seen (and records it)."""
+        if key in self._seen:
+            return False
+        self._seen.add(key)
+        return True

@@ -1,4 +1,4 @@
-"""The target-only decode step: the body that runs eagerly and that the graph manager captures.
+"""The target-only decode step: the body that runs eagerly and that the engine captures into a graph entry.
 
 It is the math of diffusers' `kv_cache_mode="cached"` forward, called through the model's own modules (so LoRA
 layers and weight swaps are seen), with the per-step host work hoisted out:

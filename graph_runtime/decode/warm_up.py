@@ -5,9 +5,9 @@ Triton's on-disk cache), every GEMM's cuBLAS kernel, cuDNN's attention plan for 
 the graph entry's buffers. `warm_up` runs one prefix pass and one decode step per size, on a graph entry's static
 buffers and under the capture's settings (so exactly the kernels a replay runs), with a random prompt of
 `prompt_tokens` tokens, and drops them: the next prompt of those sizes then only pays its own captures. With
-`capture=True` it goes through the graph manager instead and keeps the captured graphs of that exact layout (a text
-prompt of `prompt_tokens` tokens): a first prompt of that length replays at once. Those graphs are an idle entry,
-evicted first when memory runs short.
+`capture=True` it goes through the engine's prefill and decode instead and keeps the captured graphs of that exact
+layout (a text prompt of `prompt_tokens` tokens): a first prompt of that length replays at once. Those graphs are an
+idle entry, evicted first when memory runs short.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def warm_up(engine, sizes, prompt_tokens: int = 128, capture: bool = False, batc
                 prefix.release()
                 path = outcome.path if outcome.reason is None else f"eager: {outcome.reason}"
             else:
-                _run_on_static_buffers(engine, layout, latents, embeds, timestep, batch)
+                _run_on_static_buffers(engine, layout, latents, embeds, timestep)
                 path = "uncaptured"
             sync(device)
             done.append({"latent": [height, width], "prompt_tokens": prompt_tokens, "path": path,
@@ -61,16 +61,23 @@ def warm_up(engine, sizes, prompt_tokens: int = 128, capture: bool = False, batc
     return {"sizes": done}
 
 
-def _run_on_static_buffers(engine, layout, latents, embeds, timestep, batch) -> None:
+def _run_on_static_buffers(engine, layout, latents, embeds, timestep) -> None:
     """The prefix pass and one step body exactly as a graph entry runs them, on a throwaway entry's buffers (never
     registered with the manager: no statistics, nothing kept; the memory stays with the allocator for the real
     entry)."""
-    entry = DecodeGraphEntry(None, EntrySpec.for_request(engine.transformer, layout, batch))
     settings = getattr(engine.manager.backend, "capture_settings", contextlib.nullcontext)
     with settings():  # captures run both passes under these (no cuBLAS workspace): load the same GEMM kernels
-        _, prefix = run_prefill(engine.transformer, layout, latents, embeds, timestep,
-                                static_kv=(entry.inputs.k, entry.inputs.v), with_target=False)
-        entry.set_rope(prefix.cos, prefix.sin)
-        entry.load_inputs(latents, timestep)
-        engine.step(entry.inputs)
-    prefix.release()
+        inputs = prefilled_static_inputs(engine.transformer, layout, latents, embeds, timestep, latents)
+        engine.step(inputs)
+
+
+def prefilled_static_inputs(transformer, layout, hidden_all, embeds, timestep, latents):
+    """A throwaway graph entry's static inputs with this branch's prefix pass written into them: `hidden_all` is
+    what the prefill reads (condition images first), `latents` the target rows the step reads."""
+    entry = DecodeGraphEntry(None, EntrySpec.for_request(transformer, layout, latents.shape[0]))
+    _, prefix = run_prefill(transformer, layout, hidden_all, embeds, timestep,
+                            static_kv=(entry.inputs.k, entry.inputs.v), with_target=False)
+    entry.set_rope(prefix.cos, prefix.sin)
+    entry.load_inputs(latents, timestep)
+    prefix.release()  # the prefix's tensors are views of the entry's buffers, which the inputs keep
+    return entry.inputs

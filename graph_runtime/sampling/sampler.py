@@ -1,7 +1,10 @@
-"""The sampling loop: the prefix's prefill once, then a decode step (graph replay or eager) per step, flow-match Euler.
+"""The sampling loop, in four parts: prepare (noise, schedule, token layouts), prefill (each branch's prefix once),
+the loop (a decode step per step, graph replay or eager, flow-match Euler), the result.
 
 Numerically it is `QwenImage21Pipeline`'s loop (same noise from a CPU generator, same sigmas, same timestep
-rounding, same CFG combination, same Euler update), so its latents can be compared with the reference.
+rounding, same CFG combination, same Euler update), so its latents can be compared with the reference. The prefill
+runs the prefix rows alone, so step 1's prediction is a decode step like every other (same math, and it replays
+the graph; see `DecodeEngine.prefill`).
 """
 
 from __future__ import annotations
@@ -13,12 +16,12 @@ from typing import Callable
 
 import torch
 
-from ..decode.engine import DecodeEngine
-from ..decode.layout import TokenLayout
+from ..decode import DecodeEngine, PrefixCache, TokenLayout
 from ..encoding.prompt import PromptEmbeds
 from ..errors import InputError
 from ..validation import check_cfg, check_count, check_denoise, check_finite, check_positions, check_seed
 from .finite_watch import FiniteWatch
+from .reporter import SampleReporter
 from .schedule import build_schedule, euler_step, resolve_sigmas, scheduler_config_for
 
 logger = logging.getLogger("kvgraph")
@@ -109,6 +112,82 @@ def _validate(req: SamplingRequest, in_channels: int) -> None:
         check_finite("input latent", init, "an input latent with NaN/inf, e.g. from a VAE with damaged weights")
 
 
+@dataclass
+class _Prepared:
+    """Everything the prefill and the loop read, made before either runs."""
+
+    latents: torch.Tensor  # [B, h * w, C] packed start latents
+    timesteps: torch.Tensor
+    sigmas: torch.Tensor
+    cond_tokens: torch.Tensor | None  # [B, reference tokens, C] packed reference latents, prepended at prefill
+    branches: dict  # name -> (layout, embeds, text mask); "cond" first, "uncond" with CFG
+    dtype: torch.dtype  # the model's
+
+
+def _prepare(req: SamplingRequest, sigmas_in, channels: int, device, dtype) -> _Prepared:
+    height, width, batch = req.latent_height, req.latent_width, req.batch_size
+    noise = initial_noise(req.seed, batch, channels, height, width, dtype).to(device)
+    config = req.scheduler_config if req.sigmas is not None else scheduler_config_for(req.sigma_preset,
+                                                                                   req.scheduler_config)
+    timesteps, sigmas = build_schedule(config, req.steps, height * width, sigmas_in, req.denoise, device)
+    latents = pack(noise)
+    if req.init_latents is not None:
+        init = pack(req.init_latents.to(device, dtype).expand(batch, -1, -1, -1))
+        start = sigmas[0]
+        latents = (start * latents.float() + (1.0 - start) * init.float()).to(dtype)
+    elif req.denoise < 1.0:
+        raise InputError("denoise", req.denoise, "1.0 unless an input latent to start from is given")
+
+    cond_tokens = None
+    if req.reference_latents:
+        cond_tokens = torch.cat([pack(r.to(device, dtype)) for r in req.reference_latents], dim=1)
+        cond_tokens = cond_tokens.expand(batch, -1, -1)
+    img_shapes = [(1, r.shape[2], r.shape[3]) for r in req.reference_latents] + [(1, height, width)]
+    branches = {}
+    for name, embeds in [("cond", req.positive)] + ([("uncond", req.negative)] if req.do_cfg else []):
+        layout = TokenLayout.build(embeds.image_mask, img_shapes, device)
+        branches[name] = (layout, *embeds.for_batch(batch, device, dtype))
+    return _Prepared(latents, timesteps, sigmas, cond_tokens, branches, dtype)
+
+
+def _model_timestep(t: torch.Tensor, batch: int, dtype) -> torch.Tensor:
+    """A schedule timestep (0..1000) as the transformer takes it: per sample, in [0, 1], in the model's dtype."""
+    return t.expand(batch).to(dtype) / 1000
+
+
+def _prefill(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, prefixes: dict) -> None:
+    """Each branch's prefix rows, once, at step 1's timestep, into `prefixes` (filled as they finish, so the
+    caller releases whatever was made if a later branch fails)."""
+    timestep = _model_timestep(run.timesteps[0], req.batch_size, run.dtype)
+    hidden = run.latents if run.cond_tokens is None else torch.cat([run.cond_tokens, run.latents], dim=1)
+    for name, (layout, embeds, text_mask) in run.branches.items():
+        _, prefixes[name] = engine.prefill(layout, hidden, embeds, timestep, text_mask, branch=name,
+                                           mode=req.decode_mode, with_target=False)
+
+
+def _denoise_step(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, prefixes: dict[str, PrefixCache],
+                  latents: torch.Tensor, i: int, reporter: SampleReporter) -> tuple[torch.Tensor, list[str]]:
+    """Step `i + 1`: every branch's decode step, the CFG combination and the Euler update. Returns the new latents
+    and the path each branch took."""
+    timestep = _model_timestep(run.timesteps[i], req.batch_size, run.dtype)
+    preds, paths = {}, []
+    for name in run.branches:
+        outcome = engine.decode(prefixes[name], latents, timestep, req.decode_mode)
+        preds[name] = outcome.output
+        paths.append(outcome.path)
+        reporter.decoded(i + 1, name, outcome)
+    reporter.step_done(i + 1, paths)
+    noise_pred = preds["cond"]
+    if "uncond" in preds:
+        noise_pred = preds["uncond"] + req.cfg * (noise_pred - preds["uncond"])
+    return euler_step(latents, noise_pred, run.sigmas[i], run.sigmas[i + 1]), paths
+
+
+def _stop_if_asked(should_stop, step: int, total: int) -> None:
+    if should_stop is not None and should_stop():
+        raise Cancelled(f"stopped before step {step} of {total}")
+
+
 def sample(
     engine: DecodeEngine,
     req: SamplingRequest,
@@ -121,83 +200,36 @@ def sample(
     device, dtype = param.device, param.dtype
     channels = transformer.config.in_channels
     _validate(req, channels)
-    emit = on_event or (lambda name, data: None)
+    reporter = SampleReporter(on_event, on_step)
     sigmas_in = resolve_sigmas(req.sigma_preset, req.steps, req.sigmas)
-    height, width, batch = req.latent_height, req.latent_width, req.batch_size
+    height, width = req.latent_height, req.latent_width
 
     # Everything below runs outside inference mode so tensors handed to the static graph buffers and compiled
     # blocks are normal tensors (ComfyUI calls nodes under `torch.inference_mode()`).
     with torch.inference_mode(False), torch.no_grad():
-        noise = initial_noise(req.seed, batch, channels, height, width, dtype).to(device)
-        config = req.scheduler_config if req.sigmas is not None else scheduler_config_for(req.sigma_preset,
-                                                                                       req.scheduler_config)
-        timesteps, sigmas = build_schedule(config, req.steps, height * width, sigmas_in, req.denoise,
-                                           device)
-        latents = pack(noise)
-        if req.init_latents is not None:
-            init = pack(req.init_latents.to(device, dtype).expand(batch, -1, -1, -1))
-            start = sigmas[0]
-            latents = (start * latents.float() + (1.0 - start) * init.float()).to(dtype)
-        elif req.denoise < 1.0:
-            raise InputError("denoise", req.denoise, "1.0 unless an input latent to start from is given")
-
-        cond_tokens = None
-        if req.reference_latents:
-            cond_tokens = torch.cat([pack(r.to(device, dtype)) for r in req.reference_latents], dim=1)
-            cond_tokens = cond_tokens.expand(batch, -1, -1)
-        img_shapes = [(1, r.shape[2], r.shape[3]) for r in req.reference_latents] + [(1, height, width)]
-        branches = [("cond", req.positive)] + ([("uncond", req.negative)] if req.do_cfg else [])
-        inputs = {}
-        for name, embeds in branches:
-            layout = TokenLayout.build(embeds.image_mask, img_shapes, device)
-            inputs[name] = (layout, *embeds.for_batch(batch, device, dtype))
-
+        run = _prepare(req, sigmas_in, channels, device, dtype)
         compile_started = req.compile and engine.enable_compile()
-        stats_before = engine.manager.stats.snapshot()
-        prefixes = {}
-        paths: list[str] = []
-        timings = {"steps": len(timesteps)}
-        total = len(timesteps)
+        stats_before = engine.stats.snapshot()
+        total = len(run.timesteps)
+        timings = {"steps": total}
+        latents, paths, prefixes = run.latents, [], {}
         watch = FiniteWatch(device, total)
         loop_start = _now(device)
-        decode_start = loop_start
         try:
-            for i, t in enumerate(timesteps):
-                if should_stop is not None and should_stop():
-                    raise Cancelled(f"stopped before step {i + 1} of {total}")
-                timestep = t.expand(batch).to(dtype) / 1000
-                if i == 0:
-                    # The prefix rows alone: step 1's prediction is a decode step like every other (same math,
-                    # and it replays the graph; see DecodeEngine.prefill).
-                    for name, _ in branches:
-                        layout, embeds, text_mask = inputs[name]
-                        hidden = latents if cond_tokens is None else torch.cat([cond_tokens, latents], dim=1)
-                        _, prefixes[name] = engine.prefill(layout, hidden, embeds, timestep, text_mask, branch=name,
-                                                           mode=req.decode_mode, with_target=False)
-                    # One sync after the prefill and one at the end: per-step syncs would stall eager launches.
-                    decode_start = _now(device)
-                    timings["prefill_ms"] = decode_start - loop_start
-                    emit("prefill", {"ms": round(timings["prefill_ms"], 2),
-                                     "prefix_tokens": inputs["cond"][0].prefix_len,
-                                     "target_tokens": inputs["cond"][0].target_tokens})
-                preds = {}
-                for name, _ in branches:
-                    outcome = engine.decode(prefixes[name], latents, timestep, req.decode_mode)
-                    preds[name] = outcome.output
-                    paths.append(outcome.path)
-                    if outcome.path == "capture":
-                        emit("capture", {"branch": name, "step": i + 1})
-                    elif outcome.reason is not None and i == 0:
-                        emit("fallback", {"branch": name, "reason": outcome.reason})
-                if "replay" in paths[-len(branches):] and "replay" not in paths[:-len(branches)]:
-                    emit("replay", {"step": i + 1})
-                noise_pred = preds["cond"]
-                if "uncond" in preds:
-                    noise_pred = preds["uncond"] + req.cfg * (noise_pred - preds["uncond"])
-                latents = euler_step(latents, noise_pred, sigmas[i], sigmas[i + 1])
+            _stop_if_asked(should_stop, 1, total)
+            _prefill(engine, req, run, prefixes)
+            # One sync after the prefill and one at the end: per-step syncs would stall eager launches.
+            decode_start = _now(device)
+            timings["prefill_ms"] = decode_start - loop_start
+            cond_layout = run.branches["cond"][0]
+            reporter.prefill(timings["prefill_ms"], cond_layout.prefix_len, cond_layout.target_tokens)
+            for i in range(total):
+                latents, step_paths = _denoise_step(engine, req, run, prefixes, latents, i, reporter)
+                paths += step_paths
                 watch.after_step(i + 1, latents)
-                if on_step is not None:
-                    on_step(i + 1, total, unpack(latents, height, width))
+                reporter.progress(i + 1, total, lambda: unpack(latents, height, width))
+                if i + 1 < total:
+                    _stop_if_asked(should_stop, i + 2, total)
             watch.finish()
         finally:
             for prefix in prefixes.values():
@@ -206,10 +238,10 @@ def sample(
         decode_ms = _now(device) - decode_start
         timings["decode_ms_per_step"] = decode_ms / total
         timings["decode_ms_total"] = decode_ms
-        stats = engine.manager.stats.delta(stats_before)
-        stats["compiled"] = engine.step.compiled
+        stats = engine.stats.delta(stats_before)
+        stats["compiled"] = engine.compiled
         stats["compiles"] = 1 if compile_started else 0
-        emit("done", {**stats, **{k: round(v, 2) for k, v in timings.items() if isinstance(v, float)}})
+        reporter.done(stats, timings)
         return SampleResult(unpack(latents, height, width), timings, stats, paths)
 
 

@@ -13,10 +13,9 @@ import gc
 import pytest
 import torch
 
+from graph_runtime.decode import CudaGraphBackend, DecodeEngine, TokenLayout
 from graph_runtime.decode import eligibility as why
-from graph_runtime.decode.engine import DecodeEngine
-from graph_runtime.decode.graph_entry import CudaGraphBackend, DecodeGraphEntry
-from graph_runtime.decode.layout import TokenLayout
+from graph_runtime.decode.graph_entry import DecodeGraphEntry
 from graph_runtime.generate import QwenImageGenerator
 from graph_runtime.sampling.sampler import initial_noise, pack
 from graph_runtime.sampling.schedule import build_schedule, euler_step

@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from graph_runtime.decode.engine import DecodeEngine
-from graph_runtime.decode.layout import TokenLayout
+from graph_runtime.decode import DecodeEngine, TokenLayout
 from graph_runtime.sampling.sampler import initial_noise, pack
 
 pytestmark = pytest.mark.gpu

@@ -14,7 +14,7 @@ import copy
 import pytest
 import torch
 
-from graph_runtime.decode.engine import DecodeEngine
+from graph_runtime.decode import DecodeEngine
 from graph_runtime.fp8 import apply_precision, fp8_gemm_reason
 from graph_runtime.fp8.linear import Fp8Linear, dequantized_matmul
 from graph_runtime.kernels import fp8_quant

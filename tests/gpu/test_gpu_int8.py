@@ -16,8 +16,7 @@ import copy
 import pytest
 import torch
 
-from graph_runtime.decode.engine import DecodeEngine
-from graph_runtime.decode.layout import TokenLayout
+from graph_runtime.decode import DecodeEngine, TokenLayout
 from graph_runtime.encoding.prompt import PromptEmbeds
 from graph_runtime.quantized import dequantize_linears_, int8_modules, quantize_linears_
 from graph_runtime.sampling.sampler import SamplingRequest, initial_noise, pack, sample

@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).parents[1]))
 from lora_layouts import reference_weights, write_layout  # noqa: E402
 from test_gpu_decode import GRAPH_ATOL, _fresh_transformer, cuda_generator  # noqa: E402,F401
 
-from graph_runtime.decode.engine import DecodeEngine  # noqa: E402
+from graph_runtime.decode import DecodeEngine  # noqa: E402
 from graph_runtime.lora import LoraChoice, loras_in_use, merge_state, read_lora  # noqa: E402
 from graph_runtime.sampling.sampler import SamplingRequest, sample  # noqa: E402
 
