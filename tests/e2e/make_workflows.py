@@ -31,8 +31,10 @@ LORA_FILE = "qwen_image_2.1_lora.safetensors"
 BF16_ALTERNATIVES = {TRANSFORMER_FILE: "qwen_image_2.1_bf16.safetensors",
                      TURBO_TRANSFORMER_FILE: "qwen_image_2.1_turbo_bf16.safetensors",
                      TEXT_ENCODER_FILE: "qwen3vl_8b_bf16.safetensors"}
-# The edit workflows load these from ComfyUI's input folder (the end-to-end test puts them there).
+# The edit workflows load these from ComfyUI's input folder. They ship in example_workflows/inputs/ (drawn by
+# draw_reference_images below), and the pack copies them into the input folder at start-up where they are missing.
 REFERENCE_IMAGES = ("kvgraph_example_reference_1.png", "kvgraph_example_reference_2.png")
+INPUTS = OUT / "inputs"
 
 # Per node type: (widget name, value) in the order the frontend lays the widgets out, the socket inputs
 # (name, type) in schema order, and the outputs (name, type). The seed widget is followed by its
@@ -218,12 +220,47 @@ def api_workflow(workflow) -> dict:
     return api
 
 
+def draw_reference_images():
+    """The edit examples' two reference images, drawn with flat shapes (a few KB each, the same on every run):
+    image 1 a sea view from a table under a blue sky (the edits repaint its sky, add a boat, put something on
+    the table), image 2 a red teapot on a transparent background (RGBA, as an image cut out of its photo is)."""
+    from PIL import Image, ImageDraw
+
+    scene = Image.new("RGB", (512, 384), (120, 180, 235))
+    draw = ImageDraw.Draw(scene)
+    for y in range(0, 200, 8):  # the sky, lighter towards the horizon, in bands
+        shade = y * 60 // 200
+        draw.rectangle([0, y, 512, y + 8], fill=(110 + shade, 170 + shade // 2, 235))
+    draw.ellipse([380, 40, 440, 100], fill=(255, 236, 150))  # the sun
+    draw.rectangle([0, 200, 512, 290], fill=(40, 100, 160))  # the sea
+    draw.polygon([(0, 200), (90, 150), (180, 200)], fill=(90, 120, 90))  # a headland
+    draw.rectangle([0, 290, 512, 384], fill=(150, 100, 60))  # the table top
+    draw.line([(0, 290), (512, 290)], fill=(110, 70, 40), width=4)
+    for x in (0, 128, 256, 384):
+        draw.line([(x + 40, 300), (x + 100, 380)], fill=(135, 90, 55), width=2)  # the wood's grain
+
+    teapot = Image.new("RGBA", (256, 256), (0, 0, 0, 0))
+    draw = ImageDraw.Draw(teapot)
+    red, dark = (200, 40, 40, 255), (140, 25, 25, 255)
+    draw.ellipse([48, 80, 208, 220], fill=red)  # the body
+    draw.polygon([(200, 130), (246, 96), (250, 108), (206, 160)], fill=red)  # the spout
+    draw.arc([26, 104, 96, 190], start=90, end=270, fill=dark, width=10)  # the handle
+    draw.rectangle([98, 62, 158, 84], fill=dark)  # the lid
+    draw.ellipse([116, 44, 140, 68], fill=dark)  # the knob
+    draw.ellipse([90, 110, 130, 140], fill=(235, 120, 120, 255))  # a highlight
+    return dict(zip(REFERENCE_IMAGES, (scene, teapot)))
+
+
 def main() -> None:
     (OUT / "api").mkdir(parents=True, exist_ok=True)
     for name, workflow in WORKFLOWS.items():
         (OUT / f"{name}.json").write_text(json.dumps(ui_workflow(workflow), indent=1) + "\n")
         (OUT / "api" / f"{name}.json").write_text(json.dumps(api_workflow(workflow), indent=1) + "\n")
         print(f"wrote {name}")
+    INPUTS.mkdir(exist_ok=True)
+    for name, image in draw_reference_images().items():
+        image.save(INPUTS / name, optimize=True)
+        print(f"wrote inputs/{name}")
 
 
 if __name__ == "__main__":
