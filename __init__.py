@@ -17,9 +17,12 @@ else:
 
 if _IN_COMFYUI:
     from .nodes import comfy_entrypoint  # noqa: F401
+    from .nodes import example_inputs as _example_inputs
     from .nodes import server_routes as _server_routes
 
     # The folder as ComfyUI found it under custom_nodes (not resolved: a linked pack keeps the link's name).
     _server_routes.register(pack_dir=os.path.dirname(os.path.abspath(__file__)))
+    # The edit examples' reference images, into ComfyUI's input folder where they are missing.
+    _example_inputs.install_example_inputs(os.path.dirname(os.path.abspath(__file__)))
 
 __all__ = ["WEB_DIRECTORY", "comfy_entrypoint"] if _IN_COMFYUI else ["WEB_DIRECTORY"]

@@ -114,7 +114,8 @@ def test_comfyui_model_management_tracks_and_unloads_the_model(gpu_env, prepared
 def test_status_route_reports_two_queued_prompts_replaying(gpu_env, prepared):
     """What `GET /kvgraph/status` answers after two prompts with the same shapes: the transformer's one graph entry,
     captured once, replayed every step, nothing eager. With KVGRAPH_STATUS_DUMP=FILE the payload is also written to
-    FILE: the README's screenshot (tests/browser, KVGRAPH_DOCS_STATUS) shows this real GPU status in the web panel."""
+    FILE, with the second prompt's websocket events as `last_run`: the README's screenshot (tests/browser,
+    KVGRAPH_DOCS_STATUS) shows this real GPU status and run in the web panel."""
     import json
 
     transformer, _, positive, latent = prepared
@@ -129,5 +130,5 @@ def test_status_route_reports_two_queued_prompts_replaying(gpu_env, prepared):
     assert model["replays"] - before["replays"] == 2 * STEPS
     assert model["eager_total"] == before["eager_total"]
     dump = os.environ.get("KVGRAPH_STATUS_DUMP")
-    if dump:
-        Path(dump).write_text(json.dumps(payload, indent=1, default=str))
+    if dump:  # with the second prompt's kvgraph.status events, for the panel's "last run"
+        Path(dump).write_text(json.dumps({**payload, "last_run": gpu_env.fake.events()}, indent=1, default=str))

@@ -178,3 +178,77 @@ def test_the_lora_example_puts_the_lora_between_the_loader_and_the_sampler():
     lora = api[ids["KVGraphLoadLoRA"]]
     assert lora["inputs"] == {"lora_name": LORA_FILE, "strength": 1.0, "model": [ids["KVGraphLoadTransformer"], 0]}
     assert api[ids["KVGraphSampler"]]["inputs"]["model"] == [ids["KVGraphLoadLoRA"], 0]
+
+
+# -- how the examples open (the layout) ------------------------------------------------------------------------------
+# The window an example must open well in: 1920x1080, with the sidebar and the KV-Graph panel at the left (the
+# panel's right edge is at 430 px), the tab bar and the workflow's Run bar on top (90 px) and the canvas toolbar at the
+# bottom (40 px). The frontend draws a node's title bar (30 px) above its `pos`, and the pack's badge above that.
+VIEW_LEFT, VIEW_TOP, VIEW_RIGHT, VIEW_BOTTOM = 430, 90, 1920, 1080 - 40
+TITLE_HEIGHT, BADGE_HEIGHT = 30, 20
+MIN_SCALE = 0.8  # 12 px widget text drawn at 10 px or more
+
+
+def node_box(node):
+    """(left, top, right, bottom) of a node as drawn, its title bar included."""
+    (x, y), (w, h) = node["pos"], node["size"]
+    return x, y - TITLE_HEIGHT, x + w, y + h
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_nodes_have_titles_that_read_as_titles(comfy_env, path):
+    """Each node is titled by what it does in this workflow, not by its class or its name in the node menu."""
+    nodes = load(path)["nodes"]
+    titles = [n.get("title") for n in nodes]
+    assert all(isinstance(t, str) and t.strip() for t in titles), titles
+    assert len(set(titles)) == len(titles), f"two nodes share a title: {titles}"
+    for node in nodes:
+        title = node["title"]
+        assert title != node["type"] and not title.startswith("KVGraph"), f"a class name as the title: {title}"
+        if node["type"] in comfy_env.nodes:
+            assert title != comfy_env.nodes[node["type"]].define_schema().display_name, title
+        assert title[0].isupper() and len(title) <= 48, title
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_no_two_nodes_overlap(path):
+    nodes = load(path)["nodes"]
+    for node in nodes:
+        w, h = node["size"]
+        assert w >= 260 and h >= 40, f"{node['title']}: {node['size']} is too small to read"
+    for i, a in enumerate(nodes):
+        ax0, ay0, ax1, ay1 = node_box(a)
+        for b in nodes[i + 1:]:
+            bx0, by0, bx1, by1 = node_box(b)
+            apart = ax1 <= bx0 or bx1 <= ax0 or ay1 <= by0 or by1 <= ay0
+            assert apart, f"{a['title']} and {b['title']} overlap"
+
+
+@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
+def test_the_view_shows_the_whole_graph_beside_the_sidebar(path):
+    workflow = load(path)
+    ds = workflow["extra"]["ds"]
+    scale, (offset_x, offset_y) = ds["scale"], ds["offset"]
+    assert MIN_SCALE <= scale <= 1.0, scale
+    boxes = [node_box(n) for n in workflow["nodes"]]
+    x0, y0 = min(b[0] for b in boxes), min(b[1] for b in boxes) - BADGE_HEIGHT
+    x1, y1 = max(b[2] for b in boxes), max(b[3] for b in boxes)
+    # The frontend draws canvas point p at (p + offset) * scale.
+    left, top = (x0 + offset_x) * scale, (y0 + offset_y) * scale
+    right, bottom = (x1 + offset_x) * scale, (y1 + offset_y) * scale
+    assert left >= VIEW_LEFT and top >= VIEW_TOP and right <= VIEW_RIGHT and bottom <= VIEW_BOTTOM, (
+        f"the graph is drawn at ({left:.0f}, {top:.0f})-({right:.0f}, {bottom:.0f}), outside the view "
+        f"({VIEW_LEFT}, {VIEW_TOP})-({VIEW_RIGHT}, {VIEW_BOTTOM})")
+    # ...and fills it: at least two thirds of the free width or height.
+    assert (right - left) >= (VIEW_RIGHT - VIEW_LEFT) * 2 / 3 or (bottom - top) >= (VIEW_BOTTOM - VIEW_TOP) * 2 / 3
+
+
+def test_the_files_are_what_make_workflows_writes():
+    sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+    import make_workflows
+
+    assert set(make_workflows.WORKFLOWS) == EXPECTED
+    for name, workflow in make_workflows.WORKFLOWS.items():
+        stale = "rerun python tests/e2e/make_workflows.py"
+        assert load(ROOT / "example_workflows" / f"{name}.json") == make_workflows.ui_workflow(workflow), stale
+        assert load(ROOT / "example_workflows" / "api" / f"{name}.json") == make_workflows.api_workflow(workflow), stale

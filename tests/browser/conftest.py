@@ -58,13 +58,14 @@ def browser_requirements():
 
 @pytest.fixture(scope="session")
 def comfy(browser_requirements, tmp_path_factory):
-    """ComfyUI on CPU with the pack linked in as PACK_FOLDER, tiny model files, and the first-run template browser
-    off (it would cover the page)."""
+    """ComfyUI on CPU with the pack linked in as PACK_FOLDER, tiny model files, an empty input folder (as on a fresh
+    install: the pack copies the edit examples' reference images into it), and the first-run template browser off
+    (it would cover the page)."""
     from comfy_server import PACK_FOLDER as E2E_FOLDER
     from comfy_server import ComfyServer, prepare_base
 
     comfyui_dir, python, _ = browser_requirements
-    base = prepare_base(tmp_path_factory.mktemp("comfyui-browser"))
+    base = prepare_base(tmp_path_factory.mktemp("comfyui-browser"), reference_images=False)
     (base / "custom_nodes" / E2E_FOLDER).rename(base / "custom_nodes" / PACK_FOLDER)
     server = ComfyServer(comfyui_dir, python, base).start()
     try:

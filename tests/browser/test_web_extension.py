@@ -6,7 +6,8 @@ shows what GET /kvgraph/status says, before and after a real tiny prompt, with t
 release command posts from the panel and from the menu; the fallback-toast setting silences toasts.
 
 A screenshot of the text-to-image workflow with the panel open is saved to tests/artifacts/; with
-KVGRAPH_DOCS_SCREENSHOT=1 it is also written, resized, to docs/sampler-workflow.png for the README.
+KVGRAPH_DOCS_SCREENSHOT=1 it is also written, resized, to docs/sampler-workflow.png for the README, and with
+KVGRAPH_DOCS_STATUS=FILE the panel in it shows the status payload in FILE (a GPU run's) instead of this CPU run's.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ EXAMPLES = sorted((REPO / "example_workflows").glob("*.json"))
 TEXT_TO_IMAGE = REPO / "example_workflows" / "qwen_image_2.1_text_to_image.json"
 TRANSFORMER_FILE = "qwen_image_2.1_int8_convrot.safetensors"  # the example workflows load the INT8 file
 DOCS_SCREENSHOT = REPO / "docs" / "sampler-workflow.png"
+DOCS_WINDOW = {"width": 1920, "height": 1080}  # the window the examples' views are made for
+VIEWPORT = {"width": 1600, "height": 900}  # the page fixture's (tests/browser/conftest.py)
+STATUS_ROUTE_GLOB = "**/kvgraph/status"
 
 
 def open_panel(page):
@@ -164,35 +168,57 @@ def test_panel_shows_route_status_and_a_real_run(page, comfy, artifacts):
     assert page.errors == []
 
 
-def test_screenshot_of_the_sampler_workflow(page, artifacts):
-    """The README's picture: the text-to-image example (loaded by the run test) with the KV-Graph sampler in view and
-    the panel open, showing that run."""
+def test_screenshot_of_the_sampler_workflow(page, artifacts, pack_folder):
+    """The README's picture: the text-to-image example (loaded by the run test) at the view it opens with, in the
+    1920x1080 window that view is made for, beside the open panel showing that run. With KVGRAPH_DOCS_STATUS=FILE
+    the panel shows FILE instead (see serve_docs_status)."""
     open_panel(page)
     assert page.evaluate("window.app.graph.nodes.some(n => n.type === 'KVGraphSampler')")
-    page.evaluate("""async () => {
-        const app = window.app, m = app.extensionManager;
-        await m.setting.set('Comfy.Minimap.Visible', false);
-        m.toast.removeAll();
-        // Fit the graph into the part of the canvas the sidebar panel and the top bar leave visible (the core
-        // fit-view command would centre it under the panel).
-        const nodes = app.graph.nodes, title = window.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
-        const x0 = Math.min(...nodes.map(n => n.pos[0])), x1 = Math.max(...nodes.map(n => n.pos[0] + n.size[0]));
-        const y0 = Math.min(...nodes.map(n => n.pos[1] - title)), y1 = Math.max(...nodes.map(n => n.pos[1] + n.size[1]));
-        const canvas = app.canvas.canvas.getBoundingClientRect();
-        const panel = document.querySelector('.kvgraph-panel').getBoundingClientRect();
-        const left = panel.right - canvas.left + 24, right = canvas.width - 24, top = 110, bottom = canvas.height - 60;
-        const ds = app.canvas.ds;
-        ds.scale = Math.min((right - left) / (x1 - x0), (bottom - top) / (y1 - y0));
-        ds.offset[0] = (left + (right - left - (x1 - x0) * ds.scale) / 2) / ds.scale - x0;
-        ds.offset[1] = (top + (bottom - top - (y1 - y0) * ds.scale) / 2) / ds.scale - y0;
-        app.canvas.setDirty(true, true);
-    }""")
-    page.wait_for_function("document.querySelectorAll('.p-toast-message').length === 0", timeout=10_000)
-    page.wait_for_timeout(500)  # let the canvas redraw
-    path = artifacts / "sampler-workflow.png"
-    page.screenshot(path=str(path))
-    if os.environ.get("KVGRAPH_DOCS_SCREENSHOT") == "1":
-        write_docs_screenshot(path)
+    page.set_viewport_size(DOCS_WINDOW)
+    docs_status = os.environ.get("KVGRAPH_DOCS_STATUS")
+    try:
+        if docs_status:
+            serve_docs_status(page, pack_folder, json.loads(Path(docs_status).read_text()))
+        page.evaluate("""async (ds) => {
+            const app = window.app, m = app.extensionManager;
+            await m.setting.set('Comfy.Minimap.Visible', false);
+            m.toast.removeAll();
+            app.canvas.ds.scale = ds.scale;
+            app.canvas.ds.offset = [...ds.offset];
+            app.canvas.setDirty(true, true);
+        }""", json.loads(TEXT_TO_IMAGE.read_text())["extra"]["ds"])
+        page.wait_for_function("document.querySelectorAll('.p-toast-message').length === 0", timeout=10_000)
+        page.wait_for_timeout(500)  # let the canvas redraw
+        path = artifacts / "sampler-workflow.png"
+        page.screenshot(path=str(path))
+        if os.environ.get("KVGRAPH_DOCS_SCREENSHOT") == "1":
+            write_docs_screenshot(path)
+    finally:
+        if docs_status:
+            page.unroute(STATUS_ROUTE_GLOB)
+            page.evaluate("async (pack) => (await import(`/extensions/${pack}/kvgraph.js`)).store.refresh()",
+                          pack_folder)
+        page.set_viewport_size(VIEWPORT)
+
+
+def serve_docs_status(page, pack_folder, payload):
+    """Make the panel show `payload` (what GET /kvgraph/status answers, e.g. the GPU node test's
+    KVGRAPH_STATUS_DUMP): the page's requests for the route get it, and its optional `last_run` list (the
+    `kvgraph.status` websocket events of one sampler run) replaces the panel's last run; without one the panel says
+    it has seen no run, rather than show this CPU run's events beside another machine's numbers."""
+    last_run = payload.pop("last_run", None) or []
+    body = json.dumps(payload)
+    page.route(STATUS_ROUTE_GLOB, lambda route: route.fulfill(status=200, content_type="application/json", body=body))
+    page.evaluate("""async ([pack, events]) => {
+        const { store } = await import(`/extensions/${pack}/kvgraph.js`);
+        store.lastRun = null;
+        const api = window.comfyAPI.api.api;
+        for (const detail of events) api.dispatchEvent(new CustomEvent('kvgraph.status', { detail }));
+        await store.refresh();
+    }""", [pack_folder, last_run])
+    replays = sum(m.get("replays", 0) for m in payload.get("models", []) if not m.get("error"))
+    page.wait_for_function("""(n) => document.querySelector(
+        '.kvgraph-stat[data-stat=replays] .kvgraph-value')?.textContent === String(n)""", arg=replays, timeout=15_000)
 
 
 def write_docs_screenshot(source):

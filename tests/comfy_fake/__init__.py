@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import enum
 import importlib.util
+import shutil
 import sys
+import tempfile
 import types
 import uuid
 from collections import namedtuple
@@ -99,6 +101,8 @@ class FakeComfy:
         self.context = None  # ExecutionContext the node runs under
         self.interrupt_at_step = None
         self.routes = {}
+        # ComfyUI's input folder (folder_paths.get_input_directory): empty, as on a fresh install; removed on uninstall.
+        self.input_dir = Path(tempfile.mkdtemp(prefix="kvgraph-input-"))
         self.modules = self._build()
         self._saved = {}
 
@@ -134,6 +138,7 @@ class FakeComfy:
             return str(path) if path.is_file() else None
 
         fp.get_filename_list, fp.get_full_path = get_filename_list, get_full_path
+        fp.get_input_directory = lambda: str(self.input_dir)
         m["folder_paths"] = fp
 
         comfy = types.ModuleType("comfy")
@@ -297,6 +302,7 @@ class FakeComfy:
             else:
                 sys.modules[name] = previous
         self._saved.clear()
+        shutil.rmtree(self.input_dir, ignore_errors=True)
 
     def set_context(self, prompt_id="prompt-1", node_id="5"):
         self.context = self.modules["comfy_execution.utils"].ExecutionContext(prompt_id, node_id, None)

@@ -26,9 +26,11 @@ SMALL = 128  # output / reference resolution for end-to-end runs
 LORA_FILE = "qwen_image_2.1_lora.safetensors"  # the LoRA example's file: a tiny random LoRA for the tiny model
 
 
-def prepare_base(base: Path, pack_folder: str = PACK_FOLDER) -> Path:
+def prepare_base(base: Path, pack_folder: str = PACK_FOLDER, reference_images: bool = True) -> Path:
     """Tiny model files in ComfyUI's layout (the INT8 ConvRot files the examples load and the bf16 ones, under the
-    released names), a tiny diffusers folder, reference images, the pack linked in under custom_nodes/<pack_folder>."""
+    released names), a tiny diffusers folder, the pack linked in under custom_nodes/<pack_folder>, and (unless
+    `reference_images` is false: a fresh install's empty input folder) random reference images in input/ under the
+    names the edit examples load, which the pack then leaves alone."""
     import numpy as np
     from PIL import Image
 
@@ -43,6 +45,8 @@ def prepare_base(base: Path, pack_folder: str = PACK_FOLDER) -> Path:
     (base / "models" / "diffusion_models" / "kvgraph_broken.safetensors").write_bytes(b"\x00" * 128)
     write_tiny_lora(base / "models" / "loras" / LORA_FILE)
     (base / "input").mkdir(exist_ok=True)
+    if not reference_images:
+        return base
     rng = np.random.RandomState(0)
     for name, (width, height, mode) in zip(REFERENCE_IMAGES, REFERENCE_SIZES):
         channels = 4 if mode == "RGBA" else 3

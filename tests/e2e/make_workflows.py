@@ -3,13 +3,19 @@ description each, so the two stay the same graph. Run from the repository root:
 
     python tests/e2e/make_workflows.py
 
-tests/test_workflows.py checks the written files against the node schemas, independently of this script.
+Node positions, sizes and the view each workflow opens with come from workflow_layout.py. tests/test_workflows.py
+checks the written files against the node schemas and the layout rules, independently of this script.
 """
 
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import workflow_layout  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "example_workflows"
@@ -25,8 +31,10 @@ LORA_FILE = "qwen_image_2.1_lora.safetensors"
 BF16_ALTERNATIVES = {TRANSFORMER_FILE: "qwen_image_2.1_bf16.safetensors",
                      TURBO_TRANSFORMER_FILE: "qwen_image_2.1_turbo_bf16.safetensors",
                      TEXT_ENCODER_FILE: "qwen3vl_8b_bf16.safetensors"}
-# The edit workflows load these from ComfyUI's input folder (the end-to-end test puts them there).
+# The edit workflows load these from ComfyUI's input folder. They ship in example_workflows/inputs/ (drawn by
+# draw_reference_images below), and the pack copies them into the input folder at start-up where they are missing.
 REFERENCE_IMAGES = ("kvgraph_example_reference_1.png", "kvgraph_example_reference_2.png")
+INPUTS = OUT / "inputs"
 
 # Per node type: (widget name, value) in the order the frontend lays the widgets out, the socket inputs
 # (name, type) in schema order, and the outputs (name, type). The seed widget is followed by its
@@ -51,12 +59,14 @@ SOCKETS = {
     "KVGraphVAEDecode": [("vae", "KVGRAPH_VAE"), ("latent", "LATENT")],
     "SaveImage": [("images", "IMAGE")],
 }
+# What each node is called in the workflows: what it does for the user, not its class name (the node's type, and
+# ComfyUI's "Node name for S&R", still name the class).
 TITLES = {
-    "KVGraphLoadTransformer": "KV-Graph Load Transformer", "KVGraphLoadTextEncoder": "KV-Graph Load Text Encoder",
-    "KVGraphLoadVAE": "KV-Graph Load VAE", "KVGraphTextEncode": "KV-Graph Text Encode (Qwen-Image-2.1)",
-    "KVGraphSampler": "KV-Graph Sampler (Qwen-Image-2.1)", "KVGraphVAEDecode": "KV-Graph VAE Decode",
-    "LoadImage": "Load Image", "SaveImage": "Save Image", "MarkdownNote": "Note: model files",
-    "KVGraphLoadLoRA": "KV-Graph Load LoRA",
+    "KVGraphLoadTransformer": "Load transformer (INT8 ConvRot)",
+    "KVGraphLoadTextEncoder": "Load text encoder (Qwen3-VL-8B, INT8 ConvRot)",
+    "KVGraphLoadVAE": "Load VAE", "KVGraphLoadLoRA": "Load LoRA", "KVGraphTextEncode": "Prompt",
+    "KVGraphSampler": "KV-Graph sampler", "KVGraphVAEDecode": "Decode", "SaveImage": "Save image",
+    "LoadImage": "Reference image", "MarkdownNote": "Model files",
 }
 # Frontend-only nodes: in the UI format, not in the API format (the frontend leaves them out of a prompt).
 UI_ONLY = {"MarkdownNote"}
@@ -76,49 +86,62 @@ def files_note(transformer: str) -> str:
 
 
 def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="auto", references=0, seed=42,
-          transformer=TRANSFORMER_FILE):
-    """Nodes as (id, type, widgets [(name, value)], links {input: (source id, slot)}, position)."""
+          transformer=TRANSFORMER_FILE, sampler_title=TITLES["KVGraphSampler"],
+          transformer_title=TITLES["KVGraphLoadTransformer"]):
+    """Nodes as (id, type, widgets [(name, value)], links {input: (source id, slot)}, title), and the layout's
+    columns of rows of node ids (see workflow_layout.place)."""
     nodes = [
         (1, "KVGraphLoadTransformer", [("transformer_name", transformer), ("dtype", "bf16"),
-                                       ("int8_weights", "int8"), ("precision", "bf16")], {}, (40, 80)),
+                                       ("int8_weights", "int8"), ("precision", "bf16")], {}, transformer_title),
         (2, "KVGraphLoadTextEncoder", [("text_encoder_name", TEXT_ENCODER_FILE), ("dtype", "bf16"),
                                        ("text_encoder_placement", "gpu while encoding, then offload"),
-                                       ("int8_weights", "int8")], {}, (40, 260)),
-        (3, "KVGraphLoadVAE", [("vae_name", VAE_FILE), ("dtype", "bf16")], {}, (40, 460)),
-        (20, "MarkdownNote", [("text", files_note(transformer))], {}, (-400, 80)),
+                                       ("int8_weights", "int8")], {}, TITLES["KVGraphLoadTextEncoder"]),
+        (3, "KVGraphLoadVAE", [("vae_name", VAE_FILE), ("dtype", "bf16")], {}, TITLES["KVGraphLoadVAE"]),
+        (20, "MarkdownNote", [("text", files_note(transformer))], {}, TITLES["MarkdownNote"]),
     ]
     encode_links = {"text_encoder": (2, 0)}
     for i in range(references):
         node_id = 10 + i
-        nodes.append((node_id, "LoadImage", [("image", REFERENCE_IMAGES[i])], {}, (40, 560 + 340 * i)))
+        nodes.append((node_id, "LoadImage", [("image", REFERENCE_IMAGES[i])], {}, f"Reference image {i + 1}"))
         encode_links[f"image{i + 1}"] = (node_id, 0)
     if references:
         encode_links["vae"] = (3, 0)
     nodes.append((4, "KVGraphTextEncode", [
         ("prompt", prompt), ("negative_prompt", negative), ("width", 1024), ("height", 1024),
-        ("size_from_reference", True), ("reference_resolution", 1024)], encode_links, (420, 200)))
+        ("size_from_reference", True), ("reference_resolution", 1024)], encode_links,
+        "Prompt and negative prompt" if negative else "Prompt and reference images" if references else "Prompt"))
     sampler_links = {"model": (1, 0), "positive": (4, 0), "latent": (4, 2)}
     if cfg > 1.0:
         sampler_links["negative"] = (4, 1)
     nodes.append((5, "KVGraphSampler", [
         ("seed", seed), ("steps", steps), ("cfg", cfg), ("sigma_preset", preset), ("denoise", 1.0),
-        ("decode_mode", "auto"), ("compile", "off")], sampler_links, (860, 120)))
-    nodes.append((6, "KVGraphVAEDecode", [], {"vae": (3, 0), "latent": (5, 0)}, (1240, 120)))
-    nodes.append((7, "SaveImage", [("filename_prefix", f"KVGraph/{name}")], {"images": (6, 0)}, (1600, 120)))
-    return nodes
+        ("decode_mode", "auto"), ("compile", "off")], sampler_links, sampler_title))
+    nodes.append((6, "KVGraphVAEDecode", [], {"vae": (3, 0), "latent": (5, 0)}, TITLES["KVGraphVAEDecode"]))
+    nodes.append((7, "SaveImage", [("filename_prefix", f"KVGraph/{name}")], {"images": (6, 0)},
+                  TITLES["SaveImage"]))
+    columns = [
+        [[1], [2], [3], [20]],  # the loaders, and the note saying which files they load
+        ([[10 + i for i in range(references)]] if references else []) + [[4]],  # references above the prompt
+        [[5], [6], [7]],  # the sampler and its output
+    ]
+    return nodes, columns
 
 
-def with_lora(nodes, lora_name=LORA_FILE, strength=1.0):
-    """`nodes` with a KV-Graph Load LoRA between the transformer loader and the sampler."""
-    lora = (8, "KVGraphLoadLoRA", [("lora_name", lora_name), ("strength", strength)], {"model": (1, 0)}, (40, 600))
+def with_lora(workflow, lora_name=LORA_FILE, strength=1.0):
+    """`workflow` with a KV-Graph Load LoRA between the transformer loader and the sampler (placed above the prompt,
+    on the way from the one to the other)."""
+    nodes, columns = workflow
+    lora = (8, "KVGraphLoadLoRA", [("lora_name", lora_name), ("strength", strength)], {"model": (1, 0)},
+            TITLES["KVGraphLoadLoRA"])
     out = []
-    for node_id, node_type, widgets, links, pos in nodes:
+    for node_id, node_type, widgets, links, title in nodes:
         if node_type == "KVGraphSampler":
             links = {**links, "model": (lora[0], 0)}
-        out.append((node_id, node_type, widgets, links, pos))
+        out.append((node_id, node_type, widgets, links, title))
         if node_id == 3:
             out.append(lora)
-    return out
+    loaders, middle, *rest = columns
+    return out, [loaders, [[lora[0]]] + middle, *rest]
 
 
 WORKFLOWS = {
@@ -127,7 +150,8 @@ WORKFLOWS = {
     # The Turbo checkpoint: the sampler's auto preset runs its fixed 8-step grid (cfg 1, as ComfyUI's template).
     "qwen_image_2.1_turbo_8_steps": graph(
         "turbo", "A red vintage bicycle leaning against a sunlit brick wall, 35mm photo.", steps=8,
-        transformer=TURBO_TRANSFORMER_FILE),
+        transformer=TURBO_TRANSFORMER_FILE, transformer_title="Load Turbo transformer (INT8 ConvRot)",
+        sampler_title="KV-Graph sampler (Turbo, 8 steps)"),
     "qwen_image_2.1_edit_one_reference": graph(
         "edit_one_reference", "Make the sky in image 1 a deep purple sunset and add a small sailing boat.",
         references=1),
@@ -136,13 +160,15 @@ WORKFLOWS = {
         references=2),
     "qwen_image_2.1_cfg_negative_prompt": graph(
         "cfg_negative", "A cozy reading nook with a large window, soft morning light, watercolor.",
-        negative="blurry, low quality, distorted, text, watermark", cfg=4.0),
+        negative="blurry, low quality, distorted, text, watermark", cfg=4.0, sampler_title="KV-Graph sampler (true CFG)"),
     "qwen_image_2.1_lora": with_lora(graph(
         "lora", "A lighthouse on a rocky coast at dusk, dramatic clouds, in the style the LoRA was trained on.")),
 }
 
 
-def ui_workflow(nodes) -> dict:
+def ui_workflow(workflow) -> dict:
+    nodes, columns = workflow
+    placed = workflow_layout.place(columns, {node_id: node_type for node_id, node_type, *_ in nodes})
     links, ui_nodes, link_id = [], [], 0
     outgoing = {}
     for node_id, node_type, _, node_links, _ in nodes:
@@ -156,7 +182,7 @@ def ui_workflow(nodes) -> dict:
             outgoing.setdefault((source, slot), []).append(link_id)
     order = {node_id: i for i, (node_id, *_) in
              enumerate(sorted(nodes, key=lambda n: n[0] not in (1, 2, 3, 10, 11, 20)))}
-    for node_id, node_type, widgets, _, pos in nodes:
+    for node_id, node_type, widgets, _, title in nodes:
         inputs = []
         for slot, (input_name, input_type) in enumerate(SOCKETS.get(node_type, [])):
             link = next((lk[0] for lk in links if lk[3] == node_id and lk[4] == slot), None)
@@ -170,35 +196,71 @@ def ui_workflow(nodes) -> dict:
                 values.append("fixed")
             if node_type == "LoadImage" and widget_name == "image":
                 values.append("image")  # the upload button's widget value
-        size = {"KVGraphTextEncode": [400, 200], "MarkdownNote": [400, 300]}.get(node_type, [320, 130])
+        pos, size = placed[node_id]
         ui_nodes.append({
-            "id": node_id, "type": node_type, "pos": list(pos), "size": size,
+            "id": node_id, "type": node_type, "pos": list(pos), "size": list(size),
             "flags": {}, "order": order[node_id], "mode": 0, "inputs": inputs, "outputs": outputs,
-            "title": TITLES[node_type],
+            "title": title,
             "properties": {} if node_type in UI_ONLY else {"Node name for S&R": node_type},
             "widgets_values": values,
         })
     return {"last_node_id": max(n[0] for n in nodes), "last_link_id": link_id, "nodes": ui_nodes, "links": links,
-            "groups": [], "config": {}, "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}}, "version": 0.4}
+            "groups": [], "config": {}, "extra": {"ds": workflow_layout.view(placed)}, "version": 0.4}
 
 
-def api_workflow(nodes) -> dict:
+def api_workflow(workflow) -> dict:
+    nodes, _ = workflow
     api = {}
-    for node_id, node_type, widgets, node_links, _ in nodes:
+    for node_id, node_type, widgets, node_links, title in nodes:
         if node_type in UI_ONLY:
             continue
         inputs = dict(widgets)
         inputs.update({name: [str(source), slot] for name, (source, slot) in node_links.items()})
-        api[str(node_id)] = {"class_type": node_type, "inputs": inputs, "_meta": {"title": TITLES[node_type]}}
+        api[str(node_id)] = {"class_type": node_type, "inputs": inputs, "_meta": {"title": title}}
     return api
+
+
+def draw_reference_images():
+    """The edit examples' two reference images, drawn with flat shapes (a few KB each, the same on every run):
+    image 1 a sea view from a table under a blue sky (the edits repaint its sky, add a boat, put something on
+    the table), image 2 a red teapot on a transparent background (RGBA, as an image cut out of its photo is)."""
+    from PIL import Image, ImageDraw
+
+    scene = Image.new("RGB", (512, 384), (120, 180, 235))
+    draw = ImageDraw.Draw(scene)
+    for y in range(0, 200, 8):  # the sky, lighter towards the horizon, in bands
+        shade = y * 60 // 200
+        draw.rectangle([0, y, 512, y + 8], fill=(110 + shade, 170 + shade // 2, 235))
+    draw.ellipse([380, 40, 440, 100], fill=(255, 236, 150))  # the sun
+    draw.rectangle([0, 200, 512, 290], fill=(40, 100, 160))  # the sea
+    draw.polygon([(0, 200), (90, 150), (180, 200)], fill=(90, 120, 90))  # a headland
+    draw.rectangle([0, 290, 512, 384], fill=(150, 100, 60))  # the table top
+    draw.line([(0, 290), (512, 290)], fill=(110, 70, 40), width=4)
+    for x in (0, 128, 256, 384):
+        draw.line([(x + 40, 300), (x + 100, 380)], fill=(135, 90, 55), width=2)  # the wood's grain
+
+    teapot = Image.new("RGBA", (256, 256), (0, 0, 0, 0))
+    draw = ImageDraw.Draw(teapot)
+    red, dark = (200, 40, 40, 255), (140, 25, 25, 255)
+    draw.ellipse([48, 80, 208, 220], fill=red)  # the body
+    draw.polygon([(200, 130), (246, 96), (250, 108), (206, 160)], fill=red)  # the spout
+    draw.arc([26, 104, 96, 190], start=90, end=270, fill=dark, width=10)  # the handle
+    draw.rectangle([98, 62, 158, 84], fill=dark)  # the lid
+    draw.ellipse([116, 44, 140, 68], fill=dark)  # the knob
+    draw.ellipse([90, 110, 130, 140], fill=(235, 120, 120, 255))  # a highlight
+    return dict(zip(REFERENCE_IMAGES, (scene, teapot)))
 
 
 def main() -> None:
     (OUT / "api").mkdir(parents=True, exist_ok=True)
-    for name, nodes in WORKFLOWS.items():
-        (OUT / f"{name}.json").write_text(json.dumps(ui_workflow(nodes), indent=1) + "\n")
-        (OUT / "api" / f"{name}.json").write_text(json.dumps(api_workflow(nodes), indent=1) + "\n")
+    for name, workflow in WORKFLOWS.items():
+        (OUT / f"{name}.json").write_text(json.dumps(ui_workflow(workflow), indent=1) + "\n")
+        (OUT / "api" / f"{name}.json").write_text(json.dumps(api_workflow(workflow), indent=1) + "\n")
         print(f"wrote {name}")
+    INPUTS.mkdir(exist_ok=True)
+    for name, image in draw_reference_images().items():
+        image.save(INPUTS / name, optimize=True)
+        print(f"wrote inputs/{name}")
 
 
 if __name__ == "__main__":
