@@ -13,21 +13,34 @@ from graph_runtime.bench.e2e_runner import plan_tasks
 
 def test_plan_runs_ours_first_on_a_cold_cache_then_restarts_and_warm_last():
     """Ours' first child meets the empty kernel cache; every scenario then gets a fresh process per path (ours'
-    first scenario again: the restart with the cache it filled), then the first job after warm_up (kernels, then
-    graphs kept) and profiled; the warm child (both paths) comes last."""
+    first scenario again: the restart with the cache it filled), then the first job without the Triton preload,
+    after warm_up (kernels, then graphs kept) and profiled; the warm child (both paths) comes last."""
     tasks = plan_tasks(["t2i", "edit"], ["ours", "diffusers"], True, True, "cuda", False, 2)
+    assert [t.get("preload", True) for t in tasks] == [True, True, True, False] + [True] * 6
     assert [(t["kind"], t["paths"], t["scenarios"], t["cache"], t.get("warm_up")) for t in tasks] == [
         ("first", ["ours"], ["t2i"], "cold", None), ("first", ["ours"], ["t2i"], "warm", None),
-        ("first", ["ours"], ["edit"], "warm", None), ("first", ["ours"], ["t2i"], "warm", "kernels"),
+        ("first", ["ours"], ["edit"], "warm", None), ("first", ["ours"], ["t2i"], "warm", None),
+        ("first", ["ours"], ["t2i"], "warm", "kernels"),
         ("first", ["ours"], ["t2i"], "warm", "capture"), ("profile", ["ours"], ["t2i"], "warm", None),
         ("first", ["diffusers"], ["t2i"], "warm", None), ("first", ["diffusers"], ["edit"], "warm", None),
         ("warm", ["ours", "diffusers"], ["t2i", "edit"], "warm", None)]
     assert tasks[-1]["repeats"] == 2
     assert [t["kind"] for t in plan_tasks(["turbo"], ["diffusers"], False, True, "cuda", False, 1)] == ["warm"]
     assert len(plan_tasks(["t2i"], ["ours"], True, False, "cuda", False, 1, extras=False)) == 2
-    fp8 = plan_tasks(["t2i"], ["ours", "diffusers"], True, True, "cuda", False, 1, extras=False, fp8=True)
+    fp8 = plan_tasks(["t2i"], ["ours", "diffusers"], True, True, "cuda", False, 1, extras=False, fp8="fp8-attn")
     assert [t["paths"] for t in fp8] == [["ours"], ["ours"], ["ours-fp8"], ["diffusers"],
                                          ["ours", "diffusers", "ours-fp8"]]
+    assert {t["fp8_precision"] for t in fp8} == {"fp8-attn"}
+
+
+def test_precisions_option_takes_bf16_and_at_most_one_fp8_precision():
+    from graph_runtime.bench.e2e_runner import fp8_precision
+
+    assert fp8_precision("bf16") is None
+    assert fp8_precision("bf16,fp8") == "fp8" and fp8_precision("bf16, fp8-attn") == "fp8-attn"
+    for bad in ("fp8", "bf16,fp9", "bf16,fp8,fp8-attn", ""):
+        with pytest.raises(SystemExit, match="--e2e-precisions"):
+            fp8_precision(bad)
 
 
 def test_first_prompts_run_in_fresh_processes_and_are_reported(tmp_path, capsys):
@@ -88,8 +101,9 @@ def _first(cache, first_ms, second_ms):
 
 
 def test_targets_use_the_warm_cache_restart_against_the_warm_median():
-    """The first-prompt target reads the restart (warm kernel cache), not the cold run, and compares it with the warm
-    median of the same job; both the 6 s bound and the 1.3x ratio must hold."""
+    """The first-prompt target reads the restart (warm kernel cache), not the cold run nor the run without the Triton
+    preload, and compares it with the warm median of the same job; both the 6 s bound and the 1.3x ratio must
+    hold."""
     warm = {"task": {"kind": "warm"}, "label": "warm", "runs": [
         {"run": "warm-up", "path": "ours", "scenario": "t2i", "total_ms": 9000.0},
         {"run": "warm 1", "path": "ours", "scenario": "t2i", "total_ms": 4200.0},
@@ -102,6 +116,11 @@ def test_targets_use_the_warm_cache_restart_against_the_warm_median():
     assert first["met"] is False  # 1.30x: just over the 1.3 ratio
     first = next(r for r in target_rows([_first("warm", 5000.0, 4300.0), warm]) if r["target"].startswith("first"))
     assert first["met"] is True
+    without_preload = _first("warm", 4000.0, 4300.0)
+    without_preload["task"]["preload"] = False  # a comparison row, not what a user's first prompt pays
+    first = next(r for r in target_rows([without_preload, _first("warm", 5600.0, 4300.0), warm])
+                 if r["target"].startswith("first"))
+    assert first["measured"] == pytest.approx(5.6)
     assert all(r["met"] is None for r in rows if "fp8" in r["target"])  # not measured: no verdict
     text = markdown({"date": "d", "device": "cpu", "torch": torch.__version__, "triton": None, "command": "c",
                      "wall_s": 1.0}, [_first("warm", 5000.0, 4300.0), warm])

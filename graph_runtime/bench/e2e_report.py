@@ -62,6 +62,8 @@ def _variant(task: dict) -> str:
         return "profiled (not a timing)"
     if task.get("warm_up"):
         return f"after warm_up ({task['warm_up']})"
+    if task.get("preload") is False:
+        return "no Triton preload"
     return "plain"
 
 
@@ -116,12 +118,15 @@ def markdown(meta: dict, results: list[dict]) -> str:
     lines = [f"# Prompt-to-image benchmark, {meta['date']}", "",
              f"- device: {meta['device']}; torch {meta['torch']}; triton {meta['triton']}"
              + ("; tiny models (a smoke run)" if meta.get("tiny") else
-                "; full-size random weights: Qwen-Image-2.1 DiT, Qwen3-VL-8B, Qwen-Image-2.1 VAE, bf16"),
+                "; full-size random weights: Qwen-Image-2.1 DiT, Qwen3-VL-8B, Qwen-Image-2.1 VAE, bf16")
+             + (f"; the FP8 path (ours-fp8) is precision {meta['fp8_precision']}" if meta.get("fp8_precision")
+                else ""),
              f"- command: `{meta['command']}` ({meta['wall_s']} s)",
              "- each first-prompt row is a fresh process that built its models and then ran the prompt twice (first, "
              "second); ours' first process meets an empty Triton kernel cache, later ones the cache it left (a "
-             "restart). Warm rows: one process, both paths alternating, the median of the measured prompts after "
-             "one unmeasured prompt each.",
+             "restart). Ours starts Triton's one-time set-up in a thread while its models are built, as loading a "
+             "checkpoint does, except in the row marked \"no Triton preload\". Warm rows: one process, both paths "
+             "alternating, the median of the measured prompts after one unmeasured prompt each.",
              "- phases (ms): ours' prefill is the prefix pass and every step a decode step; the pipeline's prefill is "
              "its first step (which predicts step 1), so it runs one decode step fewer. PNG: compression level 4 "
              "(ComfyUI's SaveImage). Peak: max allocated GPU memory during the prompt.", ""]

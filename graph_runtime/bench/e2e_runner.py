@@ -33,10 +33,11 @@ PATHS = ("ours", "diffusers")
 
 
 def plan_tasks(scenarios: list[str], paths: list[str], first: bool, warm: bool, device: str, tiny: bool,
-               repeats: int, extras: bool = True, fp8: bool = False) -> list[dict]:
+               repeats: int, extras: bool = True, fp8: str | None = None) -> list[dict]:
     """The child processes to run, in order. Ours' first child meets the empty kernel cache; its first scenario is
-    run again as a restart with the cache it filled."""
-    base = {"device": device, "tiny": tiny}
+    run again as a restart with the cache it filled. `fp8` names the FP8 precision of the "ours-fp8" path
+    (`fp8/convert.py`: fp8, fp8-attn, ...), or None for no FP8 path."""
+    base = {"device": device, "tiny": tiny, **({"fp8_precision": fp8} if fp8 else {})}
     tasks = []
     if first:
         if "ours" in paths:
@@ -44,8 +45,10 @@ def plan_tasks(scenarios: list[str], paths: list[str], first: bool, warm: bool, 
             tasks.append({**ours, "scenarios": scenarios[:1], "cache": "cold"})
             tasks += [{**ours, "scenarios": [s]} for s in scenarios]
             if extras:
-                # The first job again: after the engine's warm_up at load (kernels only, then with its graphs
-                # kept), and profiled (where the first prompt's extra time goes).
+                # The first job again: without the Triton preload (what it saves), after the engine's warm_up at
+                # load (kernels only, then with its graphs kept), and profiled (where the first prompt's extra
+                # time goes).
+                tasks.append({**ours, "scenarios": scenarios[:1], "preload": False})
                 tasks += [{**ours, "scenarios": scenarios[:1], "warm_up": w} for w in ("kernels", "capture")]
                 tasks.append({**ours, "kind": "profile", "scenarios": scenarios[:1]})
             if fp8:
@@ -62,11 +65,25 @@ def plan_tasks(scenarios: list[str], paths: list[str], first: bool, warm: bool, 
     return tasks
 
 
+def fp8_precision(option: str) -> str | None:
+    """`--e2e-precisions`: "bf16" alone, or "bf16," and one FP8 precision (fp8, fp8-attn, fp8-no-out)."""
+    from ..fp8 import PRECISIONS
+
+    precisions = [p.strip() for p in option.split(",") if p.strip()]
+    fp8 = [p for p in precisions if p != "bf16"]
+    if "bf16" not in precisions or len(fp8) > 1 or any(p not in PRECISIONS for p in fp8):
+        raise SystemExit(f"--e2e-precisions: {option!r}; bf16, or bf16 and one of "
+                         f"{', '.join(p for p in PRECISIONS if p != 'bf16')} (bf16,fp8-attn)")
+    return fp8[0] if fp8 else None
+
+
 def describe_task(task: dict) -> str:
     if task["kind"] == "warm":
         return f"warm: {'+'.join(task['paths'])} x {','.join(task['scenarios'])}"
     warm_up = f", warm_up({task['warm_up']}) at load" if task.get("warm_up") else ""
-    return f"{task['kind']}: {task['paths'][0]} {task['scenarios'][0]} (kernel cache {task['cache']}{warm_up})"
+    preload = ", no Triton preload" if task.get("preload") is False else ""
+    return (f"{task['kind']}: {task['paths'][0]} {task['scenarios'][0]} "
+            f"(kernel cache {task['cache']}{warm_up}{preload})")
 
 
 def run_child(task: dict, workdir: Path, index: int, cache_dir: str, timeout: int) -> dict:
@@ -123,15 +140,14 @@ def e2e_main(args) -> int:
     if not paths or any(p not in PATHS for p in paths):
         raise SystemExit(f"--e2e-paths: {args.e2e_paths!r}; choose from {', '.join(PATHS)}")
     first, warm = (args.e2e_first or not args.e2e_warm), (args.e2e_warm or not args.e2e_first)
-    precisions = [p.strip() for p in args.e2e_precisions.split(",") if p.strip()]
-    if not precisions or any(p not in ("bf16", "fp8") for p in precisions) or "bf16" not in precisions:
-        raise SystemExit(f"--e2e-precisions: {args.e2e_precisions!r}; bf16 or bf16,fp8")
+    fp8 = fp8_precision(args.e2e_precisions)
     tasks = plan_tasks(scenarios, paths, first, warm, device, args.tiny, args.e2e_repeats, not args.e2e_no_extras,
-                       fp8="fp8" in precisions)
+                       fp8=fp8)
     workdir = Path(tempfile.mkdtemp(prefix="kvgraph-e2e-"))
     cache_dir = str(workdir / "triton-cache")  # empty: the first child of ours meets a cold kernel cache
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": command, "device": device, "torch": torch.__version__, "triton": None, "tiny": args.tiny,
+            "fp8_precision": fp8,
             "planned": [describe_task(t) for t in tasks]}
     results: list[dict] = []
     try:

@@ -6,7 +6,9 @@ the warm runs of both paths in one process. Tasks:
 
 - `first`: one path, one scenario: the first prompt of the process, then the same prompt again (the second prompt
   a restarted ComfyUI would run). With `warm_up` ("kernels" or "capture"), our engine's `warm_up` runs for the
-  scenario's size right after the models are built (timed apart), as a loader could call it.
+  scenario's size right after the models are built (timed apart), as a loader could call it. Every task starts
+  the Triton preload (`kernels/preload.py`) before building the models, as loading a checkpoint does, but one with
+  `preload: false`, which shows what the preload saves.
 - `profile`: as `first` for our path, the first prompt run under `first_prompt.profiled_ours`.
 - `warm`: every scenario x path: one unmeasured prompt each, then `repeats` rounds alternating the paths.
 """
@@ -22,6 +24,7 @@ _STARTED = time.time()
 
 import torch  # noqa: E402
 
+from ..kernels.preload import preload_result, start_preload  # noqa: E402
 from .e2e_models import E2EModels, build_models, diffusers_pipeline, parameter_count  # noqa: E402
 from .e2e_paths import run_diffusers, run_ours  # noqa: E402
 from .e2e_scenarios import SCENARIOS, prompt_of_tokens, reference_image  # noqa: E402
@@ -62,6 +65,10 @@ class Worker:
 
         start = time.perf_counter()
         paths = self.task["paths"]
+        if self.task.get("preload", True):
+            # What `load_transformer` starts when a checkpoint loads (and the pack at ComfyUI's start-up); the
+            # benchmark builds random weights instead of loading a file, so it starts the preload itself.
+            start_preload()
         self.models = build_models(self.device, self.dtype, tiny=self.tiny)
         self.generators = {}
         if "ours-fp8" in paths:
@@ -79,14 +86,14 @@ class Worker:
             print(json.dumps({"warm_up": self.warm_up}), flush=True)
 
     def _fp8_models(self, alone: bool):
-        """The models with an FP8 transformer (`fp8/convert.py`'s "fp8", its bf16 weights freed): the loaded one
+        """The models with an FP8 transformer (`fp8/convert.py`'s task["fp8_precision"], its bf16 weights freed): the loaded one
         converted when no bf16 path runs in this process, else a second one with the same weights."""
         from ..fp8 import apply_precision
         from .model import build_transformer
 
         transformer = self.models.transformer if alone else build_transformer(device=self.device, dtype=self.dtype,
                                                                               tiny=self.tiny)
-        self.models.build_s["fp8"] = apply_precision(transformer, "fp8")
+        self.models.build_s["fp8"] = apply_precision(transformer, self.task.get("fp8_precision", "fp8"))
         return E2EModels(transformer=transformer, vae=self.models.vae, text_encoder=self.models.text_encoder,
                          processor=self.models.processor, scheduler_config=self.models.scheduler_config)
 
@@ -118,6 +125,8 @@ class Worker:
 
     def first(self, profile: bool = False):
         (path,), (scenario,) = self.task["paths"], self.scenarios
+        # Empty when the preload was not started or had not finished when the first prompt began.
+        self.triton_preload = preload_result()
         if profile:
             from .first_prompt import profiled_ours
 
@@ -152,7 +161,7 @@ class Worker:
             "runs": self.runs,
             "engine": {path: g.engine.status() for path, g in self.generators.items()},
         }
-        for name in ("warm_up", "profile"):
+        for name in ("warm_up", "profile", "triton_preload"):
             if hasattr(self, name):
                 out[name] = getattr(self, name)
         return out

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.preload import wait_for_preload
 from ..memory import device_free_bytes
 from .capture_record import CaptureRecord
 from .prefill import PrefixCache
@@ -252,6 +253,8 @@ class CudaGraphBackend:
             self._capture(entry, body)
 
     def _capture(self, entry: DecodeGraphEntry, body) -> None:
+        # Nothing may set Triton up from another thread while this one captures (kernels/preload.py).
+        wait_for_preload()
         device = entry.inputs.hidden.device
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

@@ -22,6 +22,7 @@ import torch
 
 from . import define_once
 from .norm_modulate import reference_norm_modulate_fp32
+from .preload import wait_for_preload
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # e4m3's largest finite value
@@ -148,6 +149,7 @@ def quantize_rows_fp8(x) -> Fp8Rows:
 
 
 def _rows_launch(kernel, x, *others):
+    wait_for_preload()
     import triton
 
     cols = x.shape[-1]

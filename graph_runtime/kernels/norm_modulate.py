@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from . import define_once
+from .preload import wait_for_preload
 
 
 def reference_norm_modulate(x, delta, gate, scale, eps):
@@ -67,6 +68,7 @@ residual_norm_modulate = define_once("residual_norm_modulate", _define_residual_
 
 def _triton_norm_modulate(x, delta, gate, scale, eps, fp8: bool = False):
     """Returns `(x_new or None, h)`, or with `fp8` `(x_new or None, h_fp8, h_scale [B, T, 1])`."""
+    wait_for_preload()
     import triton
 
     from .norm_modulate_triton import norm_modulate_kernel

@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 
 from . import define_once
+from .preload import wait_for_preload
 
 
 def reference_qk_norm_rope(x: torch.Tensor, weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
@@ -68,6 +69,7 @@ def _triton_ok(*tensors) -> bool:
 
 
 def _triton_qk_norm_rope_write(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, prefix_len, eps):
+    wait_for_preload()
     batch, tokens, heads, head_dim = q.shape
     q_out = torch.empty((batch, tokens, heads, head_dim), dtype=q.dtype, device=q.device)
     from .qk_norm_rope_triton import qk_norm_rope_kernel

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from . import define_once
+from .preload import wait_for_preload
 
 
 def reference_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -39,6 +40,7 @@ BLOCK = 1024
 
 
 def _triton_silu_mul(gate, up):
+    wait_for_preload()
     import triton
 
     from .silu_mul_triton import silu_mul_kernel

@@ -70,6 +70,38 @@ def test_kernels_compile_once_for_every_length_and_a_restart_compiles_nothing(tm
     assert restart == [first_process[1]] * 2, "a restart with a filled cache compiled kernels again"
 
 
+PRELOAD_THEN_LAUNCH = textwrap.dedent("""
+    import json, torch
+    from triton.runtime.cache import triton_key
+    from graph_runtime.kernels.norm_modulate import _triton_norm_modulate, reference_norm_modulate
+    from graph_runtime.kernels.preload import preload_result, start_preload, wait_for_preload
+
+    assert start_preload() and start_preload()
+    wait_for_preload()
+    keyed = triton_key.cache_info().currsize
+    x = torch.randn(2, 40, 4096, device="cuda", dtype=torch.bfloat16)
+    scale = torch.randn(2, 4096, device="cuda", dtype=torch.bfloat16)
+    out = _triton_norm_modulate(x, None, None, scale, 1e-6)[1].float()
+    ref = reference_norm_modulate(x, None, None, scale, 1e-6)[1].float()
+    within = bool(((out - ref).abs() <= ref.abs() * 2**-7 + 1e-6).all())
+    print(json.dumps({"result": preload_result(), "keyed": keyed, "within": within}))
+""")
+
+
+def test_the_preload_sets_triton_up_in_a_fresh_process_and_kernels_then_run_as_before(tmp_path):
+    """In a fresh interpreter the preload thread succeeds, leaves Triton's cache key computed (what the first launch
+    would otherwise pay), and a kernel launched after it equals the reference within one bf16 step, as in
+    test_gpu_kernels.py."""
+    env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-c", PRELOAD_THEN_LAUNCH], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(done.stdout.strip().splitlines()[-1])
+    assert report["result"]["ok"] is True, report
+    assert report["keyed"] == 1
+    assert report["within"] is True
+
+
 @pytest.fixture(scope="module")
 def cuda_transformer(tiny_parts):
     import copy

@@ -1,0 +1,120 @@
+"""Triton's one-time process set-up, done in a background thread while the models load.
+
+The first launch of any Triton kernel in a fresh process costs 0.6-0.7 s even when the on-disk kernel cache holds
+the kernel: Triton keys its cache by a hash of its own ~500 MB shared library (`triton_key`, ~0.5 s), imports its
+gluon front end and sets up its CUDA driver utilities. Every one of those is the same for every kernel and needs
+nothing from the prompt, so `start_preload` runs them in a daemon thread as soon as a model starts loading (and at
+ComfyUI's start-up); the checkpoint read and the text encoding hide it. hashlib releases the GIL while hashing, so
+the main thread loses nothing meanwhile.
+
+The thread launches nothing on the GPU and allocates no GPU memory, so it cannot disturb a capture in progress.
+Our kernel wrappers call `wait_for_preload()` before their first launch, so the two threads never set up Triton at
+once (its driver object is created lazily and not under a lock); after the first call that is a flag check. The
+state lives in one entry of `sys.modules`, as the engine registry does, because the pack can be imported twice in one
+process (registry.py).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+import time
+import types
+
+log = logging.getLogger("kv_graph")
+
+_MODULE_NAME = "_kvgraph_process_triton_preload"
+
+
+class PreloadState:
+    """The process's one preload: its thread (None until started), a done flag and what it found."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.done = threading.Event()
+        self.result: dict = {}
+
+
+def _state() -> PreloadState:
+    holder = sys.modules.get(_MODULE_NAME)
+    if holder is None:
+        holder = sys.modules.setdefault(_MODULE_NAME, types.ModuleType(_MODULE_NAME))
+    if not hasattr(holder, "state"):
+        holder.state = PreloadState()
+    return holder.state
+
+
+def _triton_key():
+    """Triton's cache key function: `triton.runtime.cache` in 3.6 and later, `triton.compiler.compiler` before."""
+    try:
+        from triton.runtime.cache import triton_key
+    except ImportError:
+        from triton.compiler.compiler import triton_key
+    return triton_key
+
+
+def _set_up_triton(state: PreloadState) -> None:
+    start = time.perf_counter()
+    try:
+        import triton  # noqa: F401
+        from triton.runtime import driver
+
+        _triton_key()()
+        active = driver.active
+        active.utils  # noqa: B018  (builds or loads the driver's small C helper module)
+        active.get_current_device()
+        try:
+            # Imported by the first kernel specialization in Triton 3.5 and later; absent in older releases.
+            import triton.experimental.gluon  # noqa: F401
+        except ImportError:
+            pass
+    except Exception as exc:  # the first kernel launch will meet (and report) the same problem itself
+        state.result.update(ok=False, error=f"{type(exc).__name__}: {exc}")
+        log.info("KV-Graph: Triton preload failed (%s); kernels set Triton up on first use instead",
+                 state.result["error"])
+    else:
+        state.result.update(ok=True)
+    finally:
+        state.result["seconds"] = time.perf_counter() - start
+        state.done.set()
+
+
+def _cuda_and_triton_available() -> bool:
+    import importlib.util
+
+    import torch
+
+    return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
+
+
+def start_preload() -> bool:
+    """Starts the set-up thread once per process; True when it runs (or ran), False without CUDA or Triton."""
+    state = _state()
+    with state.lock:
+        if state.thread is not None:
+            return True
+        if not _cuda_and_triton_available():
+            return False
+        state.thread = threading.Thread(target=_set_up_triton, args=(state,), name="kvgraph-triton-preload",
+                                        daemon=True)
+        state.thread.start()
+        return True
+
+
+def wait_for_preload() -> None:
+    """Blocks until a started preload is done; returns at once when none was started or it finished."""
+    state = _state()
+    if state.done.is_set():
+        return
+    with state.lock:
+        started = state.thread is not None
+    if started:
+        state.done.wait()
+
+
+def preload_result() -> dict:
+    """`{}` before a preload finished, else `{"ok": bool, "seconds": float}` (and `"error"` when not ok)."""
+    state = _state()
+    return dict(state.result) if state.done.is_set() else {}
