@@ -13,13 +13,14 @@ from graph_runtime.bench.e2e_runner import plan_tasks
 
 def test_plan_runs_ours_first_on_a_cold_cache_then_restarts_and_warm_last():
     """Ours' first child meets the empty kernel cache; every scenario then gets a fresh process per path (ours'
-    first scenario again: the restart with the cache it filled), then the first job without the Triton preload,
-    after warm_up (kernels, then graphs kept) and profiled; the warm child (both paths) comes last."""
+    first scenario again: the restart with the cache it filled), then the first job without the preload and with
+    Triton's part alone, after warm_up (kernels, then graphs kept) and profiled; the warm child (both paths) comes last."""
     tasks = plan_tasks(["t2i", "edit"], ["ours", "diffusers"], True, True, "cuda", False, 2)
-    assert [t.get("preload", True) for t in tasks] == [True, True, True, False] + [True] * 6
+    assert [t.get("preload", True) for t in tasks] == [True, True, True, False, "triton"] + [True] * 6
     assert [(t["kind"], t["paths"], t["scenarios"], t["cache"], t.get("warm_up")) for t in tasks] == [
         ("first", ["ours"], ["t2i"], "cold", None), ("first", ["ours"], ["t2i"], "warm", None),
         ("first", ["ours"], ["edit"], "warm", None), ("first", ["ours"], ["t2i"], "warm", None),
+        ("first", ["ours"], ["t2i"], "warm", None),
         ("first", ["ours"], ["t2i"], "warm", "kernels"),
         ("first", ["ours"], ["t2i"], "warm", "capture"), ("profile", ["ours"], ["t2i"], "warm", None),
         ("first", ["diffusers"], ["t2i"], "warm", None), ("first", ["diffusers"], ["edit"], "warm", None),
@@ -27,6 +28,9 @@ def test_plan_runs_ours_first_on_a_cold_cache_then_restarts_and_warm_last():
     assert tasks[-1]["repeats"] == 2
     assert [t["kind"] for t in plan_tasks(["turbo"], ["diffusers"], False, True, "cuda", False, 1)] == ["warm"]
     assert len(plan_tasks(["t2i"], ["ours"], True, False, "cuda", False, 1, extras=False)) == 2
+    chosen = plan_tasks(["t2i"], ["ours"], True, False, "cuda", False, 1, extras=["preload", "profile"])
+    assert [(t["kind"], t.get("preload", True)) for t in chosen] == [
+        ("first", True), ("first", True), ("first", False), ("first", "triton"), ("profile", True)]
     fp8 = plan_tasks(["t2i"], ["ours", "diffusers"], True, True, "cuda", False, 1, extras=False, fp8="fp8-attn")
     assert [t["paths"] for t in fp8] == [["ours"], ["ours"], ["ours-fp8"], ["diffusers"],
                                          ["ours", "diffusers", "ours-fp8"]]

@@ -1,10 +1,12 @@
-"""The Triton preload (`kernels/preload.py`): one background set-up per process, waited for before a launch.
+"""The preload (`kernels/preload.py`): one background set-up of Triton and the CUDA libraries per process, waited
+for before a kernel launch and before a capture.
 
 Invariants:
 - Without CUDA nothing starts, and waiting returns at once (the CPU path never touches Triton).
 - However often it is asked for, one thread runs, and a kernel launch waiting on it blocks until it is done (two
   threads must never set Triton's lazily created driver up at once).
-- A set-up that fails is recorded and logged, never raised: the first launch meets the same problem itself.
+- A set-up that fails is recorded and logged, never raised: the first launch meets the same problem itself; the
+  libraries are warmed only after Triton set up, on the device of the thread that started the preload.
 - Starting a capture waits for it too, so the thread never runs beside a capture.
 - Both copies of the pack in one process (registry.py) share the one state.
 """
@@ -21,6 +23,7 @@ def fresh(monkeypatch):
     """The process-wide state, new for each test (and the real state restored after it)."""
     state = preload.PreloadState()
     monkeypatch.setattr(preload, "_state", lambda: state)
+    monkeypatch.setattr(preload, "_current_device", lambda: "cuda:0")
     return preload
 
 
@@ -39,10 +42,10 @@ def test_one_thread_runs_however_often_it_is_started_and_a_wait_blocks_until_it_
         calls.append(threading.current_thread().name)
         gate.wait(10)
         state.result.update(ok=True, seconds=0.0)
-        state.done.set()
 
     monkeypatch.setattr(fresh, "_cuda_and_triton_available", lambda: True)
     monkeypatch.setattr(fresh, "_set_up_triton", slow_set_up)
+    monkeypatch.setattr(fresh, "_warm_cuda_libraries", lambda device: calls.append(device))
     assert fresh.start_preload() is True and fresh.start_preload() is True
     waited = threading.Event()
     waiter = threading.Thread(target=lambda: (fresh.wait_for_preload(), waited.set()))
@@ -52,8 +55,9 @@ def test_one_thread_runs_however_often_it_is_started_and_a_wait_blocks_until_it_
     gate.set()
     assert waited.wait(10)
     waiter.join(10)
-    assert calls == ["kvgraph-triton-preload"]
-    assert fresh.preload_result() == {"ok": True, "seconds": 0.0}
+    assert calls == ["kvgraph-triton-preload", "cuda:0"]  # Triton, then the libraries on the caller's device
+    result = fresh.preload_result()
+    assert result["ok"] is True and result["libraries_seconds"] >= 0 and "libraries_error" not in result
     fresh.wait_for_preload()  # done: a flag check
 
 
@@ -70,7 +74,30 @@ def test_a_failed_set_up_is_recorded_and_logged_not_raised(fresh, monkeypatch, c
         fresh.wait_for_preload()
     result = fresh.preload_result()
     assert result["ok"] is False and "driver" in result["error"].lower() and result["seconds"] >= 0
+    assert "libraries_seconds" not in result  # no GPU work after Triton failed
     assert "Triton preload failed" in caplog.text
+
+
+def test_a_failed_library_warm_up_is_recorded_and_the_preload_still_finishes(fresh, monkeypatch):
+    def no_gpu(device):
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(fresh, "_cuda_and_triton_available", lambda: True)
+    monkeypatch.setattr(fresh, "_set_up_triton", lambda state: state.result.update(ok=True, seconds=0.0))
+    monkeypatch.setattr(fresh, "_warm_cuda_libraries", no_gpu)
+    fresh.start_preload()
+    fresh.wait_for_preload()
+    assert fresh.preload_result()["libraries_error"] == "RuntimeError: no GPU here"
+
+
+def test_libraries_false_sets_up_triton_alone(fresh, monkeypatch):
+    warmed = []
+    monkeypatch.setattr(fresh, "_cuda_and_triton_available", lambda: True)
+    monkeypatch.setattr(fresh, "_set_up_triton", lambda state: state.result.update(ok=True, seconds=0.0))
+    monkeypatch.setattr(fresh, "_warm_cuda_libraries", warmed.append)
+    fresh.start_preload(libraries=False)
+    fresh.wait_for_preload()
+    assert warmed == [] and fresh.preload_result() == {"ok": True, "seconds": 0.0}
 
 
 def test_a_capture_waits_for_the_preload_before_anything_else(fresh, monkeypatch):

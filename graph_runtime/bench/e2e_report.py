@@ -63,7 +63,9 @@ def _variant(task: dict) -> str:
     if task.get("warm_up"):
         return f"after warm_up ({task['warm_up']})"
     if task.get("preload") is False:
-        return "no Triton preload"
+        return "no preload"
+    if task.get("preload") == "triton":
+        return "Triton preload only"
     return "plain"
 
 
@@ -124,8 +126,9 @@ def markdown(meta: dict, results: list[dict]) -> str:
              f"- command: `{meta['command']}` ({meta['wall_s']} s)",
              "- each first-prompt row is a fresh process that built its models and then ran the prompt twice (first, "
              "second); ours' first process meets an empty Triton kernel cache, later ones the cache it left (a "
-             "restart). Ours starts Triton's one-time set-up in a thread while its models are built, as loading a "
-             "checkpoint does, except in the row marked \"no Triton preload\". Warm rows: one process, both paths "
+             "restart). Ours starts the one-time set-up of Triton and the CUDA libraries in a thread while its models "
+             "are built, as loading a checkpoint does (kernels/preload.py), except in the rows marked \"no "
+             "preload\" and \"Triton preload only\". Warm rows: one process, both paths "
              "alternating, the median of the measured prompts after one unmeasured prompt each.",
              "- phases (ms): ours' prefill is the prefix pass and every step a decode step; the pipeline's prefill is "
              "its first step (which predicts step 1), so it runs one decode step fewer. PNG: compression level 4 "

@@ -30,13 +30,16 @@ from .e2e_worker import SPAWNED_AT_ENV
 
 WORKER_MODULE = __package__ + ".e2e_worker"
 PATHS = ("ours", "diffusers")
+EXTRAS = ("preload", "warm_up", "profile")
 
 
 def plan_tasks(scenarios: list[str], paths: list[str], first: bool, warm: bool, device: str, tiny: bool,
-               repeats: int, extras: bool = True, fp8: str | None = None) -> list[dict]:
+               repeats: int, extras=True, fp8: str | None = None) -> list[dict]:
     """The child processes to run, in order. Ours' first child meets the empty kernel cache; its first scenario is
     run again as a restart with the cache it filled. `fp8` names the FP8 precision of the "ours-fp8" path
-    (`fp8/convert.py`: fp8, fp8-attn, ...), or None for no FP8 path."""
+    (`fp8/convert.py`: fp8, fp8-attn, ...), or None for no FP8 path. `extras`: True (all of EXTRAS), False, or
+    the names of those to run."""
+    extras = set(EXTRAS if extras is True else extras or ())
     base = {"device": device, "tiny": tiny, **({"fp8_precision": fp8} if fp8 else {})}
     tasks = []
     if first:
@@ -44,12 +47,14 @@ def plan_tasks(scenarios: list[str], paths: list[str], first: bool, warm: bool, 
             ours = {**base, "kind": "first", "paths": ["ours"], "cache": "warm"}
             tasks.append({**ours, "scenarios": scenarios[:1], "cache": "cold"})
             tasks += [{**ours, "scenarios": [s]} for s in scenarios]
-            if extras:
-                # The first job again: without the Triton preload (what it saves), after the engine's warm_up at
-                # load (kernels only, then with its graphs kept), and profiled (where the first prompt's extra
-                # time goes).
-                tasks.append({**ours, "scenarios": scenarios[:1], "preload": False})
+            # The first job again: without the preload and with its Triton part alone (what each saves), after
+            # the engine's warm_up at load (kernels only, then with its graphs kept), and profiled (where the first
+            # prompt's extra time goes).
+            if "preload" in extras:
+                tasks += [{**ours, "scenarios": scenarios[:1], "preload": p} for p in (False, "triton")]
+            if "warm_up" in extras:
                 tasks += [{**ours, "scenarios": scenarios[:1], "warm_up": w} for w in ("kernels", "capture")]
+            if "profile" in extras:
                 tasks.append({**ours, "kind": "profile", "scenarios": scenarios[:1]})
             if fp8:
                 # The FP8 transformer's first prompt, alone on the card but for the text encoder and VAE (its
@@ -81,7 +86,7 @@ def describe_task(task: dict) -> str:
     if task["kind"] == "warm":
         return f"warm: {'+'.join(task['paths'])} x {','.join(task['scenarios'])}"
     warm_up = f", warm_up({task['warm_up']}) at load" if task.get("warm_up") else ""
-    preload = ", no Triton preload" if task.get("preload") is False else ""
+    preload = {False: ", no preload", "triton": ", Triton preload only"}.get(task.get("preload"), "")
     return (f"{task['kind']}: {task['paths'][0]} {task['scenarios'][0]} "
             f"(kernel cache {task['cache']}{warm_up}{preload})")
 
@@ -141,8 +146,11 @@ def e2e_main(args) -> int:
         raise SystemExit(f"--e2e-paths: {args.e2e_paths!r}; choose from {', '.join(PATHS)}")
     first, warm = (args.e2e_first or not args.e2e_warm), (args.e2e_warm or not args.e2e_first)
     fp8 = fp8_precision(args.e2e_precisions)
-    tasks = plan_tasks(scenarios, paths, first, warm, device, args.tiny, args.e2e_repeats, not args.e2e_no_extras,
-                       fp8=fp8)
+    extras = [e.strip() for e in args.e2e_extras.split(",") if e.strip()]
+    if any(e not in EXTRAS for e in extras):
+        raise SystemExit(f"--e2e-extras: {args.e2e_extras!r}; a comma list of {', '.join(EXTRAS)}")
+    tasks = plan_tasks(scenarios, paths, first, warm, device, args.tiny, args.e2e_repeats,
+                       False if args.e2e_no_extras else extras, fp8=fp8)
     workdir = Path(tempfile.mkdtemp(prefix="kvgraph-e2e-"))
     cache_dir = str(workdir / "triton-cache")  # empty: the first child of ours meets a cold kernel cache
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -7,8 +7,8 @@ the warm runs of both paths in one process. Tasks:
 - `first`: one path, one scenario: the first prompt of the process, then the same prompt again (the second prompt
   a restarted ComfyUI would run). With `warm_up` ("kernels" or "capture"), our engine's `warm_up` runs for the
   scenario's size right after the models are built (timed apart), as a loader could call it. Every task starts
-  the Triton preload (`kernels/preload.py`) before building the models, as loading a checkpoint does, but one with
-  `preload: false`, which shows what the preload saves.
+  the preload (`kernels/preload.py`) before building the models, as loading a checkpoint does, but those that show
+  what it saves: `preload: false` (none) and `preload: "triton"` (Triton alone, not the CUDA libraries).
 - `profile`: as `first` for our path, the first prompt run under `first_prompt.profiled_ours`.
 - `warm`: every scenario x path: one unmeasured prompt each, then `repeats` rounds alternating the paths.
 """
@@ -65,10 +65,11 @@ class Worker:
 
         start = time.perf_counter()
         paths = self.task["paths"]
-        if self.task.get("preload", True):
+        preload = self.task.get("preload", True)
+        if preload:
             # What `load_transformer` starts when a checkpoint loads (and the pack at ComfyUI's start-up); the
             # benchmark builds random weights instead of loading a file, so it starts the preload itself.
-            start_preload()
+            start_preload(libraries=preload != "triton")
         self.models = build_models(self.device, self.dtype, tiny=self.tiny)
         self.generators = {}
         if "ours-fp8" in paths:

@@ -20,7 +20,10 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--e2e-first", action="store_true", help="only the first-prompt runs (fresh processes)")
     parser.add_argument("--e2e-warm", action="store_true", help="only the warm runs (both paths in one process)")
     parser.add_argument("--e2e-no-extras", action="store_true",
-                        help="first prompts without the warm_up and profiled children of ours' first job")
+                        help="first prompts without the extra children of ours' first job (--e2e-extras)")
+    parser.add_argument("--e2e-extras", default="preload,warm_up,profile",
+                        help="the extra children of ours' first job: preload (without the preload, and Triton's "
+                             "part alone), warm_up (after warm_up at load), profile")
     parser.add_argument("--e2e-precisions", default="bf16",
                         help="bf16, or bf16,fp8: also our path with the FP8 transformer (graph_runtime/fp8)")
     parser.add_argument("--e2e-repeats", type=int, default=2, help="measured warm prompts per scenario and path")

@@ -1,4 +1,4 @@
-"""Triton's one-time process set-up, done in a background thread while the models load.
+"""Triton's and the CUDA libraries' one-time process set-up, done in a background thread while the models load.
 
 The first launch of any Triton kernel in a fresh process costs 0.6-0.7 s even when the on-disk kernel cache holds
 the kernel: Triton keys its cache by a hash of its own ~500 MB shared library (`triton_key`, ~0.5 s), imports its
@@ -7,7 +7,13 @@ nothing from the prompt, so `start_preload` runs them in a daemon thread as soon
 ComfyUI's start-up); the checkpoint read and the text encoding hide it. hashlib releases the GIL while hashing, so
 the main thread loses nothing meanwhile.
 
-The thread launches nothing on the GPU and allocates no GPU memory, so it cannot disturb a capture in progress.
+The libraries behind the first GEMM, attention and convolution pay a one-time set-up the same way (100-230 ms each
+on a first prompt: cuBLAS and cuDNN handles, their libraries' kernels loaded); with `libraries` the thread then runs
+one tiny matmul, attention and convolution on a stream of its own. The handles it creates go back to PyTorch's
+per-device pools when the thread ends, where the main thread picks them up. That is GPU work off the main thread,
+which a CUDA graph capture in progress would not tolerate, so a capture waits for the preload to finish
+(`CudaGraphBackend.capture`); the thread is done within about a second of the load starting.
+
 Our kernel wrappers call `wait_for_preload()` before their first launch, so the two threads never set up Triton at
 once (its driver object is created lazily and not under a lock); after the first call that is a flag check. The
 state lives in one entry of `sys.modules`, as the engine registry does, because the pack can be imported twice in one
@@ -55,6 +61,38 @@ def _triton_key():
     return triton_key
 
 
+def _warm_cuda_libraries(device) -> None:
+    """One small GEMM (with and without bias), attention and convolution in bf16 on a private stream."""
+    import torch
+    import torch.nn.functional as F
+
+    stream = torch.cuda.Stream(device)
+    bf16 = dict(device=device, dtype=torch.bfloat16)
+    with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():
+        a = torch.ones(64, 128, **bf16)
+        F.linear(a, a)
+        F.linear(a, a, a[0])
+        q = torch.ones(1, 8, 64, 128, **bf16)
+        F.scaled_dot_product_attention(q, q, q)
+        F.conv2d(torch.ones(1, 16, 16, 16, **bf16), torch.ones(16, 16, 3, 3, **bf16), padding=1)
+    stream.synchronize()
+
+
+def _set_up(state: PreloadState, device, libraries: bool) -> None:
+    try:
+        _set_up_triton(state)
+        if libraries and state.result.get("ok"):
+            start = time.perf_counter()
+            try:
+                _warm_cuda_libraries(device)
+            except Exception as exc:  # the first prompt sets the libraries up itself, as without the preload
+                state.result.update(libraries_error=f"{type(exc).__name__}: {exc}")
+                log.info("KV-Graph: CUDA library preload failed (%s)", state.result["libraries_error"])
+            state.result["libraries_seconds"] = time.perf_counter() - start
+    finally:
+        state.done.set()
+
+
 def _set_up_triton(state: PreloadState) -> None:
     start = time.perf_counter()
     try:
@@ -78,7 +116,6 @@ def _set_up_triton(state: PreloadState) -> None:
         state.result.update(ok=True)
     finally:
         state.result["seconds"] = time.perf_counter() - start
-        state.done.set()
 
 
 def _cuda_and_triton_available() -> bool:
@@ -89,16 +126,23 @@ def _cuda_and_triton_available() -> bool:
     return torch.cuda.is_available() and importlib.util.find_spec("triton") is not None
 
 
-def start_preload() -> bool:
-    """Starts the set-up thread once per process; True when it runs (or ran), False without CUDA or Triton."""
+def _current_device():
+    import torch
+
+    return torch.device("cuda", torch.cuda.current_device())
+
+
+def start_preload(libraries: bool = True) -> bool:
+    """Starts the set-up thread once per process, on the calling thread's current CUDA device; True when it runs
+    (or ran), False without CUDA or Triton. `libraries=False` sets up Triton alone."""
     state = _state()
     with state.lock:
         if state.thread is not None:
             return True
         if not _cuda_and_triton_available():
             return False
-        state.thread = threading.Thread(target=_set_up_triton, args=(state,), name="kvgraph-triton-preload",
-                                        daemon=True)
+        state.thread = threading.Thread(target=_set_up, args=(state, _current_device(), libraries),
+                                        name="kvgraph-triton-preload", daemon=True)
         state.thread.start()
         return True
 
@@ -115,6 +159,7 @@ def wait_for_preload() -> None:
 
 
 def preload_result() -> dict:
-    """`{}` before a preload finished, else `{"ok": bool, "seconds": float}` (and `"error"` when not ok)."""
+    """`{}` before a preload finished, else `{"ok": bool, "seconds": float}` for Triton (and `"error"` when not
+    ok), with `"libraries_seconds"` (and `"libraries_error"`) when the libraries were warmed too."""
     state = _state()
     return dict(state.result) if state.done.is_set() else {}

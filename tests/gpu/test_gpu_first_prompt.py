@@ -89,15 +89,16 @@ PRELOAD_THEN_LAUNCH = textwrap.dedent("""
 
 
 def test_the_preload_sets_triton_up_in_a_fresh_process_and_kernels_then_run_as_before(tmp_path):
-    """In a fresh interpreter the preload thread succeeds, leaves Triton's cache key computed (what the first launch
-    would otherwise pay), and a kernel launched after it equals the reference within one bf16 step, as in
-    test_gpu_kernels.py."""
+    """In a fresh interpreter the preload thread succeeds (Triton, then the CUDA libraries), leaves Triton's cache
+    key computed (what the first launch would otherwise pay), and a kernel launched after it equals the reference
+    within one bf16 step, as in test_gpu_kernels.py."""
     env = dict(os.environ, TRITON_CACHE_DIR=str(tmp_path), PYTHONPATH=str(ROOT))
     done = subprocess.run([sys.executable, "-c", PRELOAD_THEN_LAUNCH], cwd=ROOT, env=env, capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout.strip().splitlines()[-1])
     assert report["result"]["ok"] is True, report
+    assert "libraries_error" not in report["result"] and report["result"]["libraries_seconds"] > 0, report
     assert report["keyed"] == 1
     assert report["within"] is True
 
