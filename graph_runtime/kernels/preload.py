@@ -69,9 +69,9 @@ def _warm_cuda_libraries(device) -> None:
     stream = torch.cuda.Stream(device)
     bf16 = dict(device=device, dtype=torch.bfloat16)
     with torch.cuda.device(device), torch.cuda.stream(stream), torch.no_grad():
-        a = torch.ones(64, 128, **bf16)
-        F.linear(a, a)
-        F.linear(a, a, a[0])
+        a, w = torch.ones(64, 128, **bf16), torch.ones(32, 128, **bf16)
+        F.linear(a, w)
+        F.linear(a, w, w[:, 0])
         q = torch.ones(1, 8, 64, 128, **bf16)
         F.scaled_dot_product_attention(q, q, q)
         F.conv2d(torch.ones(1, 16, 16, 16, **bf16), torch.ones(16, 16, 3, 3, **bf16), padding=1)
