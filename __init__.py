@@ -16,8 +16,8 @@ else:
     _IN_COMFYUI = True
 
 if _IN_COMFYUI:
-    from .graph_runtime.kernels.preload import start_preload
     from .nodes import comfy_entrypoint  # noqa: F401
+    from .nodes.loaders import start_kernel_preload
     from .nodes import example_inputs as _example_inputs
     from .nodes import server_routes as _server_routes
 
@@ -25,7 +25,7 @@ if _IN_COMFYUI:
     _server_routes.register(pack_dir=os.path.dirname(os.path.abspath(__file__)))
     # The edit examples' reference images, into ComfyUI's input folder where they are missing.
     _example_inputs.install_example_inputs(os.path.dirname(os.path.abspath(__file__)))
-    # Triton's one-time set-up (about 0.6 s), in a thread now rather than inside the first prompt; nothing without CUDA.
-    start_preload()
+    # Triton's and the CUDA libraries' one-time set-up (about 1 s), in a thread now rather than in the first prompt.
+    start_kernel_preload()
 
 __all__ = ["WEB_DIRECTORY", "comfy_entrypoint"] if _IN_COMFYUI else ["WEB_DIRECTORY"]

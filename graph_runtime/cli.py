@@ -122,8 +122,12 @@ def load_models(args, device: str):
     """Models from --model DIR, from the three single files, or the tiny built-in default."""
     import torch
 
+    from .kernels.preload import start_preload
     from .loading import QwenImageModels, load_pipeline_folder, load_text_encoder, load_transformer, load_vae
     from .tiny import build_tiny_components
+
+    if device.startswith("cuda"):
+        start_preload(torch.device(device))  # Triton's and the CUDA libraries' set-up, while the models load
 
     dtype = _dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     if args.model:

@@ -11,6 +11,7 @@ import comfy.model_management as mm
 from comfy_api.latest import io
 
 from ..graph_runtime.fp8 import DEFAULT_PRECISION, PRECISIONS, apply_precision, check_precision
+from ..graph_runtime.kernels.preload import start_preload
 from ..graph_runtime.loading import (
     default_scheduler_config, load_pipeline_folder, load_text_encoder, load_transformer, load_vae,
 )
@@ -88,6 +89,14 @@ def weights_info(module, int8_weights: str) -> dict:
     return {"weights": "float" if int8_weights == KEEP_INT8 else "float (int8 files dequantized)"}
 
 
+def start_kernel_preload() -> None:
+    """Triton's and the CUDA libraries' one-time set-up in a thread (graph_runtime/kernels/preload.py), for the
+    device ComfyUI computes on; nothing when that is not a CUDA device (`--cpu`, other backends)."""
+    device = mm.get_torch_device()
+    if getattr(device, "type", None) == "cuda":
+        start_preload(device)
+
+
 def transformer_handle(path: str, dtype_name: str, scheduler_config: dict | None = None,
                        int8_weights: str = KEEP_INT8, precision: str = DEFAULT_PRECISION) -> TransformerHandle:
     check_mode(int8_weights, "int8_weights")
@@ -96,6 +105,7 @@ def transformer_handle(path: str, dtype_name: str, scheduler_config: dict | None
     quantized = int8_weights if precision == DEFAULT_PRECISION else "dequantize"
 
     def load():
+        start_kernel_preload()  # started at ComfyUI's start-up already, unless the pack was loaded otherwise
         module = load_transformer(path, dtype=DTYPES[dtype_name], device=mm.unet_offload_device(),
                                   quantized=quantized, dequantize_device=mm.get_torch_device())
         if precision != DEFAULT_PRECISION:

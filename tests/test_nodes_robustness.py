@@ -216,3 +216,15 @@ def test_pack_under_a_folder_with_a_space_registers_its_file_routes(tmp_path):
             assert re.fullmatch(pack_regex(path), "kv graph")
     finally:
         close_env(env)
+
+
+@pytest.mark.parametrize("device, started", [("cpu", []), ("cuda:0", [torch.device("cuda:0")])])
+def test_the_kernel_preload_starts_only_for_a_cuda_compute_device(comfy_env, monkeypatch, device, started):
+    """At start-up and on a transformer load the pack starts Triton's and the CUDA libraries' set-up for the device
+    ComfyUI computes on, and never touches a GPU when that is the CPU (`--cpu`)."""
+    loaders = comfy_env.pack.nodes.loaders
+    calls = []
+    monkeypatch.setattr(loaders, "start_preload", calls.append)
+    monkeypatch.setattr(comfy_env.fake, "device", torch.device(device))
+    loaders.start_kernel_preload()
+    assert calls == started

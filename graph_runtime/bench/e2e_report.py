@@ -127,7 +127,7 @@ def markdown(meta: dict, results: list[dict]) -> str:
              "- each first-prompt row is a fresh process that built its models and then ran the prompt twice (first, "
              "second); ours' first process meets an empty Triton kernel cache, later ones the cache it left (a "
              "restart). Ours starts the one-time set-up of Triton and the CUDA libraries in a thread while its models "
-             "are built, as loading a checkpoint does (kernels/preload.py), except in the rows marked \"no "
+             "are built, as ComfyUI's start-up does (kernels/preload.py), except in the rows marked \"no "
              "preload\" and \"Triton preload only\". Warm rows: one process, both paths "
              "alternating, the median of the measured prompts after one unmeasured prompt each.",
              "- phases (ms): ours' prefill is the prefix pass and every step a decode step; the pipeline's prefill is "

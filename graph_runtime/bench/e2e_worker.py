@@ -7,7 +7,7 @@ the warm runs of both paths in one process. Tasks:
 - `first`: one path, one scenario: the first prompt of the process, then the same prompt again (the second prompt
   a restarted ComfyUI would run). With `warm_up` ("kernels" or "capture"), our engine's `warm_up` runs for the
   scenario's size right after the models are built (timed apart), as a loader could call it. Every task starts
-  the preload (`kernels/preload.py`) before building the models, as loading a checkpoint does, but those that show
+  the preload (`kernels/preload.py`) before building the models, as ComfyUI's start-up does, but those that show
   what it saves: `preload: false` (none) and `preload: "triton"` (Triton alone, not the CUDA libraries).
 - `profile`: as `first` for our path, the first prompt run under `first_prompt.profiled_ours`.
 - `warm`: every scenario x path: one unmeasured prompt each, then `repeats` rounds alternating the paths.
@@ -66,10 +66,9 @@ class Worker:
         start = time.perf_counter()
         paths = self.task["paths"]
         preload = self.task.get("preload", True)
-        if preload:
-            # What `load_transformer` starts when a checkpoint loads (and the pack at ComfyUI's start-up); the
-            # benchmark builds random weights instead of loading a file, so it starts the preload itself.
-            start_preload(libraries=preload != "triton")
+        if preload and self.device != "cpu":
+            # What the pack starts at ComfyUI's start-up, and the command line before it loads the models.
+            start_preload(torch.device(self.device), libraries=preload != "triton")
         self.models = build_models(self.device, self.dtype, tiny=self.tiny)
         self.generators = {}
         if "ours-fp8" in paths:

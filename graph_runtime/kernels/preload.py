@@ -3,8 +3,9 @@
 The first launch of any Triton kernel in a fresh process costs 0.6-0.7 s even when the on-disk kernel cache holds
 the kernel: Triton keys its cache by a hash of its own ~500 MB shared library (`triton_key`, ~0.5 s), imports its
 gluon front end and sets up its CUDA driver utilities. Every one of those is the same for every kernel and needs
-nothing from the prompt, so `start_preload` runs them in a daemon thread as soon as a model starts loading (and at
-ComfyUI's start-up); the checkpoint read and the text encoding hide it. hashlib releases the GIL while hashing, so
+nothing from the prompt, so `start_preload` runs them in a daemon thread at ComfyUI's start-up (and when the
+command line or a loader node starts loading models for a CUDA device); the checkpoint read and the text encoding
+hide it. hashlib releases the GIL while hashing, so
 the main thread loses nothing meanwhile.
 
 The libraries behind the first GEMM, attention and convolution pay a one-time set-up the same way (100-230 ms each
@@ -132,16 +133,18 @@ def _current_device():
     return torch.device("cuda", torch.cuda.current_device())
 
 
-def start_preload(libraries: bool = True) -> bool:
-    """Starts the set-up thread once per process, on the calling thread's current CUDA device; True when it runs
-    (or ran), False without CUDA or Triton. `libraries=False` sets up Triton alone."""
+def start_preload(device=None, libraries: bool = True) -> bool:
+    """Starts the set-up thread once per process, for CUDA `device` (default: the calling thread's current one);
+    True when it runs (or ran), False without CUDA or Triton. `libraries=False` sets up Triton alone. Callers pass
+    the device the models will compute on, and call it only when that is a CUDA device."""
     state = _state()
     with state.lock:
         if state.thread is not None:
             return True
         if not _cuda_and_triton_available():
             return False
-        state.thread = threading.Thread(target=_set_up, args=(state, _current_device(), libraries),
+        device = _current_device() if device is None else device
+        state.thread = threading.Thread(target=_set_up, args=(state, device, libraries),
                                         name="kvgraph-triton-preload", daemon=True)
         state.thread.start()
         return True

@@ -8,7 +8,6 @@ import os
 import torch
 
 from ..errors import CheckpointError
-from ..kernels.preload import start_preload
 from ..quantized import KEEP_INT8, check_mode, read_layers
 from .assemble import assign_weights, build_empty, check_against_model, finish
 from .checks import require_kind
@@ -57,8 +56,6 @@ def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat1
     from diffusers import QwenImage21Transformer2DModel
 
     check_mode(quantized)
-    # Triton's one-time set-up runs meanwhile, off the first prompt (see kernels/preload.py).
-    start_preload()
     source = resolve(path, "transformer", EXPECTED)
     if source.config is not None:
         _check_folder_config(source)
