@@ -55,7 +55,7 @@ def test_one_thread_runs_however_often_it_is_started_and_a_wait_blocks_until_it_
     gate.set()
     assert waited.wait(10)
     waiter.join(10)
-    assert calls == ["kvgraph-triton-preload", "cuda:0"]  # Triton, then the libraries on the caller's device
+    assert calls == ["kvgraph-preload", "cuda:0"]  # Triton, then the libraries on the caller's device
     result = fresh.preload_result()
     assert result["ok"] is True and result["libraries_seconds"] >= 0 and "libraries_error" not in result
     fresh.wait_for_preload()  # done: a flag check

@@ -31,7 +31,7 @@ import types
 
 log = logging.getLogger("kv_graph")
 
-_MODULE_NAME = "_kvgraph_process_triton_preload"
+_MODULE_NAME = "_kvgraph_process_preload"
 
 
 class PreloadState:
@@ -145,7 +145,7 @@ def start_preload(device=None, libraries: bool = True) -> bool:
             return False
         device = _current_device() if device is None else device
         state.thread = threading.Thread(target=_set_up, args=(state, device, libraries),
-                                        name="kvgraph-triton-preload", daemon=True)
+                                        name="kvgraph-preload", daemon=True)
         state.thread.start()
         return True
 
