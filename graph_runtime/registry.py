@@ -2,17 +2,16 @@
 
 The pack can be imported twice in one process under different module names: as `<folder>.graph_runtime` by
 ComfyUI (any folder name under custom_nodes) and as the installed top-level `graph_runtime` (CLI, tests, other
-packs). Module-level state would then exist twice, so the registry lives in one well-known entry of
-`sys.modules`, which both copies find. Engines are attached to the transformer they serve, so whichever copy asks
-for a transformer's engine gets the same one.
+packs). Module-level state would then exist twice, so the registry is process-wide (process_state.py). Engines
+are attached to the transformer they serve, so whichever copy asks for a transformer's engine gets the same one.
 """
 
 from __future__ import annotations
 
-import sys
 import threading
-import types
 import weakref
+
+from .process_state import process_wide
 
 _MODULE_NAME = "_kvgraph_process_registry"
 _ENGINE_ATTR = "_kvgraph_engine"
@@ -39,13 +38,7 @@ class EngineRegistry:
 
 
 def process_registry() -> EngineRegistry:
-    module = sys.modules.get(_MODULE_NAME)
-    if module is None:
-        fresh = types.ModuleType(_MODULE_NAME)
-        fresh.registry = EngineRegistry()
-        # setdefault: if two threads race here, both end up with the first module stored.
-        module = sys.modules.setdefault(_MODULE_NAME, fresh)
-    return module.registry
+    return process_wide(_MODULE_NAME, EngineRegistry)
 
 
 def engine_for(transformer, **options):

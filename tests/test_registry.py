@@ -1,4 +1,4 @@
-"""Exactly one engine registry per process, whichever way the code is imported."""
+"""Exactly one engine registry (and one kernel preload) per process, whichever way the code is imported."""
 
 import importlib.util
 import sys
@@ -87,3 +87,14 @@ def test_one_definition_of_each_kernel_op_for_two_import_paths():
     x, scale = torch.randn(1, 3, 8), torch.randn(1, 8)
     torch.testing.assert_close(top_norms.norm_modulate(x, scale, 1e-6),
                                top_norms.reference_norm_modulate(x, None, None, scale, 1e-6)[1])
+
+
+def test_one_kernel_preload_for_two_import_paths():
+    """Both copies start, wait for and report the same preload (kernels/preload.py), so neither sets Triton up
+    while the other's thread does."""
+    import graph_runtime.kernels.preload as top_level
+
+    name, _ = _load_pack_like_comfyui()
+    pack_preload = importlib.import_module(f"{name}.graph_runtime.kernels.preload")
+    assert pack_preload is not top_level
+    assert pack_preload._state() is top_level._state()

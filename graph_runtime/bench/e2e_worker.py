@@ -86,8 +86,8 @@ class Worker:
             print(json.dumps({"warm_up": self.warm_up}), flush=True)
 
     def _fp8_models(self, alone: bool):
-        """The models with an FP8 transformer (`fp8/convert.py`'s task["fp8_precision"], its bf16 weights freed): the loaded one
-        converted when no bf16 path runs in this process, else a second one with the same weights."""
+        """The models with an FP8 transformer (precision `task["fp8_precision"]`, its bf16 weights freed): the loaded
+        one converted when no bf16 path runs in this process, else a second one with the same weights."""
         from ..fp8 import apply_precision
         from .model import build_transformer
 

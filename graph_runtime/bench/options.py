@@ -25,6 +25,7 @@ def add_bench_arguments(parser) -> None:
                         help="the extra children of ours' first job: preload (without the preload, and Triton's "
                              "part alone), warm_up (after warm_up at load), profile")
     parser.add_argument("--e2e-precisions", default="bf16",
-                        help="bf16, or bf16,fp8: also our path with the FP8 transformer (graph_runtime/fp8)")
+                        help="bf16, or bf16 and one FP8 precision (bf16,fp8-attn): also our path with that FP8 "
+                             "transformer (graph_runtime/fp8)")
     parser.add_argument("--e2e-repeats", type=int, default=2, help="measured warm prompts per scenario and path")
     parser.add_argument("--e2e-timeout", type=int, default=300, help="seconds a benchmark process may take")

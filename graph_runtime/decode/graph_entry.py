@@ -253,7 +253,7 @@ class CudaGraphBackend:
             self._capture(entry, body)
 
     def _capture(self, entry: DecodeGraphEntry, body) -> None:
-        # Nothing may set Triton up from another thread while this one captures (kernels/preload.py).
+        # The preload thread's GPU work and Triton set-up must not run beside a capture (kernels/preload.py).
         wait_for_preload()
         device = entry.inputs.hidden.device
         if self._pool is None:

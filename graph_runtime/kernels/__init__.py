@@ -11,8 +11,7 @@ alignment, so the kernels lose nothing by it. Strides and widths that depend onl
 
 from __future__ import annotations
 
-import sys
-import types
+from ..process_state import process_wide
 
 _OPS_MODULE = "_kvgraph_process_kernel_ops"
 
@@ -23,12 +22,9 @@ def define_once(name: str, define):
     The pack can be imported twice in one process (as ComfyUI's custom node folder and as the top-level
     `graph_runtime`; see registry.py). Defining a custom op again under the same name destroys the first
     definition's library, and calls through the first copy's op object then reach a deregistered kernel (seen as
-    `std::bad_alloc`). So both copies take the op from one well-known entry of `sys.modules`.
+    `std::bad_alloc`). So both copies take the op from one process-wide table (process_state.py).
     """
-    holder = sys.modules.get(_OPS_MODULE)
-    if holder is None:
-        holder = sys.modules.setdefault(_OPS_MODULE, types.ModuleType(_OPS_MODULE))
-    ops = holder.__dict__.setdefault("ops", {})
+    ops = process_wide(_OPS_MODULE, dict)
     if name not in ops:
         ops[name] = define()
     return ops[name]

@@ -5,8 +5,7 @@ the kernel: Triton keys its cache by a hash of its own ~500 MB shared library (`
 gluon front end and sets up its CUDA driver utilities. Every one of those is the same for every kernel and needs
 nothing from the prompt, so `start_preload` runs them in a daemon thread at ComfyUI's start-up (and when the
 command line or a loader node starts loading models for a CUDA device); the checkpoint read and the text encoding
-hide it. hashlib releases the GIL while hashing, so
-the main thread loses nothing meanwhile.
+hide it. hashlib releases the GIL while hashing, so the main thread loses nothing meanwhile.
 
 The libraries behind the first GEMM, attention and convolution pay a one-time set-up the same way (100-230 ms each
 on a first prompt: cuBLAS and cuDNN handles, their libraries' kernels loaded); with `libraries` the thread then runs
@@ -17,17 +16,16 @@ which a CUDA graph capture in progress would not tolerate, so a capture waits fo
 
 Our kernel wrappers call `wait_for_preload()` before their first launch, so the two threads never set up Triton at
 once (its driver object is created lazily and not under a lock); after the first call that is a flag check. The
-state lives in one entry of `sys.modules`, as the engine registry does, because the pack can be imported twice in one
-process (registry.py).
+state is process-wide (process_state.py): the pack can be imported twice in one process.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import threading
 import time
-import types
+
+from ..process_state import process_wide
 
 log = logging.getLogger("kv_graph")
 
@@ -45,12 +43,7 @@ class PreloadState:
 
 
 def _state() -> PreloadState:
-    holder = sys.modules.get(_MODULE_NAME)
-    if holder is None:
-        holder = sys.modules.setdefault(_MODULE_NAME, types.ModuleType(_MODULE_NAME))
-    if not hasattr(holder, "state"):
-        holder.state = PreloadState()
-    return holder.state
+    return process_wide(_MODULE_NAME, PreloadState)
 
 
 def _triton_key():
