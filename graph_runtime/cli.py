@@ -98,6 +98,9 @@ def check_generate_args(args) -> GenerateInputs:
     check_seed(args.seed, "--seed")
     check_cfg(args.cfg, "--cfg")
     check_reference_resolution(args.reference_resolution, "--reference-resolution")
+    from .fp8 import check_precision
+
+    check_precision(args.precision)
     for flag, value in (("--width", args.width), ("--height", args.height)):
         if value is not None:
             check_size(flag, value)
@@ -159,19 +162,29 @@ def output_paths(out: str, count: int) -> list[str]:
     return [f"{stem}_{i}{ext}" for i in range(count)]
 
 
+def apply_cli_precision(transformer, precision: str, device: str) -> None:
+    """`--precision`, `auto` resolved for the loaded weights on `device` (fp8/auto.py); prints what was done."""
+    from .fp8 import apply_precision, groups_of, resolve_precision
+    from .quantized import int8_modules
+
+    weight = next(transformer.parameters())
+    resolved = resolve_precision(precision, device, dtype=weight.dtype, int8_file=bool(int8_modules(transformer)))
+    if not groups_of(resolved.precision):
+        print(f"precision: {resolved.precision} ({resolved.reason})")
+        return
+    done = apply_precision(transformer, resolved.precision)
+    print(f"precision: {resolved.precision} ({resolved.reason}): {done['linears']} block Linears in FP8, "
+          f"{done['block_linear_bytes_after'] / 2**30:.2f} GiB instead of "
+          f"{done['block_linear_bytes_before'] / 2**30:.2f} GiB ({done['seconds']} s)")
+
+
 def cmd_generate(args) -> int:
     from .generate import QwenImageGenerator
 
     checked = check_generate_args(args)
     start = time.perf_counter()
     models = load_models(args, checked.device)
-    if args.precision != "bf16":
-        from .fp8 import apply_precision
-
-        done = apply_precision(models.transformer, args.precision)
-        print(f"precision: {args.precision}: {done['linears']} block Linears in FP8, "
-              f"{done['block_linear_bytes_after'] / 2**30:.2f} GiB instead of "
-              f"{done['block_linear_bytes_before'] / 2**30:.2f} GiB ({done['seconds']} s)")
+    apply_cli_precision(models.transformer, args.precision, checked.device)
     load_s = time.perf_counter() - start
     generator = QwenImageGenerator(models)
     for run in range(args.repeat):
@@ -259,9 +272,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "benchmark, ~6 s more on the first prompt); default off")
     gen.add_argument("--reference-resolution", type=int, default=1024, help="references are resized to ~N*N px")
     gen.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on CPU")
-    gen.add_argument("--precision", default="bf16",
-                     help="the transformer blocks' Linears: bf16 (as loaded), fp8, fp8-attn (MLP kept bf16) or "
-                          "fp8-no-out; FP8 GEMMs need an Ada, Hopper or Blackwell GPU (docs/fp8.md)")
+    gen.add_argument("--precision", default="auto",
+                     help="the transformer blocks' Linears: auto (default: fp8-attn for bf16 weights of a float file "
+                          "on an Ada, Hopper or Blackwell GPU, else bf16), bf16 (as loaded), fp8, fp8-attn (MLP kept "
+                          "bf16) or fp8-no-out (docs/fp8.md)")
     gen.add_argument("--device", default=None, help="default cuda when available")
     gen.add_argument("--repeat", type=int, default=1, help="generate N times in one process (shows graph reuse)")
     gen.add_argument("--out", required=True,

@@ -7,19 +7,26 @@ first needs them. Loaded models are cached by file identity for the life of the 
 
 from __future__ import annotations
 
+import logging
+
 import comfy.model_management as mm
 from comfy_api.latest import io
 
-from ..graph_runtime.fp8 import DEFAULT_PRECISION, PRECISIONS, apply_precision, check_precision
+from ..graph_runtime.fp8 import (
+    AUTO, DEFAULT_PRECISION, PRECISION_CHOICES, apply_precision, check_precision, groups_of, resolve_precision,
+)
 from ..graph_runtime.kernels.preload import start_preload
 from ..graph_runtime.loading import (
     default_scheduler_config, load_pipeline_folder, load_text_encoder, load_transformer, load_vae,
 )
+from ..graph_runtime.loading.transformer import transformer_is_quantized
 from ..graph_runtime.loading.variant import transformer_variant
 from ..graph_runtime.quantized import KEEP_INT8, QUANTIZED_MODES, check_mode, int8_modules
 from . import model_cache, model_files
 from .model_handles import TE_OFFLOAD, TE_PLACEMENTS, TextEncoderHandle, TransformerHandle, VAEHandle
 from .types import DTYPE_TOOLTIP, DTYPES, LOADERS, TextEncoder, Transformer, Vae
+
+logger = logging.getLogger("kvgraph")
 
 # The files ComfyUI's own Qwen-Image-2.1 templates load by default, then the bf16 alternatives their notes name.
 TRANSFORMER_FILE = "qwen_image_2.1_int8_convrot.safetensors"
@@ -55,16 +62,18 @@ VAE_OUT = "The Qwen-Image-2.1 VAE, for the KV-Graph VAE nodes and the text encod
 
 
 PRECISION_TOOLTIP = (
-    "The block Linears' precision. 'bf16' (default) runs them as loaded. 'fp8' quantizes them once at load to e4m3 "
-    "with per-channel scales (7 GB instead of 14; the bf16 weights are freed) and runs FP8 GEMMs on Ada, Hopper and "
-    "Blackwell GPUs; 'fp8-attn' keeps the MLP in bf16, 'fp8-no-out' the attention output projection. FP8 trades "
-    "accuracy for speed: see docs/fp8.md for what the benchmark measured. FP8 is quantized from float weights, so an "
-    "INT8 ConvRot file is dequantized first whatever int8_weights says.")
+    "The block Linears' precision. 'auto' (default): the fastest one within ComfyUI's INT8 ConvRot error on the same "
+    "weights (docs/fp8.md): 'fp8-attn' for a bf16 load of a float file on an Ada, Hopper or Blackwell GPU (~10% "
+    "faster steps, 2 GB less), else 'bf16'; an INT8 file keeps its own int8 weights. 'bf16' runs the Linears as "
+    "loaded. 'fp8' quantizes them all once at load to e4m3 with per-channel scales (7 GB instead of 14; the bf16 "
+    "weights are freed) and runs FP8 GEMMs: ~1.5x faster steps, but about 2.5x INT8's error; 'fp8-attn' keeps the "
+    "MLP in bf16, 'fp8-no-out' the attention output projection. An explicit FP8 choice on an INT8 ConvRot file "
+    "dequantizes it first whatever int8_weights says.")
 
 
 def _precision_input():
-    # Optional, so workflows saved before it existed still validate (they get bf16).
-    return io.Combo.Input("precision", options=list(PRECISIONS), default=DEFAULT_PRECISION, optional=True,
+    # Optional, so workflows saved before it existed still validate (they get auto).
+    return io.Combo.Input("precision", options=list(PRECISION_CHOICES), default=DEFAULT_PRECISION, optional=True,
                           tooltip=PRECISION_TOOLTIP)
 
 
@@ -101,22 +110,28 @@ def transformer_handle(path: str, dtype_name: str, scheduler_config: dict | None
                        int8_weights: str = KEEP_INT8, precision: str = DEFAULT_PRECISION) -> TransformerHandle:
     check_mode(int8_weights, "int8_weights")
     check_precision(precision)
+    resolved = resolve_precision(precision, mm.get_torch_device(), dtype=DTYPES[dtype_name],
+                                 int8_file=precision == AUTO and transformer_is_quantized(path))
+    converts = bool(groups_of(resolved.precision))
     # FP8 is quantized from float weights: an INT8 file is dequantized first whatever `int8_weights` says.
-    quantized = int8_weights if precision == DEFAULT_PRECISION else "dequantize"
+    quantized = "dequantize" if converts else int8_weights
 
     def load():
         start_kernel_preload()  # started at ComfyUI's start-up already, unless the pack was loaded otherwise
         module = load_transformer(path, dtype=DTYPES[dtype_name], device=mm.unet_offload_device(),
                                   quantized=quantized, dequantize_device=mm.get_torch_device())
-        if precision != DEFAULT_PRECISION:
-            apply_precision(module, precision)
-        info = {"variant": transformer_variant(path), **weights_info(module, quantized), "precision": precision}
+        if converts:
+            apply_precision(module, resolved.precision)
+        logger.info("KV-Graph: transformer precision %s (%s)", resolved.precision, resolved.reason)
+        info = {"variant": transformer_variant(path), **weights_info(module, quantized),
+                "precision": resolved.precision}
         return TransformerHandle.create(
             "transformer", module, path, dtype_name, mm.get_torch_device(), mm.unet_offload_device(),
             scheduler_config=scheduler_config or default_scheduler_config(), info=info)
 
-    # A bf16 load keeps the key it always had; another precision is another model.
-    options = () if precision == DEFAULT_PRECISION else (precision,)
+    # A load that converts nothing keeps the key it always had; an FP8 precision is another model (`auto` shares the
+    # entry of what it resolved to).
+    options = (resolved.precision,) if converts else ()
     return model_cache.get_or_load(model_cache.cache_key("transformer", path, dtype_name, quantized, *options), load)
 
 

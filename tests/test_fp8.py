@@ -200,6 +200,38 @@ def test_rotation_leaves_the_product_unchanged_before_quantization():
     torch.testing.assert_close(rotate(x) @ rotate(w).t(), x @ w.t(), atol=1e-5, rtol=1e-5)
 
 
+def test_auto_is_fp8_attn_only_for_bf16_float_weights_where_fp8_gemms_run(monkeypatch):
+    """`auto` picks the fastest precision within the INT8 bound (fp8-attn) only where FP8 GEMMs run, for bf16 weights
+    of a float file; an INT8 file, fp16/fp32 weights or a device without FP8 GEMMs convert nothing, with the reason
+    said; an explicit precision is taken as it is."""
+    from graph_runtime.fp8 import auto
+
+    bf16 = torch.bfloat16
+    assert auto.resolve_precision("auto", "cpu", dtype=bf16, int8_file=False) == auto.ResolvedPrecision(
+        "bf16", "auto: FP8 GEMMs need a CUDA device (this one is cpu)")
+    monkeypatch.setattr(auto, "fp8_gemm_reason", lambda device: None)  # a device with FP8 tensor cores
+    assert auto.resolve_precision("auto", "cuda", dtype=bf16, int8_file=False).precision == "fp8-attn"
+    int8 = auto.resolve_precision("auto", "cuda", dtype=bf16, int8_file=True)
+    assert int8.precision == "bf16" and "INT8 ConvRot file" in int8.reason
+    fp32 = auto.resolve_precision("auto", "cuda", dtype=torch.float32, int8_file=False)
+    assert fp32.precision == "bf16" and "float32 weights were asked for" in fp32.reason
+    assert auto.resolve_precision("fp8", "cpu", dtype=torch.float32, int8_file=True).precision == "fp8"
+
+
+def test_auto_must_be_resolved_before_converting(tiny_parts):
+    with pytest.raises(InputError, match="precision='auto' is invalid: expected a precision resolved"):
+        apply_precision(copy.deepcopy(tiny_parts["transformer"]), "auto")
+
+
+def test_cli_precision_auto_on_the_cpu_converts_nothing_and_says_why(tmp_path, capsys):
+    from graph_runtime.cli import main
+
+    out = tmp_path / "x.png"
+    assert main(["generate", "--out", str(out), "--width", "64", "--height", "64", "--steps", "1",
+                 "--device", "cpu"]) == 0
+    assert "precision: bf16 (auto: FP8 GEMMs need a CUDA device (this one is cpu))" in capsys.readouterr().out
+
+
 def test_cli_generates_with_an_fp8_transformer_and_names_a_wrong_precision(tmp_path, capsys):
     from graph_runtime.cli import main
 
@@ -207,6 +239,6 @@ def test_cli_generates_with_an_fp8_transformer_and_names_a_wrong_precision(tmp_p
     assert main(["generate", "--out", str(out), "--width", "128", "--height", "128", "--steps", "2",
                  "--precision", "fp8"]) == 0
     printed = capsys.readouterr().out
-    assert "precision: fp8: 14 block Linears in FP8" in printed and out.is_file()
+    assert "precision: fp8 (chosen): 14 block Linears in FP8" in printed and out.is_file()
     assert main(["generate", "--out", str(out), "--steps", "1", "--precision", "fp4"]) == 2
     assert "precision='fp4' is invalid" in capsys.readouterr().err

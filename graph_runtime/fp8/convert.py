@@ -4,6 +4,7 @@ Groups, per block: `qkv` (attn.to_q/k/v), `out` (attn.to_out), `mlp_in` (img_mlp
 `mlp_down` (img_mlp.out): together 98% of the decode step's FLOPs. The embeddings, the modulation and the final
 projection stay in the model's dtype. Precisions:
 
+- `auto` (the default): resolved at load to one of the others (auto.py).
 - `bf16`: nothing converted.
 - `fp8`: every group.
 - `fp8-attn`: the attention's Linears only, the MLP kept bf16 (the group others found most sensitive to FP8).
@@ -24,6 +25,7 @@ import time
 import torch
 
 from ..errors import InputError
+from .auto import AUTO
 from .linear import Fp8Linear, is_fp8_linear
 
 GROUPS = {
@@ -38,23 +40,27 @@ PRECISIONS = {
     "fp8-attn": ("qkv", "out"),
     "fp8-no-out": ("qkv", "mlp_in", "mlp_down"),
 }
-DEFAULT_PRECISION = "bf16"
+# What the loaders and the command line apply when no precision is given (see auto.py).
+DEFAULT_PRECISION = AUTO
+PRECISION_CHOICES = (AUTO, *PRECISIONS)
 
 
 def groups_of(precision: str) -> tuple[str, ...]:
-    """The groups a precision converts; an InputError names the value and what is accepted."""
+    """The groups a precision converts; an InputError names the value and what is accepted (`auto` is resolved
+    first, by `resolve_precision`)."""
     if precision in PRECISIONS:
         return PRECISIONS[precision]
     if isinstance(precision, str) and precision.startswith("fp8:"):
         groups = tuple(g.strip() for g in precision[4:].split(",") if g.strip())
         if groups and all(g in GROUPS for g in groups):
             return groups
-    raise InputError("precision", precision, f"one of {', '.join(PRECISIONS)}, or fp8:<comma list of "
+    raise InputError("precision", precision, f"one of {', '.join(PRECISION_CHOICES)}, or fp8:<comma list of "
                                              f"{', '.join(GROUPS)}>")
 
 
 def check_precision(precision: str) -> str:
-    groups_of(precision)
+    if precision != AUTO:
+        groups_of(precision)
     return precision
 
 
@@ -116,6 +122,9 @@ def swapped(transformer, modules: dict):
 
 def apply_precision(transformer, precision: str) -> dict:
     """Convert the block Linears to `precision` in place; their float weights are freed. Returns what was done."""
+    if precision == AUTO:
+        raise InputError("precision", precision, "a precision resolved for the device and weights first "
+                                                 "(resolve_precision)")
     start = time.perf_counter()
     before = _block_linear_bytes(transformer)
     modules = quantized_linears(transformer, precision) if groups_of(precision) else {}

@@ -40,6 +40,12 @@ def keeps_int8(module_name: str) -> bool:
     return module_name.startswith(BLOCKS)
 
 
+def transformer_is_quantized(path: str | os.PathLike) -> bool:
+    """Whether the transformer checkpoint at `path` holds quantized layers (INT8 ConvRot); reads headers only, and
+    a missing or broken file raises the CheckpointError its load would."""
+    return resolve(path, "transformer", EXPECTED).info.quantized is not None
+
+
 def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
                      device: str | torch.device = "cpu", quantized: str = KEEP_INT8, dequantize_device=None):
     """Load `diffusers.QwenImage21Transformer2DModel` in eval mode, gradients off.
