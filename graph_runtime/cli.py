@@ -22,6 +22,11 @@ def _dtype(name: str):
     return getattr(torch, DTYPES[name])
 
 
+def _model_dtype(args, device: str):
+    """`--dtype`, else bf16 on CUDA and fp32 on the CPU."""
+    return _dtype(args.dtype or ("bf16" if device.startswith("cuda") else "fp32"))
+
+
 def _default_device() -> str:
     import torch
 
@@ -121,18 +126,20 @@ def check_generate_args(args) -> GenerateInputs:
     return GenerateInputs(device=device, images=images, out_format=out_format)
 
 
-def load_models(args, device: str):
-    """Models from --model DIR, from the three single files, or the tiny built-in default."""
+def load_models(args, device: str, precision: str = "bf16"):
+    """Models from --model DIR, from the three single files, or the tiny built-in default. An INT8 transformer file
+    is dequantized when `precision` (resolved) converts to FP8, which quantizes from float weights."""
     import torch
 
     from .kernels.preload import start_preload
+    from .fp8 import groups_of
     from .loading import QwenImageModels, load_pipeline_folder, load_text_encoder, load_transformer, load_vae
     from .tiny import build_tiny_components
 
     if device.startswith("cuda"):
         start_preload(torch.device(device))  # Triton's and the CUDA libraries' set-up, while the models load
 
-    dtype = _dtype(args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    dtype = _model_dtype(args, device)
     if args.model:
         print(f"model: diffusers folder {args.model} ({args.dtype or dtype}, {device})")
         return load_pipeline_folder(args.model, dtype=dtype, device=device)
@@ -141,7 +148,8 @@ def load_models(args, device: str):
         text_encoder, processor = load_text_encoder(args.text_encoder, dtype=dtype, device=device,
                                                     tokenizer_dir=args.tokenizer)
         return QwenImageModels(
-            transformer=load_transformer(args.transformer, dtype=dtype, device=device),
+            transformer=load_transformer(args.transformer, dtype=dtype, device=device,
+                                         quantized="dequantize" if groups_of(precision) else "int8"),
             vae=load_vae(args.vae, dtype=dtype, device=device),
             text_encoder=text_encoder, processor=processor, scheduler_config=None,
             sources={"transformer": args.transformer, "vae": args.vae, "text_encoder": args.text_encoder},
@@ -162,13 +170,21 @@ def output_paths(out: str, count: int) -> list[str]:
     return [f"{stem}_{i}{ext}" for i in range(count)]
 
 
-def apply_cli_precision(transformer, precision: str, device: str) -> None:
-    """`--precision`, `auto` resolved for the loaded weights on `device` (fp8/auto.py); prints what was done."""
-    from .fp8 import apply_precision, groups_of, resolve_precision
-    from .quantized import int8_modules
+def resolve_cli_precision(args, device: str):
+    """`--precision` for the transformer the arguments name, `auto` resolved as the loader nodes resolve it (before the
+    load, from the file's header: an INT8 file is dequantized only for an FP8 precision picked by hand)."""
+    from .fp8 import AUTO, resolve_precision
+    from .loading.transformer import transformer_is_quantized
 
-    weight = next(transformer.parameters())
-    resolved = resolve_precision(precision, device, dtype=weight.dtype, int8_file=bool(int8_modules(transformer)))
+    source = args.transformer or args.model
+    return resolve_precision(args.precision, device, dtype=_model_dtype(args, device),
+                             int8_file=args.precision == AUTO and source is not None and transformer_is_quantized(source))
+
+
+def apply_cli_precision(transformer, resolved) -> None:
+    """Convert the loaded transformer to the resolved precision (nothing for bf16); prints what was done."""
+    from .fp8 import apply_precision, groups_of
+
     if not groups_of(resolved.precision):
         print(f"precision: {resolved.precision} ({resolved.reason})")
         return
@@ -183,8 +199,9 @@ def cmd_generate(args) -> int:
 
     checked = check_generate_args(args)
     start = time.perf_counter()
-    models = load_models(args, checked.device)
-    apply_cli_precision(models.transformer, args.precision, checked.device)
+    precision = resolve_cli_precision(args, checked.device)
+    models = load_models(args, checked.device, precision.precision)
+    apply_cli_precision(models.transformer, precision)
     load_s = time.perf_counter() - start
     generator = QwenImageGenerator(models)
     for run in range(args.repeat):

@@ -399,7 +399,8 @@ def test_quantized_vae_file_is_refused_naming_its_format(files, bad_dir):
 
 
 def test_cli_generates_from_the_int8_files(files, tmp_path, capsys):
-    """`make-tiny --comfyui-models` writes the INT8 files too, and `generate` runs them (int8 mode)."""
+    """`make-tiny --comfyui-models` writes the INT8 files too, and `generate` runs them (int8 mode, which `auto`
+    keeps); an FP8 precision picked by hand dequantizes the INT8 file first, as the loader nodes do."""
     from PIL import Image
 
     from graph_runtime.cli import main
@@ -414,3 +415,10 @@ def test_cli_generates_from_the_int8_files(files, tmp_path, capsys):
                  "--text-encoder", str(models / INT8_FILES["text_encoder"]),
                  "--tokenizer", str(files["tokenizer"])]) == 0
     assert Image.open(out).size == (64, 64)
+    assert "precision: bf16 (auto: an INT8 ConvRot file" in capsys.readouterr().out
+    assert main(["generate", "--out", str(out), "--width", "64", "--height", "64", "--steps", "1",
+                 "--transformer", str(models / INT8_FILES["transformer"]),
+                 "--vae", str(models / "vae" / "qwen_image_2.1_vae_bf16.safetensors"),
+                 "--text-encoder", str(models / INT8_FILES["text_encoder"]),
+                 "--tokenizer", str(files["tokenizer"]), "--precision", "fp8-attn"]) == 0
+    assert "precision: fp8-attn (chosen): 8 block Linears in FP8" in capsys.readouterr().out
