@@ -12,13 +12,15 @@ from graph_runtime.bench.e2e_runner import plan_tasks
 
 
 def test_plan_runs_ours_first_on_a_cold_cache_then_restarts_and_warm_last():
-    """Ours' first child meets the empty kernel cache; every scenario then gets a fresh process per path (ours'
-    first scenario again: the restart with the cache it filled), then the first job without the preload and with
+    """Ours' first child meets the empty kernel caches; one unmeasured child then runs every scenario on every path
+    (so each later child is a restart of a machine that has run every job once); every scenario then gets a fresh
+    process per path (ours' first scenario again: the restart), then the first job without the preload and with
     Triton's part alone, after warm_up (kernels, then graphs kept) and profiled; the warm child (both paths) comes last."""
     tasks = plan_tasks(["t2i", "edit"], ["ours", "diffusers"], True, True, "cuda", False, 2)
-    assert [t.get("preload", True) for t in tasks] == [True, True, True, False, "triton"] + [True] * 6
+    assert [t.get("preload", True) for t in tasks] == [True, True, True, True, False, "triton"] + [True] * 6
     assert [(t["kind"], t["paths"], t["scenarios"], t["cache"], t.get("warm_up")) for t in tasks] == [
-        ("first", ["ours"], ["t2i"], "cold", None), ("first", ["ours"], ["t2i"], "warm", None),
+        ("first", ["ours"], ["t2i"], "cold", None),
+        ("fill", ["ours", "diffusers"], ["t2i", "edit"], "warm", None), ("first", ["ours"], ["t2i"], "warm", None),
         ("first", ["ours"], ["edit"], "warm", None), ("first", ["ours"], ["t2i"], "warm", None),
         ("first", ["ours"], ["t2i"], "warm", None),
         ("first", ["ours"], ["t2i"], "warm", "kernels"),
@@ -27,13 +29,13 @@ def test_plan_runs_ours_first_on_a_cold_cache_then_restarts_and_warm_last():
         ("warm", ["ours", "diffusers"], ["t2i", "edit"], "warm", None)]
     assert tasks[-1]["repeats"] == 2
     assert [t["kind"] for t in plan_tasks(["turbo"], ["diffusers"], False, True, "cuda", False, 1)] == ["warm"]
-    assert len(plan_tasks(["t2i"], ["ours"], True, False, "cuda", False, 1, extras=False)) == 2
+    assert len(plan_tasks(["t2i"], ["ours"], True, False, "cuda", False, 1, extras=False)) == 3
     chosen = plan_tasks(["t2i"], ["ours"], True, False, "cuda", False, 1, extras=["preload", "profile"])
     assert [(t["kind"], t.get("preload", True)) for t in chosen] == [
-        ("first", True), ("first", True), ("first", False), ("first", "triton"), ("profile", True)]
+        ("first", True), ("fill", True), ("first", True), ("first", False), ("first", "triton"), ("profile", True)]
     fp8 = plan_tasks(["t2i"], ["ours", "diffusers"], True, True, "cuda", False, 1, extras=False, fp8="fp8-attn")
-    assert [t["paths"] for t in fp8] == [["ours"], ["ours"], ["ours-fp8"], ["diffusers"],
-                                         ["ours", "diffusers", "ours-fp8"]]
+    assert [t["paths"] for t in fp8] == [["ours"], ["ours", "ours-fp8", "diffusers"], ["ours"], ["ours-fp8"],
+                                         ["diffusers"], ["ours", "diffusers", "ours-fp8"]]
     assert {t["fp8_precision"] for t in fp8} == {"fp8-attn"}
 
 
@@ -48,8 +50,9 @@ def test_precisions_option_takes_bf16_and_at_most_one_fp8_precision():
 
 
 def test_first_prompts_run_in_fresh_processes_and_are_reported(tmp_path, capsys):
-    """Two child processes (ours on a cold kernel cache, then the restart), each building the tiny models and
-    running the edit job twice; every phase of a one-reference edit is timed, and the report and its JSON say so."""
+    """Three child processes (ours on cold kernel caches, the unmeasured cache fill, then the restart), each
+    building the tiny models; the first-prompt ones run the edit job twice, and every phase of a one-reference edit
+    is timed; the report and its JSON say so, and the fill's prompt is in neither table."""
     from graph_runtime.cli import main
 
     code = main(["bench", "--e2e", "--tiny", "--device", "cpu", "--e2e-first", "--e2e-paths", "ours",
@@ -58,7 +61,9 @@ def test_first_prompts_run_in_fresh_processes_and_are_reported(tmp_path, capsys)
     (md,), (js,) = tmp_path.glob("e2e-*.md"), tmp_path.glob("e2e-*.json")
     report = json.loads(js.read_text())
     assert report["meta"]["command"].startswith("python -m graph_runtime bench --e2e")
-    results = report["results"]
+    fill = report["results"][1]
+    assert fill["task"]["kind"] == "fill" and [r["run"] for r in fill["runs"]] == ["cache fill"]
+    results = [r for r in report["results"] if r["task"]["kind"] == "first"]
     assert [r["task"]["cache"] for r in results] == ["cold", "warm"]
     for result in results:
         assert "error" not in result, result
@@ -71,6 +76,7 @@ def test_first_prompts_run_in_fresh_processes_and_are_reported(tmp_path, capsys)
         assert result["import_s"] > 0 and result["build_total_s"] > 0
     text = md.read_text()
     assert "## First prompt of a fresh process" in text and "| ours | edit | cold" in text
+    assert text.count("| ours | edit |") == 2 and "cache fill" not in text
     assert "bench e2e: wrote" in capsys.readouterr().out
 
 

@@ -125,8 +125,9 @@ def markdown(meta: dict, results: list[dict]) -> str:
                 else ""),
              f"- command: `{meta['command']}` ({meta['wall_s']} s)",
              "- each first-prompt row is a fresh process that built its models and then ran the prompt twice (first, "
-             "second); ours' first process meets an empty Triton kernel cache, later ones the cache it left (a "
-             "restart). Ours starts the one-time set-up of Triton and the CUDA libraries in a thread while its models "
+             "second); ours' first process meets empty kernel caches (Triton's and the CUDA driver's JIT cache, "
+             "both private to the run), then one unmeasured process runs every scenario on every path once, and "
+             "later ones meet the caches these left (a restart of a machine that has run the job). Ours starts the one-time set-up of Triton and the CUDA libraries in a thread while its models "
              "are built, as ComfyUI's start-up does (kernels/preload.py), except in the rows marked \"no "
              "preload\" and \"Triton preload only\". Warm rows: one process, both paths "
              "alternating, the median of the measured prompts after one unmeasured prompt each.",

@@ -2,9 +2,12 @@
 
 The parent process only plans and reports; every measurement runs in a child (`e2e_worker`) that builds its own
 models, so a "first prompt" is the first of a fresh process: no kernel loaded, no plan made, no graph captured.
-Our kernels are Triton's, whose compiled code survives restarts in an on-disk cache: the first child of ours runs
-with an empty cache folder (a machine's very first prompt), every later one with that folder as it left it (a
-ComfyUI restart). Then one child runs both paths warm, alternating them, in one process.
+Compiled kernels survive restarts in two on-disk caches: Triton's (our kernels) and the CUDA driver's JIT cache
+(kernels the libraries build at run time, ~1 s of a machine's first one-reference edit). Each run gives both a
+folder of its own, empty at the start, so the machine's history does not change the figures: the first child of
+ours meets them empty (a machine's very first prompt). A second child then runs every scenario once on every path,
+unmeasured, so that every later child meets the caches a restart finds after that job has run once on the machine,
+whatever its scenario and path. Then one child runs both paths warm, alternating them, in one process.
 
 Results go to `bench/results/e2e-<time>.md` and `.json`, with the command that produced them.
 """
@@ -35,8 +38,9 @@ EXTRAS = ("preload", "warm_up", "profile")
 
 def plan_tasks(scenarios: list[str], paths: list[str], first: bool, warm: bool, device: str, tiny: bool,
                repeats: int, extras=True, fp8: str | None = None) -> list[dict]:
-    """The child processes to run, in order. Ours' first child meets the empty kernel cache; its first scenario is
-    run again as a restart with the cache it filled. `fp8` names the FP8 precision of the "ours-fp8" path
+    """The child processes to run, in order. Ours' first child meets the empty kernel caches; a "fill" child then
+    runs every scenario on every path once (unmeasured), and each later first-prompt child is a restart with the
+    caches they filled. `fp8` names the FP8 precision of the "ours-fp8" path
     (`fp8/convert.py`: fp8, fp8-attn, ...), or None for no FP8 path. `extras`: True (all of EXTRAS), False, or
     the names of those to run."""
     extras = set(EXTRAS if extras is True else extras or ())
@@ -46,6 +50,8 @@ def plan_tasks(scenarios: list[str], paths: list[str], first: bool, warm: bool, 
         if "ours" in paths:
             ours = {**base, "kind": "first", "paths": ["ours"], "cache": "warm"}
             tasks.append({**ours, "scenarios": scenarios[:1], "cache": "cold"})
+            fill_paths = ["ours", *(["ours-fp8"] if fp8 else []), *(["diffusers"] if "diffusers" in paths else [])]
+            tasks.append({**base, "kind": "fill", "paths": fill_paths, "scenarios": scenarios, "cache": "warm"})
             tasks += [{**ours, "scenarios": [s]} for s in scenarios]
             # The first job again: without the preload and with its Triton part alone (what each saves), after
             # the engine's warm_up at load (kernels only, then with its graphs kept), and profiled (where the first
@@ -83,21 +89,22 @@ def fp8_precision(option: str) -> str | None:
 
 
 def describe_task(task: dict) -> str:
-    if task["kind"] == "warm":
-        return f"warm: {'+'.join(task['paths'])} x {','.join(task['scenarios'])}"
+    if task["kind"] in ("warm", "fill"):
+        what = "cache fill (unmeasured)" if task["kind"] == "fill" else "warm"
+        return f"{what}: {'+'.join(task['paths'])} x {','.join(task['scenarios'])}"
     warm_up = f", warm_up({task['warm_up']}) at load" if task.get("warm_up") else ""
     preload = {False: ", no preload", "triton": ", Triton preload only"}.get(task.get("preload"), "")
     return (f"{task['kind']}: {task['paths'][0]} {task['scenarios'][0]} "
             f"(kernel cache {task['cache']}{warm_up}{preload})")
 
 
-def run_child(task: dict, workdir: Path, index: int, cache_dir: str, timeout: int) -> dict:
+def run_child(task: dict, workdir: Path, index: int, cache_dirs: dict, timeout: int) -> dict:
     """Run one task in a fresh interpreter; its output is streamed with a prefix. A failure (exit, timeout) becomes
     an `error` record, so one broken child does not lose the rest of the run."""
     task_path, out_path = workdir / f"task-{index}.json", workdir / f"result-{index}.json"
     task_path.write_text(json.dumps(task))
     root = str(Path(__file__).resolve().parents[2])
-    env = dict(os.environ, TRITON_CACHE_DIR=cache_dir, PYTHONUNBUFFERED="1")
+    env = dict(os.environ, **cache_dirs, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     label = describe_task(task)
     print(f"bench e2e: [{index}] {label}", flush=True)
@@ -152,7 +159,8 @@ def e2e_main(args) -> int:
     tasks = plan_tasks(scenarios, paths, first, warm, device, args.tiny, args.e2e_repeats,
                        False if args.e2e_no_extras else extras, fp8=fp8)
     workdir = Path(tempfile.mkdtemp(prefix="kvgraph-e2e-"))
-    cache_dir = str(workdir / "triton-cache")  # empty: the first child of ours meets a cold kernel cache
+    # Empty: the first child of ours meets cold kernel caches, Triton's and the CUDA driver's JIT cache.
+    cache_dirs = {"TRITON_CACHE_DIR": str(workdir / "triton-cache"), "CUDA_CACHE_PATH": str(workdir / "cuda-cache")}
     meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "command": command, "device": device, "torch": torch.__version__, "triton": None, "tiny": args.tiny,
             "fp8_precision": fp8,
@@ -160,7 +168,7 @@ def e2e_main(args) -> int:
     results: list[dict] = []
     try:
         for i, task in enumerate(tasks):
-            results.append(run_child(task, workdir, i, cache_dir, args.e2e_timeout))
+            results.append(run_child(task, workdir, i, cache_dirs, args.e2e_timeout))
             env = next((r["env"] for r in results if "env" in r), None)
             if env:
                 meta.update(device=env["device"], torch=env["torch"], triton=env["triton"])
