@@ -126,13 +126,12 @@ def check_generate_args(args) -> GenerateInputs:
     return GenerateInputs(device=device, images=images, out_format=out_format)
 
 
-def load_models(args, device: str, precision: str = "bf16"):
+def load_models(args, device: str, precision=None):
     """Models from --model DIR, from the three single files, or the tiny built-in default. An INT8 transformer file
-    is dequantized when `precision` (resolved) converts to FP8, which quantizes from float weights."""
+    is dequantized when `precision` (a ResolvedPrecision) converts to FP8, which quantizes from float weights."""
     import torch
 
     from .kernels.preload import start_preload
-    from .fp8 import groups_of
     from .loading import QwenImageModels, load_pipeline_folder, load_text_encoder, load_transformer, load_vae
     from .tiny import build_tiny_components
 
@@ -149,7 +148,7 @@ def load_models(args, device: str, precision: str = "bf16"):
                                                     tokenizer_dir=args.tokenizer)
         return QwenImageModels(
             transformer=load_transformer(args.transformer, dtype=dtype, device=device,
-                                         quantized="dequantize" if groups_of(precision) else "int8"),
+                                         quantized="dequantize" if precision and precision.converts else "int8"),
             vae=load_vae(args.vae, dtype=dtype, device=device),
             text_encoder=text_encoder, processor=processor, scheduler_config=None,
             sources={"transformer": args.transformer, "vae": args.vae, "text_encoder": args.text_encoder},
@@ -177,15 +176,15 @@ def resolve_cli_precision(args, device: str):
     from .loading.transformer import transformer_is_quantized
 
     source = args.transformer or args.model
-    return resolve_precision(args.precision, device, dtype=_model_dtype(args, device),
-                             int8_file=args.precision == AUTO and source is not None and transformer_is_quantized(source))
+    int8_file = args.precision == AUTO and source is not None and transformer_is_quantized(source)
+    return resolve_precision(args.precision, device, dtype=_model_dtype(args, device), int8_file=int8_file)
 
 
 def apply_cli_precision(transformer, resolved) -> None:
     """Convert the loaded transformer to the resolved precision (nothing for bf16); prints what was done."""
-    from .fp8 import apply_precision, groups_of
+    from .fp8 import apply_precision
 
-    if not groups_of(resolved.precision):
+    if not resolved.converts:
         print(f"precision: {resolved.precision} ({resolved.reason})")
         return
     done = apply_precision(transformer, resolved.precision)
@@ -200,7 +199,7 @@ def cmd_generate(args) -> int:
     checked = check_generate_args(args)
     start = time.perf_counter()
     precision = resolve_cli_precision(args, checked.device)
-    models = load_models(args, checked.device, precision.precision)
+    models = load_models(args, checked.device, precision)
     apply_cli_precision(models.transformer, precision)
     load_s = time.perf_counter() - start
     generator = QwenImageGenerator(models)

@@ -13,7 +13,7 @@ import comfy.model_management as mm
 from comfy_api.latest import io
 
 from ..graph_runtime.fp8 import (
-    AUTO, DEFAULT_PRECISION, PRECISION_CHOICES, apply_precision, check_precision, groups_of, resolve_precision,
+    AUTO, DEFAULT_PRECISION, PRECISION_CHOICES, apply_precision, check_precision, resolve_precision,
 )
 from ..graph_runtime.kernels.preload import start_preload
 from ..graph_runtime.loading import (
@@ -112,15 +112,14 @@ def transformer_handle(path: str, dtype_name: str, scheduler_config: dict | None
     check_precision(precision)
     resolved = resolve_precision(precision, mm.get_torch_device(), dtype=DTYPES[dtype_name],
                                  int8_file=precision == AUTO and transformer_is_quantized(path))
-    converts = bool(groups_of(resolved.precision))
     # FP8 is quantized from float weights: an INT8 file is dequantized first whatever `int8_weights` says.
-    quantized = "dequantize" if converts else int8_weights
+    quantized = "dequantize" if resolved.converts else int8_weights
 
     def load():
         start_kernel_preload()  # started at ComfyUI's start-up already, unless the pack was loaded otherwise
         module = load_transformer(path, dtype=DTYPES[dtype_name], device=mm.unet_offload_device(),
                                   quantized=quantized, dequantize_device=mm.get_torch_device())
-        if converts:
+        if resolved.converts:
             apply_precision(module, resolved.precision)
         logger.info("KV-Graph: transformer precision %s (%s)", resolved.precision, resolved.reason)
         info = {"variant": transformer_variant(path), **weights_info(module, quantized),
@@ -131,7 +130,7 @@ def transformer_handle(path: str, dtype_name: str, scheduler_config: dict | None
 
     # A load that converts nothing keeps the key it always had; an FP8 precision is another model (`auto` shares the
     # entry of what it resolved to).
-    options = (resolved.precision,) if converts else ()
+    options = (resolved.precision,) if resolved.converts else ()
     return model_cache.get_or_load(model_cache.cache_key("transformer", path, dtype_name, quantized, *options), load)
 
 

@@ -127,10 +127,11 @@ def markdown(meta: dict, results: list[dict]) -> str:
              "- each first-prompt row is a fresh process that built its models and then ran the prompt twice (first, "
              "second); ours' first process meets empty kernel caches (Triton's and the CUDA driver's JIT cache, "
              "both private to the run), then one unmeasured process runs every scenario on every path once, and "
-             "later ones meet the caches these left (a restart of a machine that has run the job). Ours starts the one-time set-up of Triton and the CUDA libraries in a thread while its models "
-             "are built, as ComfyUI's start-up does (kernels/preload.py), except in the rows marked \"no "
-             "preload\" and \"Triton preload only\". Warm rows: one process, both paths "
-             "alternating, the median of the measured prompts after one unmeasured prompt each.",
+             "later ones meet the caches these left (a restart of a machine that has run the job). Ours starts the "
+             "one-time set-up of Triton and the CUDA libraries in a thread while its models are built, as "
+             "ComfyUI's start-up does (kernels/preload.py), except in the rows marked \"no preload\" and "
+             "\"Triton preload only\". Warm rows: one process, both paths alternating, the median of the measured "
+             "prompts after one unmeasured prompt each.",
              "- phases (ms): ours' prefill is the prefix pass and every step a decode step; the pipeline's prefill is "
              "its first step (which predicts step 1), so it runs one decode step fewer. PNG: compression level 4 "
              "(ComfyUI's SaveImage). Peak: max allocated GPU memory during the prompt.", ""]

@@ -89,9 +89,9 @@ def fp8_precision(option: str) -> str | None:
 
 
 def describe_task(task: dict) -> str:
-    if task["kind"] in ("warm", "fill"):
-        what = "cache fill (unmeasured)" if task["kind"] == "fill" else "warm"
-        return f"{what}: {'+'.join(task['paths'])} x {','.join(task['scenarios'])}"
+    many = {"warm": "warm", "fill": "cache fill (unmeasured)"}.get(task["kind"])
+    if many:  # a child that runs every scenario on every path
+        return f"{many}: {'+'.join(task['paths'])} x {','.join(task['scenarios'])}"
     warm_up = f", warm_up({task['warm_up']}) at load" if task.get("warm_up") else ""
     preload = {False: ", no preload", "triton": ", Triton preload only"}.get(task.get("preload"), "")
     return (f"{task['kind']}: {task['paths'][0]} {task['scenarios'][0]} "

@@ -30,6 +30,14 @@ class ResolvedPrecision:
     precision: str
     reason: str
 
+    @property
+    def converts(self) -> bool:
+        """Whether the load converts block Linears to FP8, which quantizes from float weights (so an INT8 file is
+        dequantized first)."""
+        from .convert import groups_of  # here, not at the top: convert.py imports this module
+
+        return bool(groups_of(self.precision))
+
 
 def resolve_precision(precision: str, device, *, dtype: torch.dtype, int8_file: bool) -> ResolvedPrecision:
     """`precision` itself unless it is `auto`; see the module docstring for what `auto` picks."""
