@@ -63,12 +63,12 @@ VAE_OUT = "The Qwen-Image-2.1 VAE, for the KV-Graph VAE nodes and the text encod
 
 PRECISION_TOOLTIP = (
     "The block Linears' precision. 'auto' (default): the fastest one within ComfyUI's INT8 ConvRot error on the same "
-    "weights (docs/fp8.md): 'fp8-attn' for a bf16 load of a float file on an Ada, Hopper or Blackwell GPU (~10% "
-    "faster steps, 2 GB less), else 'bf16'; an INT8 file keeps its own int8 weights. 'bf16' runs the Linears as "
-    "loaded. 'fp8' quantizes them all once at load to e4m3 with per-channel scales (7 GB instead of 14; the bf16 "
-    "weights are freed) and runs FP8 GEMMs: ~1.5x faster steps, but about 2.5x INT8's error; 'fp8-attn' keeps the "
-    "MLP in bf16, 'fp8-no-out' the attention output projection. An explicit FP8 choice on an INT8 ConvRot file "
-    "dequantizes it first whatever int8_weights says.")
+    "weights: 'int8' where the pack's INT8 GEMM runs (NVIDIA, compute capability 8.0+), else 'fp8-attn' on an FP8 "
+    "GPU, else 'bf16'; an INT8 file keeps its own int8 weights. 'int8' quantizes a float file's block Linears once "
+    "at load to INT8 ConvRot, as ComfyUI's INT8 files are made (half the memory of bf16). 'bf16' runs the Linears "
+    "as loaded. 'fp8' quantizes them all to e4m3 with per-channel scales, but has about 2.5x INT8's error; "
+    "'fp8-attn' keeps the MLP in bf16, 'fp8-no-out' the attention output projection. An explicit FP8 choice on an "
+    "INT8 ConvRot file dequantizes it first whatever int8_weights says.")
 
 
 def _precision_input():

@@ -109,3 +109,19 @@ def test_norm_and_swiglu_kernels_write_the_reference_int8_rows():
     """The block's two norm kernels and its SwiGLU kernel, with their int8 output on (rotated or not), write the
     reference quantizer's rows of the fp32 values they compute; the residual stream is unchanged by the int8 mode."""
     interpreted(check_norm_and_swiglu)
+
+
+def test_tile_configs_are_looked_up_by_shape_and_the_nearest_measured_token_count(monkeypatch):
+    """A first prompt never autotunes: configs come from the table the GEMM benchmark writes, by (N, K) and the
+    token count's power-of-two bucket, the nearest measured bucket for an unmeasured size, none for an unknown
+    shape (the kernel's default then runs)."""
+    from graph_runtime.kernels import int8_gemm_configs as configs
+
+    monkeypatch.setattr(configs, "TABLE", {(9, 0): {(4096, 4096, 4096): {"kernel": "tma", "block_m": 128},
+                                                    (4096, 4096, 16384): {"kernel": "tile", "block_m": 256}}})
+    assert configs.lookup((9, 0), 4096, 4096, 4096)["kernel"] == "tma"
+    assert configs.lookup((9, 0), 3000, 4096, 4096)["kernel"] == "tma"  # 1024x1024 with fewer tokens
+    assert configs.lookup((9, 0), 16384, 4096, 4096)["kernel"] == "tile"
+    assert configs.lookup((9, 0), 40000, 4096, 4096)["kernel"] == "tile"  # past the largest measured size
+    assert configs.lookup((9, 0), 4096, 12288, 4096) is None
+    assert configs.lookup((8, 9), 4096, 4096, 4096) is None

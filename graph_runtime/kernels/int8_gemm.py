@@ -64,13 +64,18 @@ def select_config(device: torch.device, m: int, n: int, k: int) -> GemmConfig:
     """The table's configuration for this device and shape (M taken to its bucket), else the default."""
     from .int8_gemm_configs import lookup
 
-    found = lookup(torch.cuda.get_device_capability(device), m, n, k)
+    found = lookup(_capability(device), m, n, k)
     if found is None:
         return DEFAULT_CONFIG
     config = GemmConfig(**found)
     if config.kernel == "tma" and not _tma_ok(device):
         return DEFAULT_CONFIG
     return config
+
+
+@functools.cache
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
 
 
 @functools.cache

@@ -19,4 +19,13 @@ def m_bucket(m: int) -> int:
 
 
 def lookup(capability: tuple[int, int], m: int, n: int, k: int) -> dict | None:
-    return TABLE.get(tuple(capability), {}).get((n, k, m_bucket(m)))
+    """The measured config of this shape's M bucket, else of the nearest measured bucket of the same (N, K)."""
+    shapes = TABLE.get(tuple(capability), {})
+    bucket = m_bucket(m)
+    if (n, k, bucket) in shapes:
+        return shapes[(n, k, bucket)]
+    measured = [b for (n_, k_, b) in shapes if (n_, k_) == (n, k)]
+    if not measured:
+        return None
+    nearest = min(measured, key=lambda b: abs(b.bit_length() - bucket.bit_length()))
+    return shapes[(n, k, nearest)]
