@@ -67,7 +67,10 @@ class KVGraphSampler(io.ComfyNode):
                 io.Latent.Input("latent", tooltip="Sets the output size and batch; with denoise below 1 it is also "
                                                   "the image to start from."),
                 io.Int.Input("seed", default=0, min=0, max=MAX_SEED, control_after_generate=True,
-                             tooltip="Noise seed; the same seed gives the same image as the diffusers pipeline."),
+                             tooltip="Noise seed; the same seed gives the same image as the diffusers pipeline. "
+                                     "Only its low 32 bits reach the noise (torch's CPU generator, as in diffusers "
+                                     "and core ComfyUI's samplers): seeds that differ by a multiple of 2^32 give "
+                                     "the same image."),
                 io.Int.Input("steps", default=40, min=1, max=1000,
                              tooltip="Denoising steps for the dynamic schedule (40 is the model's default). The "
                                      "turbo preset (auto with a Turbo checkpoint) always runs its fixed 8 steps."),

@@ -129,7 +129,8 @@ def _prepare(req: SamplingRequest, sigmas_in, channels: int, device, dtype) -> _
     noise = initial_noise(req.seed, batch, channels, height, width, dtype).to(device)
     config = req.scheduler_config if req.sigmas is not None else scheduler_config_for(req.sigma_preset,
                                                                                    req.scheduler_config)
-    timesteps, sigmas = build_schedule(config, req.steps, height * width, sigmas_in, req.denoise, device)
+    timesteps, sigmas = build_schedule(config, req.steps, height * width, sigmas_in, req.denoise, device,
+                                       latent_size=(height, width))
     latents = pack(noise)
     if req.init_latents is not None:
         init = pack(req.init_latents.to(device, dtype).expand(batch, -1, -1, -1))
