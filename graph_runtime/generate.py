@@ -14,7 +14,7 @@ from .encoding.images import decode_latents, encode_pixels, prepare_references, 
 from .encoding.prompt import PromptEncoder
 from .budget import check_runtime_request
 from .registry import engine_for
-from .sampling.sampler import SamplingRequest, sample
+from .sampling.sampler import SamplingRequest, check_schedule, sample
 from .validation import check_cfg, check_count, check_reference_resolution, check_seed, check_size
 from .vae_decode import check_decoded
 
@@ -84,6 +84,7 @@ class QwenImageGenerator:
             sigma_preset=sigma_preset, decode_mode=decode_mode, compile=compile,
             scheduler_config=self.models.scheduler_config,
         )
+        check_schedule(request)
         # Refused here, before anything is allocated, when the request cannot fit on the GPU.
         check_runtime_request(self.models.transformer, request, self.models.vae, self.models.text_encoder)
         start = time.perf_counter()

@@ -20,7 +20,7 @@ from ..graph_runtime.errors import InputError
 from ..graph_runtime.loading.variant import AUTO, TURBO, sigma_preset_for
 from ..graph_runtime.lora import loras_in_use
 from ..graph_runtime.report import run_summary
-from ..graph_runtime.sampling.sampler import Cancelled, SamplingRequest, sample
+from ..graph_runtime.sampling.sampler import Cancelled, SamplingRequest, check_schedule, sample
 from ..graph_runtime.sampling.schedule import SIGMA_PRESETS, TURBO_SIGMAS
 from ..graph_runtime.validation import MAX_SEED, VAE_SCALE, check_seed
 from . import events, in_flight, memory_budget
@@ -170,4 +170,5 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
         init_latents=raw_to_normalized(samples, stats) if denoise < 1.0 else None,
         decode_mode=decode_mode, compile=compile == "blocks", scheduler_config=model.scheduler_config,
     )
+    check_schedule(request)  # before the memory budget: a size the schedule cannot take is refused as such
     return request, stats

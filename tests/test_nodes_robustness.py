@@ -246,6 +246,21 @@ def test_encode_refuses_a_linked_size_with_the_nodes_own_limit(comfy_env, text_e
         encode(comfy_env, text_encoder, width=16384)
 
 
+def test_sampler_names_a_size_too_large_for_the_schedule_before_anything_loads(comfy_env, text_encoder,
+                                                                               monkeypatch):
+    """Before: a 16384x16384 latent from core nodes was refused as `sigmas=[1.0, ...] is invalid`. It is refused
+    naming its size, before the memory budget is worked out and before the transformer is loaded."""
+    transformer, = run(comfy_env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32")
+    positive, _, _ = encode(comfy_env, text_encoder)
+    budget = comfy_env.pack.nodes.memory_budget
+    monkeypatch.setattr(budget, "check_request", lambda *a: pytest.fail("the budget was worked out first"))
+    with pytest.raises(from_pack(comfy_env, "errors").InputError,
+                       match=r"^image size='16384x16384 px \(1048576 latent tokens\)' is invalid: expected at most"):
+        run(comfy_env, "KVGraphSampler", model=transformer, positive=positive,
+            latent={"samples": torch.zeros(1, 64, 1024, 1024)}, seed=0, steps=4, cfg=1.0, sigma_preset="dynamic",
+            denoise=1.0, decode_mode="auto", compile="off")
+
+
 def test_encode_names_the_negative_prompt_when_it_is_too_long(comfy_env, text_encoder):
     """Before: a too-long negative prompt was reported as `prompt=`. Both texts are checked before the text encoder
     is loaded onto its device."""
