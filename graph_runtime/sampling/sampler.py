@@ -22,7 +22,7 @@ from ..errors import InputError
 from ..validation import check_cfg, check_count, check_denoise, check_finite, check_positions, check_seed
 from .finite_watch import FiniteWatch
 from .reporter import SampleReporter
-from .schedule import build_schedule, euler_step, resolve_sigmas, scheduler_config_for
+from .schedule import build_schedule, euler_step, model_timestep, resolve_sigmas, scheduler_config_for
 
 logger = logging.getLogger("kvgraph")
 
@@ -150,15 +150,10 @@ def _prepare(req: SamplingRequest, sigmas_in, channels: int, device, dtype) -> _
     return _Prepared(latents, timesteps, sigmas, cond_tokens, branches, dtype)
 
 
-def _model_timestep(t: torch.Tensor, batch: int, dtype) -> torch.Tensor:
-    """A schedule timestep (0..1000) as the transformer takes it: per sample, in [0, 1], in the model's dtype."""
-    return t.expand(batch).to(dtype) / 1000
-
-
 def _prefill(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, prefixes: dict) -> None:
     """Each branch's prefix rows, once, at step 1's timestep, into `prefixes` (filled as they finish, so the
     caller releases whatever was made if a later branch fails)."""
-    timestep = _model_timestep(run.timesteps[0], req.batch_size, run.dtype)
+    timestep = model_timestep(run.timesteps[0].expand(req.batch_size), run.dtype)
     hidden = run.latents if run.cond_tokens is None else torch.cat([run.cond_tokens, run.latents], dim=1)
     for name, (layout, embeds, text_mask) in run.branches.items():
         _, prefixes[name] = engine.prefill(layout, hidden, embeds, timestep, text_mask, branch=name,
@@ -169,7 +164,7 @@ def _denoise_step(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, pr
                   latents: torch.Tensor, i: int, reporter: SampleReporter) -> tuple[torch.Tensor, list[str]]:
     """Step `i + 1`: every branch's decode step, the CFG combination and the Euler update. Returns the new latents
     and the path each branch took."""
-    timestep = _model_timestep(run.timesteps[i], req.batch_size, run.dtype)
+    timestep = model_timestep(run.timesteps[i].expand(req.batch_size), run.dtype)
     preds, paths = {}, []
     for name in run.branches:
         outcome = engine.decode(prefixes[name], latents, timestep, req.decode_mode)

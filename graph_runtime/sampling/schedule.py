@@ -105,6 +105,18 @@ def build_schedule(scheduler_config: dict | None, steps: int, image_seq_len: int
     return timesteps, all_sigmas
 
 
+def model_timestep(timesteps: torch.Tensor, dtype) -> torch.Tensor:
+    """Schedule timesteps (0..1000) as the transformer takes them: rounded to the model's dtype at the 0..1000 scale,
+    then divided, as `QwenImage21Pipeline` does; so the same sigma gives the same timestep bits on every path."""
+    return timesteps.to(dtype) / 1000
+
+
+def sigma_timestep(sigma: torch.Tensor, dtype) -> torch.Tensor:
+    """A sigma (what core samplers pass a model) as the transformer's timestep: the scheduler's timestep is
+    `sigma * 1000` in float32, then `model_timestep`."""
+    return model_timestep(sigma.float() * 1000, dtype)
+
+
 def euler_step(latents: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor):
     """Flow-match Euler, upcast to fp32 for the update and cast back, as diffusers' scheduler steps."""
     return (latents.float() + (sigma_next - sigma) * velocity).to(velocity.dtype)
