@@ -262,3 +262,27 @@ def test_the_first_call_enters_the_runs_hold_and_release_leaves_it(generator, en
     run.release()
     run.release()
     assert events == ["enter", "exit"]
+
+
+def test_the_kvgraph_sampler_inpaints_as_ksampler_does(generator, tiny_models, encoded):
+    """The KV-Graph Sampler with a noise mask takes KSampler's steps: the same latents as core's Euler with the
+    mask, from the same noise and input latent (float32 round-off), and the unmasked region is the input latent."""
+    latent = comfy_noise(100, (1, 64, H, W))
+    mask = torch.zeros(1, 1, H, W)
+    mask[..., :, 4:] = 1.0
+    mask[..., 3, 3] = 0.5  # a soft edge blends the two
+    sigmas = schedule(tiny_models, 4)
+    core, _ = core_euler(ModelFunction(generator.engine), comfy_noise(9, (1, 64, H, W)), sigmas,
+                         source(encoded["positive"]), latent=latent, mask=mask)
+    ours = kvgraph_sampler(generator, tiny_models, encoded["positive"], 4, 9, init_latents=latent, noise_mask=mask)
+    assert max_diff(ours, core) <= ATOL
+    keep = mask.expand_as(ours) == 0
+    assert max_diff(ours[keep], latent[keep]) <= 1e-5
+    assert max_diff(ours[~keep], latent[~keep]) > 1e-1
+
+
+def test_a_noise_mask_without_an_input_latent_is_refused(generator, tiny_models, encoded):
+    from graph_runtime.errors import InputError
+
+    with pytest.raises(InputError, match="noise mask"):
+        kvgraph_sampler(generator, tiny_models, encoded["positive"], 2, 1, noise_mask=torch.ones(1, 1, H, W))

@@ -80,7 +80,7 @@ def test_a_symlink_inside_models_diffusers_is_followed(comfy_env, tmp_path, monk
     folder_paths = comfy_env.fake.modules["folder_paths"]
     monkeypatch.setattr(folder_paths, "get_folder_paths",
                         lambda folder: [str(diffusers)] if folder == "diffusers" else [str(comfy_env.models / folder)])
-    transformer, text_encoder, vae = run(comfy_env, "KVGraphLoadDiffusers", folder="linked", **DIFFUSERS_INPUTS)
+    transformer, text_encoder, vae, _ = run(comfy_env, "KVGraphLoadDiffusers", folder="linked", **DIFFUSERS_INPUTS)
     assert transformer.source == str(diffusers / "linked")
     assert type(transformer.module).__name__ == "QwenImage21Transformer2DModel" and vae.module.config.z_dim == 64
     message = refusal(comfy_env, "KVGraphLoadDiffusers", folder="linked/../linked", **DIFFUSERS_INPUTS)

@@ -7,7 +7,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from ..errors import InputError
-from ..validation import check_count, check_denoise
+from ..validation import VAE_SCALE, check_count, check_denoise
 
 # Qwen-Image-2.1 Turbo's fixed 8-step grid.
 TURBO_SIGMAS = (1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568)
@@ -85,17 +85,7 @@ def build_schedule(scheduler_config: dict | None, steps: int, image_seq_len: int
     if float(sigmas[-1]) >= 1.0:
         config["shift_terminal"] = None
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
-    # Imported here: the pipeline module takes seconds to import, and the pack imports this module at start-up.
-    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
-
-    mu = calculate_shift(
-        image_seq_len,
-        config.get("base_image_seq_len", 256),
-        config.get("max_image_seq_len", 4096),
-        config.get("base_shift", 0.5),
-        config.get("max_shift", 1.15),
-    )
-    scheduler.set_timesteps(sigmas=sigmas, device=device, mu=mu)
+    scheduler.set_timesteps(sigmas=sigmas, device=device, mu=_shift(config, image_seq_len))
     timesteps, all_sigmas = scheduler.timesteps, scheduler.sigmas
     if not bool(torch.isfinite(all_sigmas).all()):
         raise InputError("sigmas", [float(s) for s in sigmas], "a schedule the flow-match scheduler maps to finite "
@@ -103,6 +93,37 @@ def build_schedule(scheduler_config: dict | None, steps: int, image_seq_len: int
     if len(timesteps) > steps:
         timesteps, all_sigmas = timesteps[-steps:], all_sigmas[-(steps + 1):]
     return timesteps, all_sigmas
+
+
+def schedule_for(preset: str | None, steps: int, image_seq_len: int, scheduler_config: dict | None,
+                 denoise: float = 1.0, sigmas=None, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """`(timesteps [N], sigmas [N + 1])` of a preset ("dynamic" / "turbo") or of explicit `sigmas`, for an image of
+    `image_seq_len` latent tokens: what the KV-Graph Sampler samples over and what the KV-Graph Sigmas node hands
+    core's samplers, so the two are one schedule."""
+    grid = resolve_sigmas(preset, steps, sigmas)
+    config = scheduler_config if sigmas is not None else scheduler_config_for(preset, scheduler_config)
+    return build_schedule(config, steps, image_seq_len, grid, denoise, device)
+
+
+def _shift(config: dict, image_seq_len: int) -> float:
+    """The pipeline's resolution-dependent shift `mu` (diffusers' `calculate_shift`) for `config` (complete)."""
+    # Imported here: the pipeline module takes seconds to import, and the pack imports this module at start-up.
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+
+    return calculate_shift(
+        image_seq_len,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", 1.15),
+    )
+
+
+def dynamic_shift(scheduler_config: dict | None, width: int, height: int) -> float:
+    """The shift `mu` of the model's dynamic schedule for a `width` x `height` px image: with the exponential time
+    shift it maps sigma t to exp(mu) / (exp(mu) + 1/t - 1), which is core's `ModelSamplingFlux` at shift mu."""
+    config = {**DEFAULT_SCHEDULER_CONFIG, **(scheduler_config or {})}
+    return _shift(config, (height // VAE_SCALE) * (width // VAE_SCALE))
 
 
 def model_timestep(timesteps: torch.Tensor, dtype) -> torch.Tensor:

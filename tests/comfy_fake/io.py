@@ -45,6 +45,8 @@ Latent = _socket_type("LATENT")
 Conditioning = _socket_type("CONDITIONING")
 Mask = _socket_type("MASK")
 AnyType = _socket_type("*")
+Model = _socket_type("MODEL")
+Sigmas = _socket_type("SIGMAS")
 
 
 class MatchType:
