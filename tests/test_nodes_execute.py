@@ -135,7 +135,7 @@ def test_encode_rejects_sizes_off_the_16px_grid(comfy_env, models, name, value):
 
 def test_reference_images_need_the_vae(comfy_env, models):
     with pytest.raises(ValueError, match="vae"):
-        encode(comfy_env, models[1], image1=image(96, 128))
+        encode(comfy_env, models[1], images={"image1": image(96, 128)})
 
 
 def test_encode_with_references(comfy_env, models):
@@ -143,14 +143,15 @@ def test_encode_with_references(comfy_env, models):
     from graph_runtime.comfy_interop import comfy_image_to_pil
 
     first, second = image(96, 128, 1), image(160, 96, 2, channels=4)
-    positive, negative, latent = encode(comfy_env, models[1], vae=models[2], image1=first, image2=second)
+    positive, negative, latent = encode(comfy_env, models[1], vae=models[2], images={"image1": first, "image2": second})
     extras = positive[0][1]
     assert len(extras["image_slots"]) == 2 and len(extras["reference_latents"]) == 2
     w, h = reference_size(comfy_image_to_pil(second), 128)
     assert extras["reference_latents"][1].shape == (1, 64, h // 16, w // 16)
     assert latent["samples"].shape == (1, 64, h // 16, w // 16)  # sized like the last reference
     assert negative[0][1]["image_slots"] == extras["image_slots"]
-    _, _, fixed = encode(comfy_env, models[1], vae=models[2], image1=first, size_from_reference=False)
+    _, _, fixed = encode(comfy_env, models[1], vae=models[2], images={"image1": first},
+                      size_from_reference=False)
     assert fixed["samples"].shape == (1, 64, 6, 8)
 
 
@@ -241,7 +242,7 @@ def test_sampler_rejects_bad_inputs_by_name(comfy_env, models, case, name):
     elif case == "two_entries":
         positive = positive + positive
     elif case == "negative_refs":
-        with_ref, _, _ = encode(comfy_env, text_encoder, vae=vae, image1=image(96, 128))
+        with_ref, _, _ = encode(comfy_env, text_encoder, vae=vae, images={"image1": image(96, 128)})
         positive, kwargs = with_ref, {"negative": negative, "cfg": 2.0}
     elif case == "preset":
         kwargs = {"sigma_preset": "karras"}

@@ -74,6 +74,30 @@ class MatchType:
             self.template = template
 
 
+class Autogrow:
+    """Inputs that grow as they are connected: the node gets `{name: value}` of the connected ones (ComfyUI passes
+    them nested under the Autogrow input's id)."""
+
+    io_type = "COMFY_AUTOGROW_V3"
+
+    class TemplateNames:
+        def __init__(self, input, names, min=1):
+            self.input, self.names, self.min = input, list(names), min
+
+    class TemplatePrefix:
+        def __init__(self, input, prefix, min=1, max=10):
+            self.input, self.prefix, self.min, self.max = input, prefix, min, max
+            self.names = [f"{prefix}{i}" for i in range(max)]
+
+    class Input(Input):
+        io_type = "COMFY_AUTOGROW_V3"
+
+        def __init__(self, id, template, display_name=None, optional=False, tooltip=None, lazy=None,
+                     extra_dict=None):
+            super().__init__(id, display_name, optional, tooltip, lazy, extra_dict)
+            self.template = template
+
+
 class Boolean:
     io_type = "BOOLEAN"
 
