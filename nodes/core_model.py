@@ -22,7 +22,7 @@ import comfy.supported_models_base
 
 from ..graph_runtime.comfy_interop.latents import LATENT_CHANNELS, latent_stats, normalized_to_raw, raw_to_normalized
 from ..graph_runtime.core_model import ModelFunction, PrefixSource, SamplingRun
-from ..graph_runtime.errors import InputError
+from ..graph_runtime.errors import InputError, KVGraphError
 from ..graph_runtime.lora import loras_in_use
 from ..graph_runtime.memory import GenerationShape, TransformerDims, compute_dtype, estimate
 from ..graph_runtime.registry import engine_for
@@ -36,7 +36,8 @@ PREFIX = "kvgraph_prefix"  # the model condition carrying a conditioning entry's
 RUN = "kvgraph_run"  # transformer_options key of the SamplingRun a model call belongs to
 LORAS = "kvgraph_loras"  # patcher attachment: the LoRA chain (LoraChoice, ...) of a KV-Graph Load LoRA node
 WRAPPER = "kvgraph.sampling_run"
-LORA_LOADER = "KV-Graph Load LoRA"
+CORE_PATCHES_REFUSED = ("KV-Graph: {what} cannot patch a KV-Graph MODEL: its captured graphs read the weights in "
+                        "place. Use KV-Graph Load LoRA, which merges LoRAs into those weights for the run.")
 DEFAULT_PREFIX_TOKENS = 128  # memory estimates before the prompt is known
 
 
@@ -139,13 +140,10 @@ class KVGraphModelPatcher(FullLoadPatcher):
     captured graphs read the weights in place and KV-Graph Load LoRA merges there."""
 
     def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
-        raise InputError("model", "a KV-Graph model given to a core LoRA or model-merging node",
-                         f"{LORA_LOADER} for LoRAs on a KV-Graph model (it merges them into the weights the "
-                         "captured graphs read); core weight patches are not applied to it")
+        raise KVGraphError(CORE_PATCHES_REFUSED.format(what="core LoRA loaders and model merging nodes"))
 
     def add_hook_patches(self, *args, **kwargs):
-        raise InputError("model", "a KV-Graph model given weight hooks (hook LoRAs)",
-                         f"{LORA_LOADER} for LoRAs on a KV-Graph model")
+        raise KVGraphError(CORE_PATCHES_REFUSED.format(what="hook LoRAs"))
 
 
 def make_model_patcher(transformer, scheduler_config, variant, load_device, offload_device, size: int):
