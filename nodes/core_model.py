@@ -96,9 +96,10 @@ class QwenImage21KVModel(comfy.model_base.BaseModel):
         if cond is None:
             raise InputError("conditioning", None, "Qwen-Image-2.1 conditioning (from the KV-Graph encode node or "
                                                    "core's Qwen-Image-2.1 text encode node)")
-        source = PrefixSource.from_conditioning(cond, kwargs, self.latent_format.stats,
-                                                self.diffusion_model.config.in_channels,
-                                                name=f"{kwargs.get('prompt_type', 'conditioning')} conditioning")
+        config = self.diffusion_model.config
+        source = PrefixSource.from_conditioning(cond, kwargs, self.latent_format.stats, config.in_channels,
+                                                name=f"{kwargs.get('prompt_type', 'conditioning')} conditioning",
+                                                text_dim=config.context_in_dim)
         return {PREFIX: comfy.conds.CONDConstant(source)}
 
     def extra_conds_shapes(self, **kwargs):

@@ -149,12 +149,13 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
             raise InputError("latent noise_mask", f"{mask.shape[0]} masks", f"1 mask, or one per latent ({batch})")
     stats = latent_stats()
 
-    pos = conditioning_to_prompt(positive, "positive", channels)
+    text_dim = model.module.config.context_in_dim
+    pos = conditioning_to_prompt(positive, "positive", channels, text_dim)
     neg = None
     if cfg > 1.0 and negative is None:
         logger.warning("KV-Graph: cfg %.2f has no effect without a negative conditioning; sampling without CFG.", cfg)
     if cfg > 1.0 and negative is not None:
-        neg = conditioning_to_prompt(negative, "negative", channels)
+        neg = conditioning_to_prompt(negative, "negative", channels, text_dim)
         if not _same_references(pos, neg):
             raise InputError("negative", "conditioning encoded with other reference images",
                              "the same reference images as the positive conditioning")

@@ -85,6 +85,14 @@ def ksampler(model, positive, negative, latent, seed, steps, cfg, sampler_name="
                                noise_mask=latent.get("noise_mask"), seed=seed).float().cpu()
 
 
+def refusal(call) -> dict:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the refusal is what is measured
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "message": ""}
+
+
 def diff(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
@@ -151,6 +159,20 @@ def main() -> dict:
                       "custom_kept_max_diff": diff(custom[..., :half], source[..., :half]),
                       "kv_sampler_max_diff": diff(kv_sampler(32, latent_in=masked_latent), custom)}
 
+    # Bad combinations fail with a message saying what was expected, and the next run works: another model's MODEL
+    # into the KV-Graph nodes that take a MODEL, another text encoder's conditioning into KSampler on the MODEL.
+    import comfy.model_patcher
+
+    other = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), mm.get_torch_device(), "cpu")
+    foreign = [[torch.zeros(1, 77, 768), {"pooled_output": torch.zeros(1, 768)}]]
+    out["refused"] = {
+        "sigmas": refusal(lambda: run_node(env, "KVGraphSigmas", model=other, steps=STEPS, sigma_preset="auto",
+                                           width=1024, height=1024, denoise=1.0)),
+        "lora": refusal(lambda: run_node(env, "KVGraphLoadLoRA", model=other, lora_name="kvgraph_test_lora.safetensors",
+                                         strength=1.0)),
+        "conditioning": refusal(lambda: ksampler(model, foreign, foreign, latent, 51, STEPS, 1.0)),
+    }
+
     # LoRA: KV-Graph Load LoRA on the MODEL merges in place for the run (same latents as on the handle); core's
     # LoRA loader is refused with a message naming KV-Graph Load LoRA.
     lora_model, = run_node(env, "KVGraphLoadLoRA", model=model, lora_name="kvgraph_test_lora.safetensors",
@@ -161,13 +183,10 @@ def main() -> dict:
     without = custom_advanced(model, positive, negative, latent, sigmas, "euler", 1.0, 41)
     out["lora"] = {"max_diff_vs_kv_sampler": diff(with_lora, kv_sampler(41, model_in=lora_handle)),
                    "changed_by_lora": diff(with_lora, without)}
-    try:
-        target = "diffusion_model.transformer_blocks.0.attn.to_q"  # a generic-format LoRA on a real weight
-        comfy.sd.load_lora_for_models(model, None, {f"{target}.lora_up.weight": torch.zeros(32, 4),
-                                                    f"{target}.lora_down.weight": torch.zeros(4, 32)}, 1.0, 0.0)
-        out["core_lora"] = {"refused": False}
-    except Exception as exc:  # noqa: BLE001 - the refusal is what is measured
-        out["core_lora"] = {"refused": True, "type": type(exc).__name__, "message": str(exc)}
+    target = "diffusion_model.transformer_blocks.0.attn.to_q"  # a generic-format LoRA on a real weight
+    out["core_lora"] = refusal(lambda: comfy.sd.load_lora_for_models(
+        model, None, {f"{target}.lora_up.weight": torch.zeros(32, 4),
+                      f"{target}.lora_down.weight": torch.zeros(4, 32)}, 1.0, 0.0))
 
     # Nothing of a run outlives it: no run in progress, the engine not busy, no prefix left owning an entry.
     in_flight = env.pack.nodes.in_flight

@@ -85,7 +85,19 @@ def test_kvgraph_lora_on_the_model_and_core_lora_refused(measured):
     lora = measured["lora"]
     assert lora["max_diff_vs_kv_sampler"] <= 5e-5 and lora["changed_by_lora"] > 1e-2
     refusal = measured["core_lora"]
-    assert refusal["refused"] and refusal["type"] == "KVGraphError" and "KV-Graph Load LoRA" in refusal["message"]
+    assert refusal["type"] == "KVGraphError" and "KV-Graph Load LoRA" in refusal["message"]
+
+
+def test_bad_combinations_are_refused_by_name_and_the_next_run_works(measured):
+    """Another model's MODEL into KV-Graph Sigmas or KV-Graph Load LoRA, another text encoder's conditioning into
+    KSampler on the MODEL: each fails with an error saying what was expected (and nothing else breaks: the LoRA runs
+    after it work, and nothing of the failed run stays)."""
+    refused = measured["refused"]
+    for node in ("sigmas", "lora"):
+        assert refused[node]["type"] == "InputError" and "KV-Graph MODEL" in refused[node]["message"], refused[node]
+    conditioning = refused["conditioning"]
+    assert conditioning["type"] == "InputError" and "width 768" in conditioning["message"]
+    assert "Qwen-Image-2.1 conditioning of width" in conditioning["message"]
 
 
 def test_nothing_of_a_run_outlives_it(measured):

@@ -209,3 +209,13 @@ def test_the_kvgraph_sampler_inpaints_from_the_latents_noise_mask(comfy_env, set
     out = sampler(comfy_env, handle, positive, {"samples": start, "noise_mask": mask}, seed=2)["samples"]
     assert (out[..., :4] - start[..., :4]).abs().max() <= 1e-5
     assert (out[..., 4:] - start[..., 4:]).abs().max() > 1e-1
+
+
+def test_another_text_encoders_conditioning_is_refused_by_name(comfy_env, setup):
+    """Conditioning from another model's text encoder (e.g. CLIP's 768 wide) fails when core prepares it, saying
+    what the model reads, before any model call."""
+    _, model, *_ = setup
+    errors = pack_module(comfy_env, "graph_runtime.errors")
+    with pytest.raises(errors.InputError, match=r"width 768.*Qwen-Image-2.1 conditioning of width 64"):
+        model.model.extra_conds(cross_attn=torch.zeros(1, 77, 768), pooled_output=torch.zeros(1, 768),
+                                prompt_type="negative")

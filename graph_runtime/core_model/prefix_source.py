@@ -64,11 +64,13 @@ class PrefixSource:
 
     @classmethod
     def from_conditioning(cls, cond: torch.Tensor, extras: dict, stats: LatentStats | None = None,
-                          channels: int = LATENT_CHANNELS, name: str = "conditioning") -> "PrefixSource":
+                          channels: int = LATENT_CHANNELS, name: str = "conditioning",
+                          text_dim: int | None = None) -> "PrefixSource":
         """One core CONDITIONING entry (`cond` and its extras dict, as core's Qwen-Image-2.1 encode node or the
-        pack's makes it) read as the runtime reads it; reference latents go to the model's normalized space."""
+        pack's makes it) read as the runtime reads it; reference latents go to the model's normalized space.
+        `text_dim`: the width of the transformer's text input, checked."""
         extras = {k: extras[k] for k in PREFIX_EXTRAS if extras.get(k) is not None}
-        parsed = conditioning_to_prompt([[cond, extras]], name, channels)
+        parsed = conditioning_to_prompt([[cond, extras]], name, channels, text_dim)
         stats = stats if stats is not None else latent_stats()
         references = tuple(raw_to_normalized(r, stats) for r in parsed.reference_latents)
         return cls(parsed.embeds, references, content_digest(parsed.embeds, references))
