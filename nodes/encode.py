@@ -69,10 +69,13 @@ class KVGraphTextEncode(io.ComfyNode):
                 Vae.Input("vae", optional=True,
                           tooltip="The KV-Graph VAE; needed when reference images are connected (they enter the "
                                   "transformer as latents)."),
+                # min 0: every socket optional (ComfyUI 0.33 requires the first `min`); the template input itself
+                # must not be optional (ComfyUI 0.8 reads only a required one). web/reference_sockets.js gives
+                # frontends that show no socket for min 0 their first one.
                 io.Autogrow.Input("images", optional=True, template=io.Autogrow.TemplateNames(
-                    io.Image.Input("image", optional=True,
-                                   tooltip="A reference image: image N in the prompt is the one at socket imageN."),
-                    names=REFERENCE_SOCKETS, min=1),
+                    io.Image.Input("image", tooltip="A reference image: image N in the prompt is the one at socket "
+                                                    "imageN."),
+                    names=REFERENCE_SOCKETS, min=0),
                     tooltip=f"Up to {MAX_REFERENCES} reference images; connecting one adds the next socket. The "
                             "prompt calls them image 1, image 2, ... in socket order (the first image of each "
                             "batch is used)."),
@@ -89,10 +92,11 @@ class KVGraphTextEncode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, width=None, height=None):
+    def validate_inputs(cls, width=None, height=None, **_linked):
         """Checked when the prompt is queued, before any loader runs: ComfyUI answers POST /prompt with this node's
         error. ComfyUI skips its own min/max check for inputs validated here, so the bounds are checked too. A side
-        linked from another node is not known yet (None) and is checked by execute."""
+        linked from another node is not known yet (None) and is checked by execute; the other inputs (ComfyUI 0.8 also
+        hands over the linked reference images) are checked by execute."""
         for name, value in (("width", width), ("height", height)):
             if value is None:
                 continue

@@ -108,11 +108,12 @@ def test_encode_schema(comfy_env):
     for side in ("width", "height"):
         assert (inputs[side].default, inputs[side].step, inputs[side].min) == (1024, 16, 16)
     assert inputs["vae"].io_type == "KVGRAPH_VAE" and inputs["vae"].optional
-    # Up to 10 reference sockets that grow as they are connected (the model's limit), one shown at first.
+    # Up to 10 reference sockets that grow as they are connected (the model's limit), none of them required: min 0
+    # (ComfyUI 0.33 requires the first `min`), and a template ComfyUI 0.8 can read (it reads only a required one).
     images = inputs["images"]
     assert images.io_type == "COMFY_AUTOGROW_V3" and images.optional
-    assert images.template.names == [f"image{i}" for i in range(1, 11)] and images.template.min == 1
-    assert images.template.input.io_type == "IMAGE" and images.template.input.optional
+    assert images.template.names == [f"image{i}" for i in range(1, 11)] and images.template.min == 0
+    assert images.template.input.io_type == "IMAGE" and not images.template.input.optional
     assert inputs["reference_resolution"].default == 1024
     assert [o.io_type for o in s.outputs] == ["CONDITIONING", "CONDITIONING", "LATENT"]
     assert [o.display_name for o in s.outputs] == ["positive", "negative", "latent"]
