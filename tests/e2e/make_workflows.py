@@ -162,11 +162,9 @@ def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="auto", reference
     nodes.append((6, "KVGraphVAEDecode", [], {"vae": (3, 0), "latent": (5, 0)}, TITLES["KVGraphVAEDecode"]))
     nodes.append((7, "SaveImage", [("filename_prefix", f"KVGraph/{name}")], {"images": (6, 0)},
                   TITLES["SaveImage"]))
-    images = [10 + i for i in range(references)]
     columns = [
         [[1], [2], [3], [20]],  # the loaders, and the note saying which files they load
-        # references above the prompt, in one row up to two, else in rows of two
-        [images[i:i + 2] for i in range(0, references, 2 if references > 2 else references or 1)] + [[4]],
+        ([[10 + i for i in range(references)]] if references else []) + [[4]],  # references above the prompt
         [[5], [6], [7]],  # the sampler and its output
     ]
     return nodes, columns
@@ -240,6 +238,13 @@ def inpaint(workflow, seed=42, steps=40):
     return [*nodes[:4], image, encode, mask, *nodes[4:]], [loaders, [[11], [35], [36], *prompt], sampling]
 
 
+def five_references(workflow):
+    """Five reference images need the room: the prompt goes under the loaders, the images in rows of three beside
+    them (the note beside the last two), the sampler and its output below the images."""
+    nodes, _ = workflow
+    return nodes, [[[1], [2], [3], [4]], [[10, 11, 12], [13, 14, 20], [5, 6, 7]]]
+
+
 WORKFLOWS = {
     "qwen_image_2.1_text_to_image": graph(
         "text_to_image", "A capybara wearing a wizard hat, reading a spell book by candlelight, oil painting."),
@@ -264,21 +269,26 @@ WORKFLOWS = {
         "ksampler", "A capybara wearing a wizard hat, reading a spell book by candlelight, oil painting."),
         ksampler()),
     "qwen_image_2.1_edit_custom_sampler": on_the_model(graph(
-        "edit_custom_sampler", "Make the sky in image 1 a deep purple sunset and add a small sailing boat.",
+        "custom_sampler", "Make the sky in image 1 a deep purple sunset and add a small sailing boat.",
         negative="blurry, low quality, distorted", references=1), custom_advanced()),
     "qwen_image_2.1_inpaint": inpaint(graph(
         "inpaint", "A red teapot on a wooden kitchen counter beside a window, morning light, photo.")),
-    "qwen_image_2.1_edit_five_references": graph(
-        "edit_five_references", "Put the objects from images 2, 3, 4 and 5 on the table in image 1, side by side, "
-        "matching its lighting.", references=5),
+    "qwen_image_2.1_edit_five_references": five_references(graph(
+        "five_references", "Put the objects from images 2, 3, 4 and 5 on the table in image 1, side by side, "
+        "matching its lighting.", references=5)),
 }
 
 
 def ui_workflow(workflow) -> dict:
     nodes, columns = workflow
     images = [node_id for node_id, node_type, *_ in nodes if node_type == "LoadImage"]
-    compact = {i: workflow_layout.COMPACT_IMAGE for i in images} if len(images) > 2 else None
-    placed = workflow_layout.place(columns, {node_id: node_type for node_id, node_type, *_ in nodes}, compact)
+    sizes = {i: workflow_layout.COMPACT_IMAGE for i in images} if len(images) > 2 else {}
+    for node_id, node_type, _, node_links, _ in nodes:
+        if node_type == "KVGraphTextEncode":  # a row per reference socket
+            width, height = workflow_layout.MIN_SIZE[node_type]
+            rows = len(sockets_of(node_type, node_links)) - len(SOCKETS[node_type])
+            sizes[node_id] = (width, max(height, workflow_layout.ENCODE_BASE_HEIGHT + workflow_layout.SOCKET_ROW * rows))
+    placed = workflow_layout.place(columns, {node_id: node_type for node_id, node_type, *_ in nodes}, sizes)
     links, ui_nodes, link_id = [], [], 0
     outgoing = {}
     for node_id, node_type, _, node_links, _ in nodes:

@@ -34,7 +34,7 @@ MAX_SCALE = 1.0
 # (width, height) each node type needs at least: its widgets at full width (the longest label and value of the
 # example values, plus the widget's arrows and padding), its title, and `computeSize()`'s height.
 MIN_SIZE = {
-    "KVGraphLoadTransformer": (480, 130),
+    "KVGraphLoadTransformer": (480, 150),
     "KVGraphLoadTextEncoder": (440, 130),
     "KVGraphLoadVAE": (400, 82),
     "KVGraphLoadLoRA": (400, 82),
@@ -44,7 +44,7 @@ MIN_SIZE = {
     "KVGraphSampler": (360, 300),
     "KVGraphVAEDecode": (260, 50),
     "SaveImage": (360, 320),
-    "KVGraphSigmas": (400, 200),
+    "KVGraphSigmas": (400, 180),
     "KVGraphVAEEncode": (260, 50),
     "KSampler": (360, 262),
     "RandomNoise": (320, 82),
@@ -53,8 +53,10 @@ MIN_SIZE = {
     "SamplerCustomAdvanced": (360, 106),
     "SetLatentNoiseMask": (260, 50),
 }
-# A reference image node with a small preview, where an example has many (its widgets still fit).
-COMPACT_IMAGE = (340, 150)
+# The encode node grows a socket row per reference socket: its height for `sockets` of them.
+ENCODE_BASE_HEIGHT, SOCKET_ROW = 258, 20
+# Load Image at the height the frontend needs (its preview smaller), where an example has many of them.
+COMPACT_IMAGE = (340, 326)
 
 
 def place(columns, node_types: dict, sizes: dict | None = None) -> dict:
