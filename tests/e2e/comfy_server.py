@@ -145,6 +145,16 @@ class ComfyServer:
     def status(self) -> dict:
         return self.get("/kvgraph/status")
 
+    def wait_for_step(self, step: int = 2, timeout: float = 60.0) -> dict:
+        """The first running sampler's record (`/kvgraph/status`) once it has reached `step`."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            running = self.status()["running"]
+            if running and running[0]["step"] >= step:
+                return running[0]
+            time.sleep(0.05)
+        raise AssertionError(f"no sampler reported step {step} within {timeout:.0f} s:\n{self.log_tail()}")
+
     def output_images(self, entry: dict) -> list[Path]:
         paths = []
         for output in entry["outputs"].values():
