@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from comfy_server import LORA_FILE, error_message, load_api_workflow, node_of  # noqa: E402
+from comfy_server import LORA_FILE, error_message, load_api_workflow, node_of, start_server  # noqa: E402
 
 pytestmark = pytest.mark.comfyui
 
@@ -30,8 +30,12 @@ LATENT_ATOL = 1e-4
 
 
 @pytest.fixture(scope="module")
-def server(classic_server):
-    return classic_server
+def server(comfyui_install, comfy_base):
+    """A server of its own: the parity test loads the transformer as fp32 too, which the shared server's other
+    modules would see as a second loaded model."""
+    srv = start_server(comfyui_install, comfy_base)
+    yield srv
+    srv.stop()
 
 
 def saved_latent(server, entry):
