@@ -286,3 +286,19 @@ def test_a_noise_mask_without_an_input_latent_is_refused(generator, tiny_models,
 
     with pytest.raises(InputError, match="noise mask"):
         kvgraph_sampler(generator, tiny_models, encoded["positive"], 2, 1, noise_mask=torch.ones(1, 1, H, W))
+
+
+def test_a_zeroed_out_negative_works_as_in_core(generator, tiny_models, encoded):
+    """Core's ConditioningZeroOut (the positive's conditioning with its values zeroed) as the negative: its own
+    prefix, and CFG through core's Euler equals the KV-Graph Sampler's true CFG with that negative."""
+    from graph_runtime.encoding.prompt import PromptEmbeds
+
+    positive = encoded["positive"]
+    zeroed = PromptEmbeds(torch.zeros_like(positive.embeds), positive.image_mask.clone(), positive.text_mask)
+    sigmas = schedule(tiny_models, 3)
+    with SamplingRun(generator.engine, "eager") as run:
+        ours, _ = core_euler(ModelFunction(generator.engine), comfy_noise(8, (1, 64, H, W)), sigmas, source(positive),
+                             source(zeroed), cfg=3.0, run=run)
+        assert run.counts.prefills == 2
+    expected = kvgraph_sampler(generator, tiny_models, positive, 3, 8, negative=zeroed, cfg=3.0)
+    assert max_diff(ours, expected) <= ATOL
