@@ -65,4 +65,5 @@ class ModelFunction:
             prefix = run.prefix(source, roles, (height, width), hidden, timestep)
             outcome = self.engine.decode(prefix, hidden, timestep, run.mode)
             run.count(sigma, outcome.path, outcome.reason)
-            return unpack(outcome.output, height, width)
+            # On the caller's device: where the weights are not on it (an eager step, counted), the step ran on theirs.
+            return unpack(outcome.output, height, width).to(x.device)
