@@ -62,3 +62,8 @@ class FlatOutputError(KVGraphError):
     def __init__(self, what: str, cause: str):
         self.what, self.cause = what, cause
         super().__init__(f"{what} is one flat colour: {cause}.")
+
+
+class DependencyError(KVGraphError):
+    """A feature that needs a newer version of a library than the one installed: names both versions and what to do
+    instead."""

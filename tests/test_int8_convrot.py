@@ -422,3 +422,54 @@ def test_cli_generates_from_the_int8_files(files, tmp_path, capsys):
                  "--text-encoder", str(models / INT8_FILES["text_encoder"]),
                  "--tokenizer", str(files["tokenizer"]), "--precision", "fp8-attn"]) == 0
     assert "precision: fp8-attn (chosen): 8 block Linears in FP8" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------------- comfy-kitchen's version
+
+
+def _required_kitchen(text: str) -> str:
+    import re
+
+    found = re.findall(r"comfy-kitchen>=([0-9.]+)", text)
+    assert len(found) == 1, found
+    return found[0]
+
+
+def test_requirements_ask_the_oldest_comfy_kitchen_the_int8_layers_run_on():
+    """The pack requires the comfy-kitchen release its int8 layers need (`INT8_LAYERS`), in requirements.txt and in
+    pyproject alike, and no newer than the 0.2.31 that ComfyUI 0.33.0 pins: installing the pack never replaces
+    ComfyUI's own pin. A feature needing a newer release (the int8 embedding table) checks at run time instead."""
+    from pathlib import Path
+
+    from packaging.version import Version
+
+    from graph_runtime.quantized import kitchen
+
+    root = Path(__file__).resolve().parents[1]
+    floors = {_required_kitchen((root / name).read_text()) for name in ("requirements.txt", "pyproject.toml")}
+    assert floors == {kitchen.INT8_LAYERS}
+    assert Version(kitchen.INT8_LAYERS) <= Version(kitchen.INT8_EMBEDDING) <= Version("0.2.31")
+
+
+def test_an_older_comfy_kitchen_is_named_when_a_feature_needs_a_newer_one(files, monkeypatch):
+    """With a comfy-kitchen older than the int8 embedding table needs (0.2.20 here), loading the INT8 text encoder
+    kept int8 fails at once with an error naming the version needed, the one installed and the workaround
+    (dequantize), not an AttributeError from inside comfy-kitchen; the dequantized load and the int8 DiT still work.
+    Without comfy-kitchen at all, an int8 layer says that it is not installed."""
+    from graph_runtime.errors import DependencyError
+    from graph_runtime.quantized import kitchen
+
+    monkeypatch.setattr(kitchen, "installed_version", lambda: "0.2.20")
+    with pytest.raises(DependencyError) as err:
+        load_text_encoder(files["text_encoder"], dtype=F32, tokenizer_dir=files["tokenizer"])
+    message = str(err.value)
+    assert f">= {kitchen.INT8_EMBEDDING}" in message and "0.2.20 is installed" in message
+    assert "int8_weights 'dequantize'" in message
+    model, _ = load_text_encoder(files["text_encoder"], dtype=F32, tokenizer_dir=files["tokenizer"],
+                                 quantized="dequantize")
+    assert not int8_modules(model)
+    assert len(int8_modules(load_transformer(files["transformer"], dtype=F32))) == BLOCK_LINEARS
+
+    monkeypatch.setattr(kitchen, "installed_version", lambda: None)
+    with pytest.raises(DependencyError, match="comfy-kitchen is not installed"):
+        load_transformer(files["transformer"], dtype=F32)

@@ -17,7 +17,8 @@ import logging
 import os
 
 import torch
-from comfy_kitchen.tensor import TensorWiseINT8Layout
+
+from .kitchen import INT8_EMBEDDING, int8_layout
 
 from ..kernels.int8_gemm import int8_scaled_mm, int8_tensor_core_reason
 from ..kernels.int8_quant import CONVROT_GROUP, is_int8_rows, quantize_rows_int8
@@ -55,7 +56,7 @@ def quantize_weight(weight: torch.Tensor, group_size: int, convrot: bool = True)
     problem = group_size_problem(group_size, weight.shape[-1], convrot)
     if problem:
         raise ValueError(problem)
-    q, params = TensorWiseINT8Layout.quantize(weight.float(), is_weight=True, per_channel=True, convrot=convrot,
+    q, params = int8_layout().quantize(weight.float(), is_weight=True, per_channel=True, convrot=convrot,
                                               convrot_groupsize=group_size)
     return q, params.scale.float().reshape(-1, 1)
 
@@ -64,9 +65,10 @@ def dequantize_weight(q: torch.Tensor, scale: torch.Tensor, group_size: int, con
                       dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """int8 `[out, in]` + per-row (or scalar) scale -> the float weight in `dtype`, un-rotated (comfy-kitchen computes
     it in fp32 and rounds once to `dtype`)."""
-    params = TensorWiseINT8Layout.Params(scale=scale.float(), orig_dtype=dtype, orig_shape=tuple(q.shape),
-                                         convrot=convrot, convrot_groupsize=group_size)
-    return TensorWiseINT8Layout.dequantize(q, params)
+    layout = int8_layout()
+    params = layout.Params(scale=scale.float(), orig_dtype=dtype, orig_shape=tuple(q.shape), convrot=convrot,
+                           convrot_groupsize=group_size)
+    return layout.dequantize(q, params)
 
 
 class _KeepsScaleFp32:
@@ -98,6 +100,7 @@ class ConvRotInt8Linear(_KeepsScaleFp32, torch.nn.Linear):
                  convrot: bool = True, device=None, dtype=None):
         # Not nn.Linear.__init__: it would allocate and randomly initialise a float weight of the full size.
         torch.nn.Module.__init__(self)
+        int8_layout("An INT8 ConvRot layer kept int8")  # forward's custom op comes with it
         problem = group_size_problem(group_size, in_features, convrot)
         if problem:
             raise ValueError(problem)
@@ -194,6 +197,8 @@ class ConvRotInt8Embedding(_KeepsScaleFp32, torch.nn.Embedding):
                  group_size: int = 256, convrot: bool = True, output_dtype: torch.dtype = torch.bfloat16,
                  device=None):
         torch.nn.Module.__init__(self)
+        int8_layout("An INT8 ConvRot embedding table kept int8 (the text encoder's)", INT8_EMBEDDING,
+                    "load the text encoder with int8_weights 'dequantize'")
         problem = group_size_problem(group_size, embedding_dim, convrot)
         if problem:
             raise ValueError(problem)
@@ -222,10 +227,11 @@ class ConvRotInt8Embedding(_KeepsScaleFp32, torch.nn.Embedding):
         """Nothing to initialise: the table comes from a checkpoint."""
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        params = TensorWiseINT8Layout.Params(scale=self.weight_scale, orig_dtype=self.output_dtype,
-                                             orig_shape=tuple(self.weight.shape), convrot=self.convrot,
-                                             convrot_groupsize=self.group_size)
-        return TensorWiseINT8Layout.dequantize_embedding(self.weight, params, ids)
+        layout = int8_layout()
+        params = layout.Params(scale=self.weight_scale, orig_dtype=self.output_dtype,
+                               orig_shape=tuple(self.weight.shape), convrot=self.convrot,
+                               convrot_groupsize=self.group_size)
+        return layout.dequantize_embedding(self.weight, params, ids)
 
     def dequantized_weight(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return dequantize_weight(self.weight, self.weight_scale, self.group_size, self.convrot, dtype)
