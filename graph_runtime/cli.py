@@ -10,7 +10,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from .errors import InputError, KVGraphError
+from .errors import InputError, KVGraphError, OutputWriteError
+from .output_files import check_target, write_atomically
 from .validation import check_cfg, check_count, check_reference_resolution, check_seed, check_size
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -65,16 +66,20 @@ def check_device(value: str | None) -> str:
     raise InputError("--device", value, f"a device of this machine: {have}")
 
 
-def check_out(path: str, keep_alpha: bool) -> str:
-    """`--out`: a known image extension (checked before anything is generated); returns the PIL format."""
+def check_out(path: str, keep_alpha: bool, batch: int = 1, overwrite: bool = False) -> str:
+    """`--out` and the files `--batch` derives from it, checked before anything is generated: a known image
+    extension, a writable place, and no existing file unless `--overwrite`. Returns the PIL format."""
     ext = os.path.splitext(path)[1].lower()
     fmt = OUTPUT_FORMATS.get(ext)
     if fmt is None:
         raise InputError("--out", path, f"a file name ending in {', '.join(OUTPUT_FORMATS)}")
     if keep_alpha and fmt == "JPEG":
         raise InputError("--out", path, "a .png or .webp file with --keep-alpha (JPEG has no alpha channel)")
-    if os.path.isdir(path):
-        raise InputError("--out", path, "a file name, not a folder")
+    # The last derived name is the longest; the others differ only in their number.
+    check_target("--out", output_path(path, batch, batch - 1), overwrite=True, replace_hint="")
+    existing = existing_outputs(path, batch)
+    if existing and not overwrite:
+        check_target("--out", existing[0], overwrite, "pass --overwrite to replace it")
     return fmt
 
 
@@ -109,7 +114,7 @@ def check_generate_args(args) -> GenerateInputs:
     for flag, value in (("--width", args.width), ("--height", args.height)):
         if value is not None:
             check_size(flag, value)
-    out_format = check_out(args.out, args.keep_alpha)
+    out_format = check_out(args.out, args.keep_alpha, args.batch, args.overwrite)
     for flag, attr in MODEL_FLAGS:
         path = getattr(args, attr)
         if path is not None and not os.path.exists(os.path.expanduser(path)):
@@ -162,11 +167,36 @@ def load_models(args, device: str, precision=None):
     )
 
 
-def output_paths(out: str, count: int) -> list[str]:
+def output_path(out: str, count: int, index: int) -> str:
+    """The file the `index`-th of `count` images goes to: `out` itself for one image, else NAME_<index>.EXT."""
     if count == 1:
-        return [out]
+        return out
     stem, ext = os.path.splitext(out)
-    return [f"{stem}_{i}{ext}" for i in range(count)]
+    return f"{stem}_{index}{ext}"
+
+
+def existing_outputs(out: str, count: int) -> list[str]:
+    """Those of the `count` output paths that exist, found with one listing of their folder (a huge --batch, refused
+    later by the memory budget, must not make this check slow)."""
+    if count == 1:
+        return [out] if os.path.lexists(out) else []
+    folder = os.path.dirname(out) or "."
+    try:
+        names = set(os.listdir(folder))
+    except OSError:  # no such folder yet: nothing in it to replace
+        return []
+    found = sorted((index, name) for name in names
+                   if (index := _derived_index(os.path.basename(out), name, count)) is not None)
+    return [os.path.join(os.path.dirname(out), name) for _, name in found]
+
+
+def _derived_index(out_name: str, name: str, count: int) -> int | None:
+    """The index `name` has as a derived output of `out_name` (NAME_<i>.EXT, i < count), or None."""
+    stem, ext = os.path.splitext(out_name)
+    number = name[len(stem) + 1:len(name) - len(ext)] if name.startswith(stem + "_") and name.endswith(ext) else ""
+    if number.isdigit() and str(int(number)) == number and int(number) < count:
+        return int(number)
+    return None
 
 
 def resolve_cli_precision(args, device: str):
@@ -185,7 +215,7 @@ def apply_cli_precision(transformer, resolved) -> None:
     from .fp8 import apply_precision
 
     if not resolved.converts:
-        print(f"precision: {resolved.precision} ({resolved.reason})")
+        print(f"precision: {resolved.describe(transformer)}")
         return
     done = apply_precision(transformer, resolved.precision, device=next(transformer.parameters()).device)
     kind = "INT8" if resolved.precision == "int8" else "FP8"
@@ -215,9 +245,9 @@ def cmd_generate(args) -> int:
         print(f"run {run + 1}: load {load_s:.2f} s (first run only) | " + " | ".join(
             f"{k} {v}" for k, v in timings.items()))
         print(f"run {run + 1}: graph statistics for this run: {json.dumps(result.stats)}")
-    for path, image in zip(output_paths(args.out, len(result.images)), result.images):
-        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        image.save(path, format=checked.out_format)
+    for index, image in enumerate(result.images):
+        path = output_path(args.out, len(result.images), index)
+        write_atomically(path, lambda file: image.save(file, format=checked.out_format))
         print(f"wrote {path} ({image.size[0]}x{image.size[1]} {image.mode})")
     print("graph manager: " + json.dumps(generator.engine.status()))
     return 0
@@ -234,14 +264,18 @@ def cmd_make_tiny(args) -> int:
         check_writable([*comfyui_file_paths(args.comfyui_models).values(),
                         *comfyui_int8_file_paths(args.comfyui_models).values()], args.force)
     if args.dir:
-        check_writable([args.dir], args.force)
+        check_writable([args.dir], args.force, folder=True)
     if args.comfyui_models:
         for name, path in write_comfyui_files(args.comfyui_models, force=args.force).items():
             print(f"wrote {name}: {path}")
         for name, path in write_comfyui_int8_files(args.comfyui_models, force=args.force).items():
             print(f"wrote {name} (INT8 ConvRot): {path}")
     if args.dir:
-        folder = write_diffusers_folder(args.dir, force=args.force)
+        try:
+            folder = write_diffusers_folder(args.dir, force=args.force)
+        except OSError as exc:  # a full disk, say: the folder is left part-written, which the message says
+            raise OutputWriteError(args.dir, f"{exc.strerror or exc} (the folder may be incomplete: write it "
+                                             "again with --force)") from None
         print(f"wrote diffusers folder: {folder}")
         for path in sorted(p for p in folder.rglob("*") if p.is_file()):
             print(f"  {path.relative_to(folder)}")
@@ -268,38 +302,57 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     gen = sub.add_parser("generate", help="generate an image (text-to-image or edit)")
-    gen.add_argument("--prompt", default="A capybara wearing a wizard hat, oil painting")
-    gen.add_argument("--negative", default=None, help="negative prompt (used when --cfg > 1)")
-    gen.add_argument("--cfg", type=float, default=1.0, help="true CFG scale; > 1 with --negative doubles the work")
-    gen.add_argument("--image", action="append", default=[], help="reference image for edits (repeatable)")
-    gen.add_argument("--model", help="diffusers folder (transformer/, vae/, text_encoder/, processor/, scheduler/)")
-    gen.add_argument("--transformer", help="single file, e.g. qwen_image_2.1_bf16.safetensors")
-    gen.add_argument("--vae", help="single file, e.g. qwen_image_2.1_vae_bf16.safetensors")
-    gen.add_argument("--text-encoder", help="single file, e.g. qwen3vl_8b_bf16.safetensors")
-    gen.add_argument("--tokenizer", help="tokenizer folder for a single-file text encoder")
-    gen.add_argument("--width", type=int, default=None, help="multiple of 16 (default 1024, or from the reference)")
-    gen.add_argument("--height", type=int, default=None)
-    gen.add_argument("--steps", type=int, default=40)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--batch", type=int, default=1)
-    gen.add_argument("--sigmas", choices=["dynamic", "turbo"], default="dynamic")
-    gen.add_argument("--decode", choices=["auto", "graph", "eager"], default="auto")
+    gen.add_argument("--prompt", default="A capybara wearing a wizard hat, oil painting",
+                     help="what to generate, or the edit to make (default: %(default)r)")
+    gen.add_argument("--negative", default=None, help="negative prompt, used when --cfg > 1 (default: none)")
+    gen.add_argument("--cfg", type=float, default=1.0,
+                     help="true CFG scale; above 1 with --negative it doubles the work (default: 1, no CFG)")
+    gen.add_argument("--image", action="append", default=[],
+                     help="reference image for an edit, repeatable (default: none, text-to-image)")
+    gen.add_argument("--model", help="diffusers folder (transformer/, vae/, text_encoder/, processor/, scheduler/) "
+                                     "(default: the tiny built-in random model, unless the single files are given)")
+    gen.add_argument("--transformer", help="single file, e.g. qwen_image_2.1_bf16.safetensors (default: none)")
+    gen.add_argument("--vae", help="single file, e.g. qwen_image_2.1_vae_bf16.safetensors (default: none)")
+    gen.add_argument("--text-encoder", help="single file, e.g. qwen3vl_8b_bf16.safetensors (default: none)")
+    gen.add_argument("--tokenizer", help="tokenizer folder for a single-file text encoder (default: one found next "
+                                         "to the file)")
+    gen.add_argument("--width", type=int, default=None,
+                     help="output width in px, a multiple of 16 (default: 1024, or the last reference's)")
+    gen.add_argument("--height", type=int, default=None,
+                     help="output height in px, a multiple of 16 (default: 1024, or the last reference's)")
+    gen.add_argument("--steps", type=int, default=40,
+                     help="denoising steps of the dynamic schedule (default: 40; --sigmas turbo always runs 8)")
+    gen.add_argument("--seed", type=int, default=0, help="noise seed, 0 to 2^64-1 (default: 0)")
+    gen.add_argument("--batch", type=int, default=1,
+                     help="images per run; more than one writes NAME_0.EXT, NAME_1.EXT, ... (default: 1)")
+    gen.add_argument("--sigmas", choices=["dynamic", "turbo"], default="dynamic",
+                     help="dynamic: the model's resolution-shifted schedule over --steps; turbo: the Turbo model's "
+                          "fixed 8-step grid (default: dynamic)")
+    gen.add_argument("--decode", choices=["auto", "graph", "eager"], default="auto",
+                     help="auto: replay CUDA graphs where possible, else eager; graph: the same, warning when a step "
+                          "cannot replay; eager: never capture (default: auto)")
     gen.add_argument("--compile", choices=["blocks", "off"], default="off",
                      help="blocks: also torch.compile the transformer blocks on CUDA (same step time in our "
-                          "benchmark, ~6 s more on the first prompt); default off")
-    gen.add_argument("--reference-resolution", type=int, default=1024, help="references are resized to ~N*N px")
-    gen.add_argument("--dtype", choices=sorted(DTYPES), default=None, help="default bf16 on CUDA, fp32 on CPU")
+                          "benchmark, ~6 s more on the first prompt) (default: off)")
+    gen.add_argument("--reference-resolution", type=int, default=1024,
+                     help="references are resized to about N x N px (default: 1024)")
+    gen.add_argument("--dtype", choices=sorted(DTYPES), default=None,
+                     help="the models' dtype (default: bf16 on CUDA, fp32 on the CPU)")
     gen.add_argument("--precision", default="auto",
                      help="the transformer blocks' Linears: auto (default: fp8-attn for bf16 weights of a float file "
-                          "on an Ada, Hopper or Blackwell GPU, else bf16), bf16 (as loaded), fp8, fp8-attn (MLP kept "
-                          "bf16) or fp8-no-out (docs/fp8.md)")
-    gen.add_argument("--device", default=None, help="default cuda when available")
-    gen.add_argument("--repeat", type=int, default=1, help="generate N times in one process (shows graph reuse)")
+                          "on an Ada, Hopper or Blackwell GPU, else as loaded), bf16 (as loaded), fp8, fp8-attn (MLP "
+                          "kept bf16) or fp8-no-out (docs/fp8.md)")
+    gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
+    gen.add_argument("--repeat", type=int, default=1,
+                     help="generate N times in one process, to show graph reuse (default: 1)")
     gen.add_argument("--out", required=True,
-                     help=f"output image path ({', '.join(OUTPUT_FORMATS)}); RGB over white unless --keep-alpha")
+                     help=f"output image path ({', '.join(OUTPUT_FORMATS)}); RGB over white unless --keep-alpha "
+                          "(required)")
+    gen.add_argument("--overwrite", action="store_true",
+                     help="replace an existing --out (and the NAME_i files of --batch) (default: refuse)")
     gen.add_argument("--keep-alpha", action="store_true",
                      help="keep the VAE's alpha channel (RGBA; .png or .webp), instead of compositing over white as "
-                          "the ComfyUI nodes show the image")
+                          "the ComfyUI nodes show the image (default: off)")
     gen.set_defaults(func=cmd_generate)
 
     tiny = sub.add_parser("make-tiny", help="write a tiny random Qwen-Image-2.1 for tests")
@@ -331,6 +384,9 @@ def main(argv=None) -> int:
     except KVGraphError as exc:  # the CLI reports input errors without a traceback
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C, e.g. during a long load: no traceback, the shell's usual status
+        print("interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

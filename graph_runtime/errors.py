@@ -67,3 +67,11 @@ class FlatOutputError(KVGraphError):
 class DependencyError(KVGraphError):
     """A feature that needs a newer version of a library than the one installed: names both versions and what to do
     instead."""
+
+
+class OutputWriteError(KVGraphError):
+    """A file the command line was asked to write could not be written; the message says what was kept."""
+
+    def __init__(self, path: str | os.PathLike, problem: str):
+        self.path, self.problem = os.fspath(path), problem
+        super().__init__(f"{self.path} could not be written: {problem}.")

@@ -8,11 +8,38 @@ HTTP routes, a log) words them the same way and a test can check the wording wit
 
 from __future__ import annotations
 
-from .memory import MiB, gib
+from collections import Counter
+
+import torch
+
+from .memory import MiB, compute_dtype, gib
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8",
+               getattr(torch, "float8_e4m3fn", None): "fp8 e4m3", getattr(torch, "float8_e5m2", None): "fp8 e5m2"}
 
 
 def mib(n: int | float) -> str:
     return f"{n / MiB:.1f} MiB"
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return DTYPE_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+def storage_text(module: torch.nn.Module) -> str:
+    """How a loaded model's weights are stored (by share of their bytes) and what its activations compute in, as it
+    is, not as the loader's dtype was asked: "int8 ConvRot 98% + bf16 2% weights, bf16 compute", "fp32 weights, fp32
+    compute"."""
+    from .quantized import int8_modules
+
+    by_dtype: Counter = Counter()
+    for p in module.parameters():  # shared (tied) parameters are listed once
+        by_dtype[p.dtype] += p.numel() * p.element_size()
+    total = sum(by_dtype.values()) or 1
+    int8_kind = "int8 ConvRot" if int8_modules(module) else "int8"
+    names = [(int8_kind if dtype == torch.int8 else dtype_name(dtype), n) for dtype, n in by_dtype.most_common()]
+    weights = names[0][0] if len(names) == 1 else " + ".join(f"{name} {n / total:.0%}" for name, n in names)
+    return f"{weights} weights, {dtype_name(compute_dtype(module))} compute"
 
 
 def by_reason(counts: dict) -> str:
@@ -65,9 +92,9 @@ def budget_record(budget, device, available: int | None) -> dict:
 
 
 def loaded_model_line(item: dict) -> str:
-    """A loaded model (`kind`, `source`, `dtype`, `device`, `bytes`, `loads`)."""
-    return (f"{item['kind']}: {item['source']} ({item['dtype']}, on {item['device']}, {mib(item['bytes'])}, "
-            f"loaded {item['loads']}x)")
+    """A loaded model (`kind`, `source`, `dtype` or the `storage` it has, `device`, `bytes`, `loads`)."""
+    return (f"{item['kind']}: {item['source']} ({item.get('storage') or item['dtype']}, on {item['device']}, "
+            f"{mib(item['bytes'])}, loaded {item['loads']}x)")
 
 
 def graph_cache_lines(model: dict) -> list[str]:

@@ -147,12 +147,17 @@ def build_tiny_components(seed: int = 0):
                 scheduler=scheduler)
 
 
-def check_writable(paths, force: bool = False) -> None:
-    """Refuse to write over anything that exists (a file, or a folder that is not empty) unless `force`.
+def check_writable(paths, force: bool = False, folder: bool = False) -> None:
+    """Refuse a place that cannot be written (a file where a folder goes or the reverse, a folder that is not
+    writable, a name too long), and anything that exists (a file, or a folder that is not empty) unless `force`.
 
     The tiny files take the real checkpoints' names, so writing them into a real ComfyUI models/ folder would
     silently replace 30 GB of weights with random toys.
     """
+    from .output_files import check_target
+
+    for path in paths:
+        check_target("make-tiny output", path, overwrite=True, replace_hint="", folder=folder)
     if force:
         return
     for path in map(Path, paths):
@@ -173,7 +178,7 @@ def write_diffusers_folder(out_dir: str | os.PathLike, seed: int = 0,
     from diffusers import QwenImage21Pipeline
 
     out = Path(out_dir)
-    check_writable([out], force)
+    check_writable([out], force, folder=True)
     parts = build_tiny_components(seed)
     if text_encoder_dtype is not None:
         parts["text_encoder"] = parts["text_encoder"].to(text_encoder_dtype)
@@ -201,7 +206,6 @@ def write_comfyui_files(models_dir: str | os.PathLike, seed: int = 0, force: boo
     from .loading.comfy_layout import (
         text_encoder_to_comfy_state_dict, transformer_to_comfy_state_dict, vae_to_comfy_state_dict,
     )
-    from safetensors.torch import save_file
 
     files = comfyui_file_paths(models_dir)
     check_writable(list(files.values()), force)
@@ -212,10 +216,19 @@ def write_comfyui_files(models_dir: str | os.PathLike, seed: int = 0, force: boo
         "vae": vae_to_comfy_state_dict(parts["vae"].state_dict()),
     }
     for name, path in files.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in state_dicts[name].items()}
-        save_file(tensors, str(path), metadata={"format": "pt"})
+        save_safetensors(tensors, path)
     return files
+
+
+def save_safetensors(tensors: dict, path: Path) -> None:
+    """Write a checkpoint under its final name only once it is complete (a full disk leaves no truncated file
+    under a real checkpoint's name)."""
+    from safetensors.torch import save
+
+    from .output_files import write_atomically
+
+    write_atomically(path, lambda file: file.write(save(tensors, metadata={"format": "pt"})))
 
 
 # The ComfyUI file names of the released INT8 ConvRot checkpoints (ComfyUI's Qwen-Image-2.1 templates load these).
@@ -276,7 +289,6 @@ def write_comfyui_int8_files(models_dir: str | os.PathLike, seed: int = 0, turbo
     `turbo_seed`. Quantized with comfy-kitchen from the fp32 weights, in ComfyUI's key layout, with `.weight_scale`
     / `.comfy_quant` next to every quantized weight. A file that exists already is not written unless `force`."""
     from .loading.comfy_layout import text_encoder_to_comfy_state_dict, transformer_to_comfy_state_dict
-    from safetensors.torch import save_file
 
     files = comfyui_int8_file_paths(models_dir)
     check_writable(list(files.values()), force)
@@ -293,6 +305,5 @@ def write_comfyui_int8_files(models_dir: str | os.PathLike, seed: int = 0, turbo
                                             nested=lambda key: key.startswith("model.visual.")),
     }
     for name, path in files.items():
-        path.parent.mkdir(parents=True, exist_ok=True)
-        save_file(state_dicts[name], str(path), metadata={"format": "pt"})
+        save_safetensors(state_dicts[name], path)
     return files

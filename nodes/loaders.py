@@ -126,7 +126,7 @@ def transformer_handle(path: str, dtype_name: str, scheduler_config: dict | None
                                   quantized=quantized, dequantize_device=mm.get_torch_device())
         if resolved.converts:
             apply_precision(module, resolved.precision, device=mm.get_torch_device())
-        logger.info("KV-Graph: transformer precision %s (%s)", resolved.precision, resolved.reason)
+        logger.info("KV-Graph: transformer precision: %s", resolved.describe(module))
         info = {"variant": transformer_variant(path), **weights_info(module, quantized),
                 "precision": resolved.precision}
         return TransformerHandle.create(

@@ -15,7 +15,7 @@ from collections import Counter
 from typing import Callable
 
 from ..graph_runtime.comfy_interop.files import file_identity
-from ..graph_runtime.report import mib
+from ..graph_runtime.report import mib, storage_text
 
 logger = logging.getLogger("kvgraph")
 
@@ -47,7 +47,8 @@ def get_or_load(key: tuple, load: Callable[[], object]):
         _loads[key] += 1
     for old in dropped:  # the same file changed on disk: its old weights are dead weight now
         old.offload()
-    logger.info("KV-Graph: loaded %s from %s (%s, %s)", key[0], key[1][0], key[2], mib(handle.size_bytes))
+    logger.info("KV-Graph: loaded %s from %s (%s, %s)", key[0], key[1][0], storage_text(handle.module),
+                mib(handle.size_bytes))
     return handle
 
 

@@ -24,6 +24,7 @@ from ..graph_runtime.lora import merged_loras
 from ..graph_runtime.memory import gib, module_bytes
 from ..graph_runtime.placement import PinnedWeights
 from ..graph_runtime.registry import engine_for
+from ..graph_runtime.report import storage_text
 from .core_model import make_model_patcher, with_loras
 from .patcher import FullLoadPatcher, ModuleHost, same_device  # noqa: F401 - same_device: other nodes import it here
 
@@ -114,6 +115,7 @@ class ModelHandle:
             "kind": self.kind,
             "source": self.source,
             "dtype": self.dtype_name,
+            "storage": storage_text(self.module),
             "device": str(self.device),
             "bytes": self.size_bytes,
             "loaded_bytes": int(self.patcher.loaded_size()),

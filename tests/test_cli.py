@@ -156,6 +156,130 @@ def test_jpeg_output_is_written_as_rgb(tmp_path, capsys):
     assert f"wrote {out} (64x64 RGB)" in capsys.readouterr().out
 
 
+# -- --out: checked before the run, never replaced silently, never left half written -------------------------------
+
+
+def test_an_existing_out_and_the_batch_files_are_refused_before_loading_unless_overwrite(tmp_path, capsys,
+                                                                                       no_model_loading):
+    """An existing --out, and an existing NAME_i file of the ones --batch derives, are refused before any model
+    loads (the files unchanged); a NAME_i beyond the batch does not count."""
+    keep = tmp_path / "keep.png"
+    keep.write_bytes(b"my picture")
+    assert main(["generate", "--out", str(keep)]) == 2
+    assert f"--out='{keep}' is invalid: expected a file that does not exist yet" in capsys.readouterr().err
+    (tmp_path / "batch_1.png").write_bytes(b"batch image 1")
+    (tmp_path / "batch_7.png").write_bytes(b"not part of a batch of 3")
+    assert main(["generate", "--out", str(tmp_path / "batch.png"), "--batch", "3"]) == 2
+    assert f"--out='{tmp_path / 'batch_1.png'}' is invalid: expected a file that does not exist yet" in \
+        capsys.readouterr().err
+    assert keep.read_bytes() == b"my picture" and (tmp_path / "batch_1.png").read_bytes() == b"batch image 1"
+
+
+def test_overwrite_replaces_the_out_file_and_the_batch_files(tmp_path, capsys):
+    keep = tmp_path / "keep.png"
+    keep.write_bytes(b"my picture")
+    (tmp_path / "keep_1.png").write_bytes(b"old batch image")
+    args = ["generate", "--width", "32", "--height", "32", "--steps", "1", "--overwrite"]
+    assert main(args + ["--out", str(keep)]) == 0
+    assert Image.open(keep).size == (32, 32)
+    assert main(args + ["--out", str(keep), "--batch", "2"]) == 0
+    assert Image.open(tmp_path / "keep_1.png").size == (32, 32)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.png", "keep_0.png", "keep_1.png"]
+
+
+@pytest.mark.parametrize("case", ["parent is a file", "name too long", "folder not writable"])
+def test_an_out_that_cannot_be_written_is_refused_before_loading(tmp_path, capsys, no_model_loading, monkeypatch,
+                                                                 case):
+    """Where --out can not go is found before any model runs, naming --out and why."""
+    import os
+
+    if case == "parent is a file":
+        (tmp_path / "file").write_text("a file")
+        out, expected = tmp_path / "file" / "x.png", f"a path inside a folder: {tmp_path / 'file'} is a file"
+    elif case == "name too long":
+        out, expected = tmp_path / ("n" * 300 + ".png"), "names of at most"
+    else:  # root may write anywhere, so the permission the check reads is simulated
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(tmp_path / "locked")
+                            else real_access(path, mode))
+        (tmp_path / "locked").mkdir()
+        out, expected = tmp_path / "locked" / "x.png", f"{tmp_path / 'locked'} is not writable"
+    assert main(["generate", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert f"--out='{out}' is invalid" in err and expected in err and "Traceback" not in err
+
+
+def _disk_full_after(monkeypatch, module, name, nbytes=100):
+    """Make `module.name(..., file)` write `nbytes` and then fail as a full disk does (ENOSPC)."""
+    import errno
+
+    real = getattr(module, name)
+
+    def write_then_fail(*args, **kwargs):
+        file = next(a for a in [*args, *kwargs.values()] if hasattr(a, "write"))
+        file.write(b"x" * nbytes)
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(module, name, write_then_fail)
+    return real
+
+
+def test_a_full_disk_leaves_the_existing_out_whole_and_no_partial_file(tmp_path, capsys, monkeypatch):
+    """The image goes to a temporary file beside --out and is renamed over it only once complete: a write that
+    fails (ENOSPC) leaves keep.png as it was, no temporary file, and a one-line error."""
+    keep = tmp_path / "keep.png"
+    keep.write_bytes(b"my picture")
+    _disk_full_after(monkeypatch, Image.Image, "save")
+    args = ["generate", "--width", "32", "--height", "32", "--steps", "1"]
+    assert main(args + ["--out", str(keep), "--overwrite"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {keep} could not be written: the disk is full (the existing file is unchanged)." in err
+    assert keep.read_bytes() == b"my picture"
+    assert main(args + ["--out", str(tmp_path / "new.png")]) == 2
+    assert "(nothing was written)" in capsys.readouterr().err
+    assert [p.name for p in tmp_path.iterdir()] == ["keep.png"]
+
+
+def test_ctrl_c_during_the_load_ends_without_a_traceback(tmp_path, capsys, monkeypatch):
+    import graph_runtime.cli as cli
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "load_models", interrupted)
+    assert main(["generate", "--out", str(tmp_path / "x.png")]) == 130
+    assert capsys.readouterr().err == "interrupted\n"
+    assert not (tmp_path / "x.png").exists()
+
+
+# -- what the command says about itself ----------------------------------------------------------------------------
+
+
+def test_every_generate_option_has_one_help_line_with_its_default():
+    """`generate --help`: every option has help text, and every option that takes a value and has a default says
+    which (the required --out says it is required)."""
+    from graph_runtime.cli import build_parser
+
+    parser = build_parser()
+    generate = next(a for a in parser._subparsers._group_actions[0].choices.items() if a[0] == "generate")[1]
+    missing = []
+    for action in generate._actions:
+        if "-h" in action.option_strings:
+            continue
+        text = action.help or ""
+        if not text or ("(default" not in text and "(required)" not in text):
+            missing.append(action.option_strings[0])
+    assert missing == []
+
+
+def test_the_cpu_run_reports_the_precision_that_runs(tmp_path, capsys):
+    """On the CPU the models run fp32: the precision line says so (not "bf16", the name of "as loaded")."""
+    assert main(["generate", "--width", "32", "--height", "32", "--steps", "1", "--device", "cpu",
+                 "--out", str(tmp_path / "x.png")]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("precision:"))
+    assert line.startswith("precision: as loaded, fp32 weights, fp32 compute (auto: FP8 GEMMs need a CUDA device")
+
+
 # -- make-tiny never overwrites ------------------------------------------------------------------------------------
 
 
@@ -190,6 +314,62 @@ def test_make_tiny_refuses_a_folder_that_is_not_empty(tmp_path, capsys):
     assert main(["make-tiny", str(empty)]) == 0
     printed = capsys.readouterr().out
     assert f"wrote diffusers folder: {empty}" in printed and "model_index.json" in printed
+
+
+@pytest.mark.parametrize("case", ["folder onto a file", "models onto a file", "folder not writable"])
+def test_make_tiny_refuses_a_place_it_cannot_write_even_with_force(tmp_path, capsys, monkeypatch, case):
+    """--force allows replacing files, not writing where no file can go: a one-line error, nothing written."""
+    import os
+
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a folder")
+    if case == "folder onto a file":
+        argv, expected = [str(a_file)], f"make-tiny output='{a_file}' is invalid: expected a folder, not a file"
+    elif case == "models onto a file":
+        argv, expected = ["--comfyui-models", str(a_file)], f"a path inside a folder: {a_file} is a file"
+    else:  # root may write anywhere, so the permission the check reads is simulated
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        real_access = os.access
+        monkeypatch.setattr(os, "access", lambda path, mode: False if str(path) == str(locked)
+                            else real_access(path, mode))
+        argv, expected = ["--comfyui-models", str(locked)], f"{locked} is not writable"
+    before = sorted(tmp_path.rglob("*"))
+    assert main(["make-tiny", *argv, "--force"]) == 2
+    err = capsys.readouterr().err
+    assert expected in err and "Traceback" not in err
+    assert sorted(tmp_path.rglob("*")) == before and a_file.read_text() == "not a folder"
+
+
+def test_make_tiny_on_a_full_disk_is_one_error_and_leaves_no_truncated_checkpoint(tmp_path, capsys, monkeypatch):
+    """A single file is written beside its final name and renamed once complete: on a full disk (ENOSPC) the
+    real checkpoint it was to replace is unchanged and no partial file is left; the diffusers folder's error says it
+    may be incomplete."""
+    import safetensors.torch
+    from transformers import modeling_utils
+
+    models = tmp_path / "models"
+    real = models / "diffusion_models" / "qwen_image_2.1_bf16.safetensors"
+    real.parent.mkdir(parents=True)
+    real.write_bytes(b"thirty gigabytes of real weights")
+
+    def full(*args, **kwargs):
+        import errno
+
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(safetensors.torch, "save", lambda *a, **k: b"x" * 100 + full())
+    assert main(["make-tiny", "--comfyui-models", str(models), "--force"]) == 2
+    err = capsys.readouterr().err
+    assert f"error: {real} could not be written: the disk is full (the existing file is unchanged)." in err
+    assert real.read_bytes() == b"thirty gigabytes of real weights"
+    assert [p.name for p in real.parent.iterdir()] == [real.name]
+
+    monkeypatch.setattr(modeling_utils, "safe_save_file", full)
+    assert main(["make-tiny", str(tmp_path / "pipe")]) == 2
+    err = capsys.readouterr().err
+    assert f"{tmp_path / 'pipe'} could not be written: No space left on device (the folder may be incomplete" in err
+    assert "Traceback" not in err
 
 
 # -- bench without CUDA ---------------------------------------------------------------------------------------------

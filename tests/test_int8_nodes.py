@@ -119,3 +119,20 @@ def test_both_modes_sample_through_the_nodes(comfy_env, conditioning):
     assert not torch.equal(int8, plain)
     bf16_file = transformer(comfy_env, T_BF16, mode="int8")
     assert not bf16_file.describe().get("int8_layers")
+
+
+def test_the_load_log_names_the_storage_as_it_is(comfy_env, caplog):
+    """An INT8 file kept int8 is logged as int8 ConvRot weights computing in the loader's dtype, the same file
+    dequantized as plain float weights: never "bf16" (the loader's dtype input) for weights that are int8."""
+    import logging
+
+    comfy_env.pack.nodes.model_cache.forget_all("test")
+    with caplog.at_level(logging.INFO, logger="kvgraph"):
+        transformer(comfy_env, mode="int8", dtype="bf16")
+        transformer(comfy_env, mode="dequantize", dtype="bf16")
+    loaded = [r.getMessage() for r in caplog.records if r.getMessage().startswith("KV-Graph: loaded transformer")]
+    assert len(loaded) == 2
+    assert "int8 ConvRot" in loaded[0] and "bf16 compute" in loaded[0]
+    assert "(bf16 weights, bf16 compute" in loaded[1]
+    precision = [r.getMessage() for r in caplog.records if "transformer precision" in r.getMessage()]
+    assert "as loaded, " in precision[0] and "int8 ConvRot" in precision[0]

@@ -45,6 +45,17 @@ class ResolvedPrecision:
             return False
         return bool(groups_of(self.precision))
 
+    def describe(self, transformer) -> str:
+        """What runs, for a log line: the precision the Linears are converted to, or, when nothing is converted, the
+        precision (`bf16` there means "as loaded") with the loaded weights' real storage and compute dtype, e.g.
+        fp32 on the CPU or an INT8 file's int8 ConvRot weights."""
+        if self.converts:
+            return f"{self.precision} ({self.reason})"
+        from ..report import storage_text
+
+        name = "as loaded" if self.precision == "bf16" else self.precision
+        return f"{name} ({storage_text(transformer)}; {self.reason})"
+
 
 def resolve_precision(precision: str, device, *, dtype: torch.dtype, int8_file: bool,
                       dequantized: bool = False) -> ResolvedPrecision:
