@@ -10,6 +10,7 @@ thread against eight); against the diffusers pipeline's sampler the tolerance of
 
 import copy
 import json
+import os
 import struct
 import subprocess
 import sys
@@ -562,3 +563,50 @@ def test_seeds_above_2_32_give_the_pipelines_noise_which_repeats_the_low_32_bits
     ours = generator.generate(**dict(GOOD, seed=high)).latents
     assert (ref - ours.flatten(2).transpose(1, 2)).abs().max().item() <= ATOL
     assert torch.equal(ours, generator.generate(**dict(GOOD, seed=7)).latents)
+
+
+# -- a loaded model owns its weights: the file may change on disk -----------------------------------------------------
+
+_AFTER_TRUNCATION = r"""
+import json, sys, torch
+from graph_runtime.encoding.prompt import PromptEmbeds
+from graph_runtime.loading import load_text_encoder, load_transformer, load_vae
+from graph_runtime.quantized import int8_modules
+from graph_runtime.registry import engine_for
+from graph_runtime.sampling.sampler import SamplingRequest, sample
+files, tokenizer = json.loads(sys.argv[1]), sys.argv[2]
+models = {"transformer": load_transformer(files["transformer"], dtype=torch.bfloat16),
+          "int8": load_transformer(files["int8"], dtype=torch.bfloat16),
+          "vae": load_vae(files["vae"], dtype=torch.bfloat16),
+          "text_encoder": load_text_encoder(files["text_encoder"], dtype=torch.bfloat16, tokenizer_dir=tokenizer)[0]}
+assert int8_modules(models["int8"])  # the INT8 file kept its int8 weights, as they are in the file
+for path in files.values():
+    with open(path, "r+b") as f:  # rewritten in place, as a download over the old file does
+        f.truncate(0)
+total = sum(float(p.float().sum()) for model in models.values() for p in model.parameters())  # every weight read
+for name in ("transformer", "int8"):
+    model = models[name]
+    embeds = PromptEmbeds(torch.randn(1, 8, model.config.context_in_dim), torch.zeros(1, 8, dtype=torch.bool))
+    request = SamplingRequest(positive=embeds, latent_height=4, latent_width=4, steps=1, decode_mode="eager")
+    total += float(sample(engine_for(model), request).latents.float().sum())
+print("finite" if total == total else "nan")
+"""
+
+
+def test_loaded_models_survive_their_files_being_truncated(tmp_path):
+    """bf16 files loaded as bf16 (the transformer, the VAE, the text encoder) and an INT8 file kept int8 hold copies
+    of their weights, not the files' memory maps: after every file is truncated in place, every weight is read and a
+    sampling step runs with each transformer, in a child process that must exit normally (before: SIGBUS, which
+    killed ComfyUI with no log line)."""
+    from graph_runtime.tiny import build_tokenizer, write_comfyui_files, write_comfyui_int8_files
+
+    models = tmp_path / "models"
+    files = {k: str(v) for k, v in write_comfyui_files(models).items()}
+    files["int8"] = str(write_comfyui_int8_files(models)["transformer"])
+    tokenizer = tmp_path / "tokenizer"
+    build_tokenizer().save_pretrained(str(tokenizer))
+    done = subprocess.run([sys.executable, "-c", _AFTER_TRUNCATION, json.dumps(files), str(tokenizer)],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])  # -7: SIGBUS
+    assert done.stdout.strip() == "finite"
+    assert all(os.path.getsize(path) == 0 for path in files.values())  # really truncated under the loaded models

@@ -25,7 +25,7 @@ from ..quantized import (
 )
 from ..quantized.comfy_quant import RECORD, SCALE, WEIGHT, check_scale
 from ..quantized.int8_convrot import per_row_scale
-from .safetensors_file import iter_tensors
+from .safetensors_file import iter_tensors, owned
 
 KeyMap = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -58,19 +58,19 @@ def read_weights(source, layers: Mapping[str, LayerQuant], key_map: KeyMap, dtyp
         check_scale(tensor, source.path, name, expected)
         scales[name[: -len(SCALE)]] = tensor
     wanted = [k for k in source.header.tensors if not k.endswith((RECORD, SCALE))]
-    for name, tensor in iter_tensors(source.files, device=device, names=wanted):
+    # Not owned as read: each tensor is cast, dequantized or copied out of the file's map below, once.
+    for name, tensor in iter_tensors(source.files, device=device, names=wanted, own=False):
         layer = layers.get(name[: -len(WEIGHT)]) if name.endswith(WEIGHT) else None
         if layer is None:
-            if tensor.is_floating_point() and tensor.dtype != dtype:
-                tensor = tensor.to(dtype)
-            loaded.tensors.update(key_map({name: tensor}))
+            cast = tensor.is_floating_point() and tensor.dtype != dtype
+            loaded.tensors.update(key_map({name: tensor.to(dtype) if cast else owned(tensor)}))
             continue
         scale = per_row_scale(scales.pop(layer.prefix), tensor.shape[0])
         parts, part_scales = key_map({name: tensor}), key_map({name: scale})
         for key, q in parts.items():
             module_name = key[: -len(WEIGHT)]
             if mode != DEQUANTIZE and not layer.full_precision and keep_int8(module_name):
-                loaded.int8_layers[module_name] = (q, part_scales[key], layer)
+                loaded.int8_layers[module_name] = (owned(q), part_scales[key], layer)
                 continue
             at = dequantize_device or q.device
             weight = dequantize_weight(q.to(at), part_scales[key].to(at), layer.group_size, layer.convrot, dtype)

@@ -168,14 +168,23 @@ def read_headers(paths: Iterable[str | os.PathLike], expected: str | None = None
     return SafetensorsHeader(path=Path(paths[0]), tensors=merged, metadata=metadata)
 
 
+def owned(tensor: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor read from a file as one that owns its memory. safetensors hands out CPU tensors backed by the
+    file's memory map: a model holding them would read the file for its whole life, and a file truncated or
+    rewritten in place (a new download over the old one) would kill the process with SIGBUS on the next read. Copied
+    one tensor at a time, so the load never holds a second copy of the model."""
+    return tensor.clone() if tensor.device.type == "cpu" else tensor
+
+
 def iter_tensors(paths: Iterable[str | os.PathLike], dtype: torch.dtype | None = None,
-                 device: str | torch.device = "cpu", names: Iterable[str] | None = None,
+                 device: str | torch.device = "cpu", names: Iterable[str] | None = None, own: bool = True,
                  ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (name, tensor) one at a time, cast right after reading, so a cast never holds two copies of the model.
 
-    Only floating-point tensors are cast: integer tensors (quantization scales, token ids) keep their type. On the
-    CPU with no cast, safetensors returns tensors backed by the file's memory map: the weights then sit in the page
-    cache rather than in process memory, and the file must stay in place while the model lives.
+    Only floating-point tensors are cast: integer tensors (quantization scales, token ids) keep their type. Every
+    tensor owns its memory (a cast copies; the rest are copied out of the file's memory map: see `owned`), unless
+    `own=False`: then a tensor the caller keeps as it is must go through `owned` (a caller that casts or converts
+    everything itself saves the copy).
     """
     from safetensors import safe_open
 
@@ -191,6 +200,8 @@ def iter_tensors(paths: Iterable[str | os.PathLike], dtype: torch.dtype | None =
                 tensor = f.get_tensor(name)
                 if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
                     tensor = tensor.to(dtype)
+                elif own:
+                    tensor = owned(tensor)
                 yield name, tensor
 
 
