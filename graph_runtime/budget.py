@@ -14,9 +14,10 @@ import logging
 from dataclasses import dataclass
 
 from .errors import KVGraphError
+from . import memory
 from .memory import (
-    GenerationShape, MemoryBudget, TransformerDims, VaeDims, eager_free_bytes, estimate, fitting_estimate, gib,
-    module_bytes,
+    GenerationShape, MemoryBudget, TransformerDims, VaeDims, available_bytes, estimate, fitting_estimate, gib,
+    host_available_bytes, module_bytes,
 )
 
 logger = logging.getLogger("kvgraph")
@@ -29,7 +30,7 @@ class MemoryBudgetError(KVGraphError):
     """A request that cannot fit in the device memory available, refused before anything is allocated."""
 
     def __init__(self, budget: MemoryBudget, available: int, device, where: str, options: list[str]):
-        self.budget, self.available, self.options = budget, available, options
+        self.budget, self.available, self.where, self.options = budget, available, where, options
         message = (f"KV-Graph: this request needs {budget.describe()} on {device}, and {gib(available)} is available "
                    f"there ({where}). Nothing was allocated.")
         if options:
@@ -64,12 +65,25 @@ def alternatives(dims: TransformerDims, shape: GenerationShape, weights: dict[st
         option("cfg 1 (no negative prompt: one branch instead of two)",
                dataclasses.replace(shape, prefix_tokens=shape.prefix_tokens[:1]))
     if shape.batch > 1:
-        option("batch 1", dataclasses.replace(shape, batch=1))
+        most = largest_fitting_batch(dims, shape, weights, vae, available)
+        option(f"batch {most}" if most > 1 else "batch 1", dataclasses.replace(shape, batch=most))
     size = largest_fitting_size(dims, shape, weights, vae, available)
     if size is not None:
         option(f"width x height at most {size[0]}x{size[1]} (same aspect)",
                dataclasses.replace(shape, width=size[0], height=size[1]))
     return [text for fits, text in sorted(options, key=lambda o: not o[0])]
+
+
+def largest_fitting_batch(dims, shape, weights, vae, available: int) -> int:
+    """The largest smaller batch that fits (the budget grows with the batch), or 1 when none does."""
+    low, high = 1, shape.batch - 1
+    while low < high:
+        mid = (low + high + 1) // 2
+        if fitting_estimate(dims, dataclasses.replace(shape, batch=mid), weights, vae, available).total <= available:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def largest_fitting_size(dims, shape, weights, vae, available: int) -> tuple[int, int] | None:
@@ -158,24 +172,66 @@ class RequestPlan:
         return budget
 
 
-def check_runtime_request(transformer, request, vae=None, text_encoder=None) -> MemoryBudget | None:
-    """The runtime's own check (no ComfyUI to unload anything): the request must fit in what the device has free
-    plus what its models and graphs already hold there. Returns the budget, or None off CUDA."""
+def check_runtime_request(transformer, request, vae=None, text_encoder=None,
+                          image_bytes_per_pixel: int = 3) -> MemoryBudget | None:
+    """The runtime's own check (no ComfyUI to unload anything), for the whole request: sampling, the VAE decode and
+    the decoded images (`image_bytes_per_pixel`: 3 for RGB, 4 for RGBA, kept on the host until the request ends).
+
+    On CUDA the request must fit in what the device has free plus what its models and graphs already hold there, and
+    the decoded images in the host's available memory; on the CPU everything must fit in the host's available memory
+    plus what its models already hold. Returns the device budget, or None where the device reports no free memory.
+    """
     from .registry import engine_for
 
     device = next(transformer.parameters()).device
-    if device.type != "cuda":
+    free = available_bytes(device)
+    if free is None:
         return None
-    engine = engine_for(transformer)
+    on_cpu = device.type == "cpu"
     others = {}
-    if text_encoder is not None and any(p.device == device for p in text_encoder.parameters()):
-        others["text encoder"] = module_bytes(text_encoder)
+    if not on_cpu and text_encoder is not None and any(p.device == device for p in text_encoder.parameters()):
+        others["text encoder"] = module_bytes(text_encoder)  # its placement keeps it on the GPU: it competes
     vae_dims = VaeDims.of(vae) if vae is not None else None
-    plan = RequestPlan.for_request(transformer, request, vae_dims, graphs=True, other_weights=others)
-    models = [m for m in (transformer, vae, text_encoder) if m is not None]
+    plan = RequestPlan.for_request(transformer, request, vae_dims, graphs=not on_cpu, other_weights=others)
+    if on_cpu:
+        plan.shape = dataclasses.replace(plan.shape, decoded_bytes_per_pixel=image_bytes_per_pixel)
+    models = [m for m in (transformer, vae) if m is not None] + ([text_encoder] if others else [])
     resident = sum(module_bytes(m) for m in models if next(m.parameters()).device == device)
-    available = Available(eager_free_bytes(device), (("of its models", resident),
-                                                      ("of graphs", engine.bytes_held())))
+    available = Available(free, (("of its models", resident), ("of graphs", engine_for(transformer).bytes_held())))
     budget = plan.check_available(available, device)
     logger.info("KV-Graph: memory budget %s of %s available on %s.", budget.describe(), gib(available.total), device)
+    if not on_cpu:
+        check_decoded_on_host(plan.shape.width, plan.shape.height, plan.shape.batch, image_bytes_per_pixel)
+    return budget
+
+
+def check_decoded_on_host(width: int, height: int, batch: int, bytes_per_pixel: int, per_image_bytes: int = 0,
+                          name: str = "batch", free: int | None = None) -> MemoryBudget | None:
+    """A batch of decoded images (each `width` x `height`, `bytes_per_pixel`) kept in host memory, plus
+    `per_image_bytes` to make one of them (a VAE decode on the CPU): MemoryBudgetError when it exceeds the host's
+    available memory (`free`, else read now), offering the largest `name` that fits. None when the host reports
+    nothing."""
+    free = host_available_bytes() if free is None else free
+    if free is None:
+        return None
+
+    def budget_for(count: int) -> MemoryBudget:
+        need = memory.decoded_images_bytes(width, height, count, bytes_per_pixel) + per_image_bytes
+        parts = [(f"decoded images ({count}x {width}x{height})",
+                  memory.decoded_images_bytes(width, height, count, bytes_per_pixel))]
+        if per_image_bytes:
+            parts.append(("one image's VAE decode", per_image_bytes))
+        return MemoryBudget(parts=parts, margin=int(memory.MARGIN_BYTES + memory.MARGIN_FRACTION * need))
+
+    budget = budget_for(batch)
+
+    def options() -> list[str]:
+        image = memory.decoded_images_bytes(width, height, 1, bytes_per_pixel)
+        most = int(((free - memory.MARGIN_BYTES) / (1 + memory.MARGIN_FRACTION) - per_image_bytes) // image)
+        while most > 0 and budget_for(most).total > free:  # the margin's rounding
+            most -= 1
+        most = min(most, batch - 1)
+        return [f"{name} at most {most} (needs {gib(budget_for(most).total)})"] if most > 0 else []
+
+    check(budget, free, "cpu", "host memory", options)
     return budget

@@ -85,18 +85,26 @@ class QwenImageGenerator:
             scheduler_config=self.models.scheduler_config,
         )
         check_schedule(request)
-        # Refused here, before anything is allocated, when the request cannot fit on the GPU.
-        check_runtime_request(self.models.transformer, request, self.models.vae, self.models.text_encoder)
+        # Refused here, before anything is allocated, when the whole request (the decoded images included) cannot fit
+        # on its device (the GPU, or the CPU's memory).
+        check_runtime_request(self.models.transformer, request, self.models.vae, self.models.text_encoder,
+                              image_bytes_per_pixel=4 if keep_alpha else 3)
         start = time.perf_counter()
         result = sample(self.engine, request, on_step=on_step, on_event=on_event)
         timings["sample_ms"] = (time.perf_counter() - start) * 1e3
         timings.update(result.timings)
 
         start = time.perf_counter()
-        pixels = decode_latents(self.models.vae, result.latents)
-        # The latents were finite after every step (the sampler checks), so a bad image comes from the VAE.
-        check_decoded(pixels, (getattr(self.models, "sources", None) or {}).get("vae"))
-        pil = to_pil(pixels, keep_alpha=keep_alpha)
+        # One image at a time, each made a PIL image at once: the batch is never held as float pixels (the budget
+        # counts the PIL images and one image's decode).
+        vae_name = (getattr(self.models, "sources", None) or {}).get("vae")
+        count, pil = result.latents.shape[0], []
+        for i in range(count):
+            pixels = decode_latents(self.models.vae, result.latents[i:i + 1])
+            # The latents were finite after every step (the sampler checks), so a bad image comes from the VAE.
+            check_decoded(pixels, vae_name, (i, count))
+            pil += to_pil(pixels, keep_alpha=keep_alpha)
+            del pixels
         timings["vae_decode_ms"] = (time.perf_counter() - start) * 1e3
         return GenerationResult(images=pil, latents=result.latents, timings=timings, stats=result.stats,
                                 paths=result.paths)

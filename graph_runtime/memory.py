@@ -1,23 +1,27 @@
-"""What a generation needs on the GPU, worked out from the model's config before anything is allocated.
+"""What a generation needs on its device, worked out from the model's config before anything is allocated.
 
 The estimate adds up, for one request:
-- the weights that must be on the GPU together: the transformer, the VAE, and the text encoder where its placement
-  keeps it there;
+- the weights that must be on the device together: the transformer, the VAE, and the text encoder where its
+  placement keeps it there;
 - the prefix K/V of every CFG branch: 2 x blocks x heads x head_dim values per prefix token and batch row (0.5 MiB
   per token in bf16 at full size). On the graph path they are written straight into the graph entry's buffers;
+- the sampler's latent-sized tensors (noise, latents, predictions: LATENT_COPIES), which grow with the batch;
+- the decoded images the request keeps on the device until it ends (the command line's images, on the CPU);
 - each graph entry's other static buffers: the target rows of K/V for every block, the target hidden state, the
   timestep and the RoPE tables (graph_runtime/decode/graph_entry.py); a short prefix's captured pass adds its own
   inputs (prefix_pass.py);
 - the graph pool, which keeps one decode step's activations (below) for as long as a graph is held;
-- the largest eager phase after that: the prefill, or the VAE decode at the output size (sequential, so they share
-  the allocator's cache; the graph pool is private to the graphs, so it is not shared with them);
+- the largest eager phase after that: the prefill, or the VAE decode of one image at the output size (sequential,
+  so they share the allocator's cache; the graph pool is private to the graphs, so it is not shared with them);
 - a margin (MARGIN_BYTES + MARGIN_FRACTION of the rest) for what is not modelled: cuBLAS / cuDNN workspaces, the
-  allocator's rounding and splitting of blocks, and the small tensors (latents, noise, embeddings, modulation rows).
+  allocator's rounding and splitting of blocks, and the small tensors (embeddings, modulation rows).
 
-Every size is computed from the model's own config and tensors (int8 weights are sized by their real bytes), and
-the formulas are checked in tests/test_memory.py against a trace of the real code's allocations and against the
-H200's measurements. `device_free_bytes` honours `torch.cuda.set_per_process_memory_fraction`, so a large card can
-stand in for a small one. Refusing what does not fit, and saying what would, is graph_runtime/budget.py.
+The device is a CUDA GPU or the CPU: on the CPU the same budget is checked against the host's available memory
+(`host_available_bytes`). Every size is computed from the model's own config and tensors (int8 weights are sized by
+their real bytes), and the formulas are checked in tests/test_memory.py against a trace of the real code's
+allocations and against the H200's measurements. `device_free_bytes` honours
+`torch.cuda.set_per_process_memory_fraction`, so a large card can stand in for a small one. Refusing what does not
+fit, and saying what would, is graph_runtime/budget.py.
 """
 
 from __future__ import annotations
@@ -53,6 +57,12 @@ VAE_TILE_CACHE_FACTOR = 2.0
 # What to have free before encoding one image with the VAE, per input pixel: a rough figure (the ComfyUI nodes have
 # always asked for this much), not traced like the decoder's.
 VAE_ENCODE_BYTES_PER_PIXEL = 600
+
+# The sampler's latent-sized tensors, in fp32 (the Euler update's precision) per latent value: the start noise kept
+# for the run, the current latents, the Euler update's result, and one prediction per CFG branch. Negligible at a
+# batch of one (0.5% of a full-size step's activations), they are what grows with a large batch (tests/test_memory.py
+# traces a whole sampling run).
+LATENT_COPIES = 3
 
 MARGIN_BYTES = 256 * MiB
 MARGIN_FRACTION = 0.02
@@ -214,6 +224,21 @@ def vae_decode_bytes(v: VaeDims, width: int, height: int, tiled: bool = False) -
     return per_pixel * width * height + output
 
 
+def latent_bytes(d: TransformerDims, batch: int, target: int, branches: int = 1) -> int:
+    """The sampler's latent-sized tensors for `batch` x `target` tokens (see LATENT_COPIES), in fp32."""
+    return (LATENT_COPIES + branches - 1) * batch * target * d.in_channels * 4
+
+
+# ComfyUI's IMAGE: float32 RGB.
+IMAGE_BYTES_PER_PIXEL = 12
+
+
+def decoded_images_bytes(width: int, height: int, batch: int, bytes_per_pixel: int) -> int:
+    """A batch of decoded images kept together: `bytes_per_pixel` is 3 for 8-bit RGB (PIL), 12 for ComfyUI's float32
+    IMAGE."""
+    return width * height * batch * bytes_per_pixel
+
+
 def vae_encode_bytes(width: int, height: int) -> int:
     """The memory to have free before encoding one `width` x `height` px image (images are encoded one at a time)."""
     return width * height * VAE_ENCODE_BYTES_PER_PIXEL
@@ -231,6 +256,9 @@ class GenerationShape:
     batch: int = 1
     prefix_tokens: tuple[int, ...] = (128,)
     decode_mode: str = "auto"
+    # Bytes per pixel of the decoded images the request keeps on this device until it ends (the command line's
+    # images, on the CPU); 0 where they go elsewhere (ComfyUI's VAE decode node checks its own batch).
+    decoded_bytes_per_pixel: int = 0
 
     @property
     def target_tokens(self) -> int:
@@ -280,6 +308,10 @@ def estimate(dims: TransformerDims, shape: GenerationShape, weights: dict[str, i
     branches = f", {shape.branches} CFG branches" if shape.branches > 1 else ""
     parts.append((f"prefix K/V ({'+'.join(map(str, shape.prefix_tokens))} tokens{branches})",
                   sum(batch * p * kv for p in shape.prefix_tokens)))
+    parts.append((f"latents (batch {batch})", latent_bytes(dims, batch, target, shape.branches)))
+    if shape.decoded_bytes_per_pixel:
+        parts.append((f"decoded images ({batch}x {shape.width}x{shape.height})",
+                      decoded_images_bytes(shape.width, shape.height, batch, shape.decoded_bytes_per_pixel)))
     eager_phases = [prefill_bytes(dims, batch, p, target) for p in shape.prefix_tokens]
     if vae is not None:
         eager_phases.append(vae_decode_bytes(vae, shape.width, shape.height, vae_tiled))
@@ -327,6 +359,58 @@ def device_free_bytes(device, exclude: int = 0) -> int | None:
     if fraction is not None:
         free = min(free, max(0, int(fraction(index) * total) - reserved))
     return max(0, free + reserved - torch.cuda.memory_allocated(index) - exclude)
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path) as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def host_available_bytes() -> int | None:
+    """Memory a new host (CPU) allocation can get without swapping or being killed: what the OS reports available
+    (psutil's figure, as ComfyUI reads it, else /proc/meminfo), capped by the container's memory limit less what it
+    uses (cgroup v2 or v1). None where nothing reports it."""
+    try:
+        import psutil
+
+        available = int(psutil.virtual_memory().available)
+    except ImportError:
+        available = _meminfo_available()
+    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
+                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
+                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
+        limit, usage = _read_int(limit_file), _read_int(usage_file)
+        if limit is not None and usage is not None and limit < 1 << 60:  # v1 writes a huge number for no limit
+            room = max(0, limit - usage)
+            available = room if available is None else min(available, room)
+            break
+    return available
+
+
+def available_bytes(device) -> int | None:
+    """What eager work on `device` can allocate: `eager_free_bytes` on CUDA, the host's available memory on the CPU,
+    None elsewhere."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return eager_free_bytes(device)
+    if device.type == "cpu":
+        return host_available_bytes()
+    return None
 
 
 def eager_free_bytes(device) -> int | None:

@@ -86,11 +86,13 @@ def plan_decode(vae, latent_height: int, latent_width: int, free_bytes: int | No
     return DecodePlan(width, height, tiled, memory.vae_decode_bytes(dims, width, height, tiled))
 
 
-def check_decoded(images: torch.Tensor, vae_name: str | None = None) -> None:
+def check_decoded(images: torch.Tensor, vae_name: str | None = None,
+                  position: tuple[int, int] | None = None) -> None:
     """Refuse a decode whose output cannot be an image: NaN/inf (NaN weights decode to a black image once saved), or
     an image of one flat colour (an all-zero VAE decodes everything to grey). Call it on the VAE's output
     `[B, C, H, W]` in [-1, 1], decoded from latents already checked finite, so the VAE's weights are the cause; a
-    flat image of the clamp bounds (pure white or black) can be real and passes. One host sync."""
+    flat image of the clamp bounds (pure white or black) can be real and passes. One host sync. `position`: (index,
+    count) of `images` in a batch decoded one image at a time, to name it."""
     lo, hi = images.amin(dim=(-2, -1)), images.amax(dim=(-2, -1))  # [B, C]
     flat = ((lo == hi).all(dim=1) & (hi.abs() < 1).any(dim=1)).nonzero().flatten()
     finite, flat = torch.isfinite(images).all().item(), flat.tolist()
@@ -100,6 +102,7 @@ def check_decoded(images: torch.Tensor, vae_name: str | None = None) -> None:
         raise NonFiniteError("the decoded image", f"the latent was finite, so {weights} are the likely cause, "
                                                   f"{damaged}")
     if flat:
-        which = "the decoded image" if images.shape[0] == 1 else f"decoded image {flat[0] + 1} of {images.shape[0]}"
+        first, count = (position[0] + flat[0], position[1]) if position else (flat[0], images.shape[0])
+        which = "the decoded image" if count == 1 else f"decoded image {first + 1} of {count}"
         raise FlatOutputError(which, f"a working VAE decodes no latent to one flat colour, so {weights} are the "
                                      f"likely cause (all zero?), {damaged}")

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 import comfy.model_management as mm
 
 from ..graph_runtime import budget as budgets, memory
@@ -24,8 +26,9 @@ logger = logging.getLogger("kvgraph")
 
 
 def free_bytes(device) -> int | None:
-    """Memory a new allocation on `device` can get now; None when nothing reports it."""
-    runtime = memory.eager_free_bytes(device)
+    """Memory a new allocation on `device` (a GPU, or the CPU: the host's memory) can get now; None when nothing
+    reports it."""
+    runtime = memory.available_bytes(device)
     comfy = mm.get_free_memory(device) if hasattr(mm, "get_free_memory") else None
     known = [int(v) for v in (runtime, comfy) if v is not None]
     return min(known) if known else None
@@ -40,19 +43,42 @@ def _resident_bytes(handle, device) -> int:
     return handle.size_bytes if handle is not None and same_device(handle.device, device) else 0
 
 
+def _frees(patcher, device) -> bool:
+    """Whether unloading `patcher` frees memory on `device`: not when it would only move to the same device (every
+    model's offload device is the CPU, so on the CPU unloading frees nothing; cached models are not counted there
+    as memory a request could have)."""
+    offload = getattr(patcher, "offload_device", None)
+    return offload is None or not same_device(offload, device)
+
+
 def _unloadable_bytes(device, keep) -> int:
     """Weights of the other models ComfyUI holds on `device`, which it unloads when a request needs the room."""
     kept = {id(h.patcher) for h in keep if h is not None}
     loaded = getattr(mm, "current_loaded_models", None)
     if loaded is None:  # no model list to read: the pack's own models are all it can know of
         return sum(int(h.patcher.loaded_size()) for h in model_cache.handles()
-                   if id(h.patcher) not in kept and same_device(h.device, device))
+                   if id(h.patcher) not in kept and same_device(h.device, device) and _frees(h.patcher, device))
     total = 0
     for entry in list(loaded):
         patcher = entry.model
-        if patcher is not None and id(patcher) not in kept and same_device(entry.device, device):
+        if (patcher is not None and id(patcher) not in kept and same_device(entry.device, device)
+                and _frees(patcher, device)):
             total += int(entry.model_loaded_memory())
     return total
+
+
+def _with_release_hint(refused, device, keep):
+    """On the CPU, unloading frees nothing (`_frees`), but the pack's cache may hold other models there: name them
+    as what releasing would free, without counting them as available."""
+    kept = {id(h) for h in keep if h is not None}
+    cached = sum(h.size_bytes for h in model_cache.handles()
+                 if id(h) not in kept and same_device(h.device, device) and not _frees(h.patcher, device))
+    if not cached:
+        return refused
+    hint = (f"release KV-Graph's other cached models ({memory.gib(cached)} on {device}: the KV-Graph Release node "
+            'with models, or POST /kvgraph/release {"models": true})')
+    return budgets.MemoryBudgetError(refused.budget, refused.available, device, refused.where,
+                                     [*refused.options, hint])
 
 
 def check_request(model, request, device) -> memory.MemoryBudget:
@@ -74,7 +100,17 @@ def check_request(model, request, device) -> memory.MemoryBudget:
         ("of models ComfyUI can unload", _unloadable_bytes(device, keep=(model, vae))),
         ("of decode graphs", memory.graph_bytes_held(process_registry().engines())),
     ))
-    budget = plan.check_available(available, device)
+    try:
+        budget = plan.check_available(available, device)
+    except budgets.MemoryBudgetError as refused:
+        raise _with_release_hint(refused, device, keep=(model, vae)) from None
+    image = memory.decoded_images_bytes(request.latent_width * VAE_SCALE, request.latent_height * VAE_SCALE,
+                                        request.batch_size, memory.IMAGE_BYTES_PER_PIXEL)
+    host = free_bytes(torch.device("cpu"))
+    if host is not None and image > host:
+        budget.notes.append(f"decoding all {request.batch_size} images needs {memory.gib(image)} of host memory for "
+                            f"the IMAGE, more than the {memory.gib(host)} available: KV-Graph VAE Decode will refuse "
+                            "it (decode a smaller part of the batch at a time)")
     if vae is None:
         budget.notes.append("VAE sized as the standard Qwen-Image-2.1 VAE (none loaded yet)")
     text_encoder = _latest("text_encoder")

@@ -5,9 +5,11 @@ from __future__ import annotations
 import torch
 
 import comfy.model_management as mm
+import comfy.utils
 from comfy_api.latest import io
 
 from ..graph_runtime import memory
+from ..graph_runtime.budget import check_decoded_on_host
 from ..graph_runtime.comfy_interop.latents import latent_samples
 from ..graph_runtime.comfy_interop.pixels import comfy_image_to_vae_pixels, crop_to_multiple, vae_pixels_to_comfy_image
 from ..graph_runtime.encoding.images import decode_each, encode_each
@@ -26,16 +28,30 @@ def encode_raw(vae, pixels: torch.Tensor) -> torch.Tensor:
     return encode_each(vae.module, pixels, finish=lambda latent: latent.to(device))
 
 
-def decode_raw(vae, raw: torch.Tensor) -> torch.Tensor:
-    """Raw latents [B, 64, h, w] -> VAE output [B, 4, 16h, 16w] in [-1, 1], on the intermediate device.
+def decode_to_images(vae, raw: torch.Tensor) -> torch.Tensor:
+    """Raw latents [B, 64, h, w] -> ComfyUI IMAGE [B, 16h, 16w, 3] (alpha over white), on the intermediate device.
 
     Whole images when that fits next to what is on the GPU (the transformer and its graphs stay), else tiled
-    (graph_runtime/vae_decode.py); ComfyUI is asked for that much room."""
+    (graph_runtime/vae_decode.py); ComfyUI is asked for that much room. The whole batch's IMAGE must fit in host
+    memory (with one image's decode, when the VAE runs on the CPU), or nothing is decoded and the refusal names the
+    largest batch that fits. Images are decoded one at a time, each converted and written into the IMAGE as soon
+    as it is made, with an interrupt check and a progress update between them."""
     plan = plan_decode(vae.module, raw.shape[-2], raw.shape[-1], free_bytes(vae.patcher.load_device),
                        weights_to_load=not same_device(vae.device, vae.patcher.load_device))
+    on_cpu = same_device(vae.patcher.load_device, "cpu")
+    check_decoded_on_host(plan.width, plan.height, raw.shape[0], memory.IMAGE_BYTES_PER_PIXEL,
+                          plan.bytes if on_cpu else 0, name="a latent batch", free=free_bytes(torch.device("cpu")))
     vae.ensure_loaded(memory_required=plan.bytes)
     device = mm.intermediate_device()
-    return decode_each(vae.module, raw, plan.tiled, finish=lambda image: image.float().to(device))
+    bar = comfy.utils.ProgressBar(raw.shape[0])
+
+    def before(index: int, total: int) -> None:
+        bar.update_absolute(index, total)  # also ComfyUI's interrupt check
+        mm.throw_exception_if_processing_interrupted()
+
+    return decode_each(vae.module, raw, plan.tiled, before=before,
+                       check=lambda image, index, count: check_decoded(image, vae.source, (index, count)),
+                       finish=lambda image: vae_pixels_to_comfy_image(image).to(device))
 
 
 class KVGraphVAEDecode(io.ComfyNode):
@@ -61,9 +77,7 @@ class KVGraphVAEDecode(io.ComfyNode):
         # Checked before decoding, so that a bad image afterwards can only come from the VAE.
         check_finite("latent", raw, "NaN/inf in a latent come from where it was made: a file read by Load Latent, "
                                     "or the node that produced it")
-        pixels = decode_raw(vae, raw)
-        check_decoded(pixels, vae.source)
-        return io.NodeOutput(vae_pixels_to_comfy_image(pixels))
+        return io.NodeOutput(decode_to_images(vae, raw))
 
 
 class KVGraphVAEEncode(io.ComfyNode):

@@ -252,6 +252,35 @@ def test_ctrl_c_during_the_load_ends_without_a_traceback(tmp_path, capsys, monke
     assert not (tmp_path / "x.png").exists()
 
 
+# -- the CPU has a memory budget too ---------------------------------------------------------------------------------
+
+
+def test_the_cpu_refuses_what_host_memory_cannot_hold_and_the_next_run_equals_the_first(tmp_path, capsys,
+                                                                                       monkeypatch):
+    """`--device cpu` is budgeted as CUDA is, against the host's available memory (pinned here to 4 GiB, so the test
+    does not depend on the machine): 16384x16384 is refused naming the size that fits, a batch of 100000000 naming
+    the batch that fits, each before anything is allocated and without a traceback; a good run afterwards equals the
+    first, pixel for pixel."""
+    import numpy as np
+
+    import graph_runtime.memory as memory
+
+    monkeypatch.setattr(memory, "host_available_bytes", lambda: 4 * 2**30)
+    good = ["generate", "--device", "cpu", "--width", "64", "--height", "64", "--steps", "1", "--seed", "3"]
+    assert main(good + ["--out", str(tmp_path / "first.png")]) == 0
+    capsys.readouterr()
+    for extra, option in ((["--width", "16384", "--height", "16384"], "width x height at most "),
+                          (["--batch", "100000000"], "batch ")):
+        assert main(good + extra + ["--out", str(tmp_path / "refused.png")]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: KV-Graph: this request needs ") and "on cpu, and 4.0 GiB is available" in err
+        assert "Nothing was allocated" in err and f"Change one of: {option}" in err and "(fits)" in err
+        assert "Traceback" not in err
+    assert main(good + ["--out", str(tmp_path / "again.png")]) == 0
+    assert np.array_equal(_pixels(tmp_path / "first.png"), _pixels(tmp_path / "again.png"))
+    assert not (tmp_path / "refused.png").exists()
+
+
 # -- what the command says about itself ----------------------------------------------------------------------------
 
 

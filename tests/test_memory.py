@@ -265,6 +265,62 @@ def test_device_free_bytes_is_unknown_off_cuda():
     assert memory.device_free_bytes("cpu") is None
 
 
+# -- a large batch, and the host's memory ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch, cfg", [(4, False), (4, True), (1, False)])
+def test_the_budget_covers_a_traced_sampling_run_of_a_batch(tiny_models, batch, cfg):
+    """A whole sampling run of the tiny model (eager, fp32, on the CPU: noise, prefill, steps, Euler updates, CFG),
+    traced: its peak of live tensors is within the estimate (without its margin and the weights), and the estimate is
+    not more than 1.5x that peak (its latent copies are counted for the step they are all alive in). Before the
+    sampler's latent-sized tensors were counted, a batch's estimate fell short of the trace."""
+    from graph_runtime.generate import QwenImageGenerator
+    from graph_runtime.sampling.sampler import SamplingRequest, sample
+
+    generator = QwenImageGenerator(tiny_models)
+    positive = generator.encoder.encode("a red cube")
+    request = SamplingRequest(positive=positive, negative=positive if cfg else None, cfg=2.0 if cfg else 1.0,
+                              latent_height=32, latent_width=32, batch_size=batch, steps=3, decode_mode="eager",
+                              scheduler_config=tiny_models.scheduler_config)
+    plan = budgets.RequestPlan.for_request(tiny_models.transformer, request, None, graphs=False)
+    need = plan.budget().need - plan.budget().part("transformer weights")
+    existing = [*tiny_models.transformer.parameters(), *tiny_models.transformer.buffers(), positive.embeds]
+    with torch.no_grad(), PeakTrace(existing) as trace:
+        sample(generator.engine, request)
+    print(f"batch {batch}, cfg {cfg}: traced {trace.peak / MiB:.2f} MiB, estimate {need / MiB:.2f} MiB")
+    assert trace.peak <= need <= 1.5 * trace.peak
+
+
+def test_a_decoded_batch_that_host_memory_cannot_hold_is_refused_naming_the_batch_that_fits():
+    """ComfyUI's VAE decode keeps the whole IMAGE (float32 RGB) in host memory: a batch whose IMAGE exceeds what is
+    available is refused before anything is decoded, naming the largest batch that fits, and that batch fits."""
+    per_image = memory.decoded_images_bytes(1024, 1024, 1, memory.IMAGE_BYTES_PER_PIXEL)
+    assert per_image == 12 * MiB
+    free = 2 * GiB
+    with pytest.raises(budgets.MemoryBudgetError) as info:
+        budgets.check_decoded_on_host(1024, 1024, 4096, memory.IMAGE_BYTES_PER_PIXEL, 100 * MiB, "a latent batch",
+                                      free=free)
+    message = str(info.value)
+    print(message)
+    assert "decoded images (4096x 1024x1024) 48.00" in message and "one image's VAE decode 0.10" in message
+    most = int(message.split("a latent batch at most ")[1].split(" ")[0])
+    assert 0 < most < 4096
+    assert budgets.check_decoded_on_host(1024, 1024, most, 12, 100 * MiB, free=free).total <= free
+    with pytest.raises(budgets.MemoryBudgetError):
+        budgets.check_decoded_on_host(1024, 1024, most + 1, 12, 100 * MiB, free=free)
+
+
+def test_host_available_memory_is_read_and_the_cpu_has_a_figure():
+    """The CPU's budget reads the host's available memory (psutil, else /proc/meminfo, capped by a cgroup limit):
+    on this Linux machine it is a positive figure no larger than the machine's RAM."""
+    available = memory.host_available_bytes()
+    assert available is not None and 0 < available
+    with open("/proc/meminfo") as f:
+        total = next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemTotal:"))
+    assert available <= total
+    assert memory.available_bytes("cpu") is not None and memory.available_bytes("meta") is None
+
+
 # -- the lean VAE decode -------------------------------------------------------------------------------------------
 
 

@@ -4,7 +4,8 @@ logged and reported on /kvgraph/status; the VAE decode tiles when only that fits
 each placement costs.
 
 The fake's `get_free_memory` reports `fake.free_memory` when a test sets it (ComfyUI's own reports what the device
-has free); on the CPU the runtime's own free-memory figure is unknown, so ComfyUI's is the one used.
+has free); the smaller of it and the runtime's own figure is used. On the CPU the runtime's figure is the host's
+available memory, which moves while tests run: these tests pin it to the fake's default, so `free_memory` decides.
 """
 
 import dataclasses
@@ -46,6 +47,12 @@ def sample(env, transformer, positive, latent, **overrides):
                   sigma_preset="dynamic", denoise=1.0, decode_mode="auto", compile="off")
     inputs.update(overrides)
     return run(env, "KVGraphSampler", **inputs)[0]
+
+
+@pytest.fixture(autouse=True)
+def steady_host_memory(comfy_env, monkeypatch):
+    pack_memory = sys.modules[f"{comfy_env.pack.__name__}.graph_runtime.memory"]
+    monkeypatch.setattr(pack_memory, "host_available_bytes", lambda: DEFAULT_FREE)
 
 
 @pytest.fixture
@@ -120,3 +127,64 @@ def test_placement_tooltip_states_the_costs(comfy_env):
     placement = next(i for i in schema.inputs if i.id == "text_encoder_placement")
     for cost in ("host RAM", "VRAM", "0.4 s", "pinned", "13-18 s"):
         assert cost in placement.tooltip
+
+
+def test_vae_decode_refuses_a_batch_whose_image_host_memory_cannot_hold(comfy_env, loaded, free_memory):
+    """KV-Graph VAE Decode budgets the whole batch: its IMAGE (float32, in host memory) and, the VAE running on the
+    CPU here, one image's decode. A batch that cannot fit is refused before the VAE is loaded or anything decoded,
+    naming the largest batch that fits; that batch then decodes, and equals, image for image, the first decode."""
+    _, vae, _, _ = loaded
+    latents = torch.randn(6, 64, 8, 8, generator=torch.Generator().manual_seed(1))
+    first, = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": latents})
+    assert first.shape == (6, 128, 128, 3)
+    per_image = memory.decoded_images_bytes(128, 128, 1, memory.IMAGE_BYTES_PER_PIXEL)
+    decode = memory.vae_decode_bytes(memory.VaeDims.of(vae.module), 128, 128)
+    # Room for the decode and 3.5 images' IMAGE, margin included.
+    free_memory(int((3.5 * per_image + decode) * (1 + memory.MARGIN_FRACTION)) + memory.MARGIN_BYTES)
+    loads = len(comfy_env.fake.load_calls)
+    from_pack = sys.modules[f"{comfy_env.pack.__name__}.graph_runtime.budget"]
+    with pytest.raises(from_pack.MemoryBudgetError) as info:
+        run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": latents})
+    message = str(info.value)
+    assert "decoded images (6x 128x128)" in message and "Change one of: a latent batch at most 3 " in message
+    assert len(comfy_env.fake.load_calls) == loads  # nothing loaded, nothing decoded
+    part, = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": latents[:3]})
+    assert torch.equal(part, first[:3])
+
+
+def test_vae_decode_checks_for_an_interrupt_between_images(comfy_env, loaded):
+    """A long batch decode reports its progress per image and stops at ComfyUI's interrupt between two images (here
+    after the second), instead of decoding the rest of the batch first; the next decode runs whole."""
+    _, vae, _, _ = loaded
+    fake = comfy_env.fake
+    interrupted = sys.modules["comfy.model_management"].InterruptProcessingException
+    fake.progress.clear()
+    fake.interrupt_at_step = 2
+    try:
+        with pytest.raises(interrupted):
+            run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": torch.randn(5, 64, 8, 8)})
+    finally:
+        fake.interrupt_at_step, fake.interrupted = None, False
+    assert [value for value, total, _ in fake.progress] == [0, 1, 2]
+    image, = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": torch.randn(5, 64, 8, 8)})
+    assert image.shape == (5, 128, 128, 3)
+
+
+def test_on_the_cpu_cached_models_are_not_counted_as_memory_to_free(comfy_env, loaded, free_memory):
+    """On the CPU, ComfyUI unloading a model moves it to its offload device, the CPU: nothing is freed. So another
+    model in the pack's cache is not counted as available; a request that would fit only if it were is refused, and
+    the refusal says releasing it would help."""
+    transformer, _, positive, latent = loaded
+    other, = run(comfy_env, "KVGraphLoadTransformer", transformer_name=FILES[0], dtype="bf16")  # a second copy
+    assert other is not transformer and other.size_bytes > 0
+    sample(comfy_env, transformer, positive, latent)
+    budget = transformer.last_budget
+    assert budget["available_bytes"] is not None
+    own = budget["parts"]["transformer weights"] + budget["parts"]["VAE weights"]  # on the CPU already
+    free_memory(budget["total_bytes"] - own - (1 << 20))  # 1 MiB short, unless the other copy counted
+    from_pack = sys.modules[f"{comfy_env.pack.__name__}.graph_runtime.budget"]
+    with pytest.raises(from_pack.MemoryBudgetError) as info:
+        sample(comfy_env, transformer, positive, latent)
+    message = str(info.value)
+    assert "0.0 GiB of models ComfyUI can unload" in message
+    assert "release KV-Graph's other cached models" in message

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 from diffusers.image_processor import VaeImageProcessor
 
-from ..memory import eager_free_bytes
+from ..memory import available_bytes
 from ..vae_decode import decode_frames, should_tile
 from ..validation import REFERENCE_MULTIPLE, VAE_SCALE, check_reference_size
 from .vae_lock import vae_lock
@@ -105,10 +105,25 @@ def encode_each(vae, pixels: torch.Tensor, finish=_keep) -> torch.Tensor:
     return torch.cat([finish(vae_encode(vae, pixels[i:i + 1])) for i in range(pixels.shape[0])])
 
 
-def decode_each(vae, raw: torch.Tensor, tiled: bool = False, finish=_keep) -> torch.Tensor:
+def decode_each(vae, raw: torch.Tensor, tiled: bool = False, finish=_keep, before=None, check=None) -> torch.Tensor:
     """`vae_decode` one image at a time (the memory budgets size the decode of one image: memory.py); `finish` is
-    applied to each decoded image as soon as it is made (e.g. moving it off the GPU)."""
-    return torch.cat([finish(vae_decode(vae, raw[i:i + 1], tiled)) for i in range(raw.shape[0])])
+    applied to each decoded image as soon as it is made (e.g. moving it off the GPU, converting it), and its result
+    is written into the batch's output, allocated once (no list of images concatenated at the end). `before(i, n)`
+    runs before image `i` of `n` (an interrupt check, a progress bar), `check(image, i, n)` on each image the VAE
+    made, before `finish`."""
+    out = None
+    for i in range(raw.shape[0]):
+        if before is not None:
+            before(i, raw.shape[0])
+        image = vae_decode(vae, raw[i:i + 1], tiled)
+        if check is not None:
+            check(image, i, raw.shape[0])
+        image = finish(image)
+        if out is None:
+            out = image.new_empty((raw.shape[0], *image.shape[1:]))
+        out[i:i + 1] = image
+        del image
+    return out
 
 
 def encode_pixels(vae, pixels: torch.Tensor) -> torch.Tensor:
@@ -125,7 +140,7 @@ def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
     latents = latents.to(param.device, param.dtype)
     mean, std = _stats(vae, latents)
     raw = latents * std + mean
-    tiled = should_tile(vae, raw.shape[-2] * VAE_SCALE, raw.shape[-1] * VAE_SCALE, eager_free_bytes(param.device))
+    tiled = should_tile(vae, raw.shape[-2] * VAE_SCALE, raw.shape[-1] * VAE_SCALE, available_bytes(param.device))
     return decode_each(vae, raw, tiled)
 
 
