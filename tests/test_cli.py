@@ -301,14 +301,6 @@ def test_every_generate_option_has_one_help_line_with_its_default():
     assert missing == []
 
 
-def test_the_cpu_run_reports_the_precision_that_runs(tmp_path, capsys):
-    """On the CPU the models run fp32: the precision line says so (not "bf16", the name of "as loaded")."""
-    assert main(["generate", "--width", "32", "--height", "32", "--steps", "1", "--device", "cpu",
-                 "--out", str(tmp_path / "x.png")]) == 0
-    line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("precision:"))
-    assert line.startswith("precision: as loaded, fp32 weights, fp32 compute (auto: FP8 GEMMs need a CUDA device")
-
-
 # -- make-tiny never overwrites ------------------------------------------------------------------------------------
 
 

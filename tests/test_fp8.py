@@ -235,12 +235,14 @@ def test_auto_must_be_resolved_before_converting(tiny_parts):
 
 
 def test_cli_precision_auto_on_the_cpu_converts_nothing_and_says_why(tmp_path, capsys):
+    """It says what runs: fp32 on the CPU, not "bf16", the name of "as loaded"."""
     from graph_runtime.cli import main
 
     out = tmp_path / "x.png"
     assert main(["generate", "--out", str(out), "--width", "64", "--height", "64", "--steps", "1",
                  "--device", "cpu"]) == 0
-    assert "precision: bf16 (auto: FP8 GEMMs need a CUDA device (this one is cpu))" in capsys.readouterr().out
+    assert ("precision: as loaded (fp32 weights, fp32 compute; auto: FP8 GEMMs need a CUDA device (this one is cpu))"
+            in capsys.readouterr().out)
 
 
 def test_cli_generates_with_an_fp8_transformer_and_names_a_wrong_precision(tmp_path, capsys):
