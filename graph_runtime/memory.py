@@ -370,15 +370,31 @@ def _read_int(path: str) -> int | None:
     return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
 
 
-def _meminfo_available() -> int | None:
+def _meminfo(field: str) -> int | None:
+    """A /proc/meminfo figure (e.g. "MemAvailable:") in bytes, or None off Linux."""
     try:
         with open("/proc/meminfo") as f:
             for line in f:
-                if line.startswith("MemAvailable:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     return None
+
+
+def host_total_bytes() -> int | None:
+    """The machine's RAM (psutil, else /proc/meminfo), or the container's memory limit when that is smaller."""
+    try:
+        import psutil
+
+        total = int(psutil.virtual_memory().total)
+    except ImportError:
+        total = _meminfo("MemTotal:")
+    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
+        limit = _read_int(limit_file)
+        if limit is not None and limit < 1 << 60:
+            return limit if total is None else min(total, limit)
+    return total
 
 
 def host_available_bytes() -> int | None:
@@ -390,7 +406,7 @@ def host_available_bytes() -> int | None:
 
         available = int(psutil.virtual_memory().available)
     except ImportError:
-        available = _meminfo_available()
+        available = _meminfo("MemAvailable:")
     for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
                                    ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
                                     "/sys/fs/cgroup/memory/memory.usage_in_bytes")):

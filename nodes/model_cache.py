@@ -1,26 +1,37 @@
-"""The pack's loaded models, kept for the life of the ComfyUI process.
+"""The pack's loaded models, kept across prompts and workflows, within a bound.
 
 ComfyUI's own output cache may drop a loader's result (the classic cache does when another workflow runs, the LRU
 cache when it is full); loading the file again would give a new transformer and so a new, empty graph manager. This
 cache is keyed by what the user loaded (file identity: real path, size, mtime; dtype; options), so every workflow
-that loads the same file gets the same model object back, and its captured graphs with it. Entries leave when the
-user releases them or the file changes on disk. ComfyUI can still move their weights off the GPU at any time.
+that loads the same file gets the same model object back, and its captured graphs with it. ComfyUI can still move
+their weights off the GPU at any time.
+
+Entries leave when the user releases them, when the file changes on disk, and when the cache is over its bound:
+least recently used first, until the models' host memory is within the limit (graph_runtime/eviction.py:
+KVGRAPH_MODEL_CACHE_GB, by default half the RAM) and, where this ComfyUI has a RAM-pressure cache, until the host
+has the headroom ComfyUI keeps free. Each eviction is logged. A model in use, or asked for by the prompt running
+now, stays. An evicted model that something else still holds (ComfyUI's output cache, a prompt) is handed back by
+the next load of the same file rather than read again, so an eviction never makes a second copy.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections import Counter
+import weakref
+from collections import Counter, OrderedDict
 from typing import Callable
 
+from ..graph_runtime import eviction
 from ..graph_runtime.comfy_interop.files import file_identity
+from ..graph_runtime.memory import GiB, gib, host_available_bytes
 from ..graph_runtime.report import mib, storage_text
 
 logger = logging.getLogger("kvgraph")
 
 _lock = threading.RLock()
-_handles: dict[tuple, object] = {}
+_handles: OrderedDict[tuple, object] = OrderedDict()  # least recently used first
+_evicted: dict[tuple, weakref.ref] = {}  # key -> an evicted handle, for as long as something else holds it
 _loads: Counter = Counter()  # key -> how many times it was loaded from disk (the status route reports it)
 
 
@@ -29,17 +40,23 @@ def cache_key(kind: str, path: str, dtype_name: str, *options) -> tuple:
 
 
 def get_or_load(key: tuple, load: Callable[[], object]):
-    """The cached handle for `key`, or `load()`'s result, cached.
+    """The cached handle for `key`, or `load()`'s result, cached; the cache is then trimmed to its bound.
 
     Loading happens outside the lock: it can take minutes, and status requests must not wait for it.
     """
     with _lock:
-        handle = _handles.get(key)
+        handle = _handles.get(key) or _revive(key)
+        if handle is not None:
+            _handles.move_to_end(key)
     if handle is not None:
+        _mark_prompt(handle)
         logger.debug("KV-Graph: reusing loaded %s %s", key[0], key[1][0])
+        trim(keep=key)  # ComfyUI's RAM pressure may have grown since the last load
         return handle
+    trim(keep=key)  # make room before the load, as far as the bound allows
     handle = load()
     handle.key = key
+    _mark_prompt(handle)
     with _lock:
         stale = [k for k in _handles if k[0] == key[0] and k[1][0] == key[1][0] and k[2:] == key[2:] and k != key]
         dropped = [_drop(k, "file changed on disk") for k in stale]
@@ -49,20 +66,25 @@ def get_or_load(key: tuple, load: Callable[[], object]):
         old.offload()
     logger.info("KV-Graph: loaded %s from %s (%s, %s)", key[0], key[1][0], storage_text(handle.module),
                 mib(handle.size_bytes))
+    trim(keep=key)
     return handle
 
 
 def adopt(handle) -> None:
-    """Put a handle that is being used back in the cache if it was released while ComfyUI's own output cache still
-    held it: it is loaded again, so later workflows loading the same file must get it rather than a second copy.
-    A handle with LoRAs chained on goes back as the loader's own handle: the cache holds models, not LoRA sets."""
+    """Put a handle that is being used back in the cache if it was released (or evicted) while ComfyUI's own output
+    cache still held it: it is loaded again, so later workflows loading the same file must get it rather than a
+    second copy; and mark it the most recently used. A handle with LoRAs chained on goes back as the loader's own
+    handle: the cache holds models, not LoRA sets."""
     handle = getattr(handle, "base", None) or handle
     key = getattr(handle, "key", None)
     if not key:
         return
     with _lock:
-        if key not in _handles:
+        _evicted.pop(key, None)
+        if _handles.get(key) is not handle:
             _handles[key] = handle
+        _handles.move_to_end(key)
+    _mark_prompt(handle)
 
 
 def handles() -> list:
@@ -78,8 +100,78 @@ def load_count(key: tuple) -> int:
 def forget_all(reason: str = "released by the user") -> list:
     """Drop every cached model; returns the handles dropped (their weights go once nothing else holds them)."""
     with _lock:
-        keys = list(_handles)
-        return [_drop(k, reason) for k in keys]
+        _evicted.clear()
+        return [_drop(k, reason) for k in list(_handles)]
+
+
+def trim(keep: tuple | None = None) -> list:
+    """Evict least recently used models until the cache is within its limit and ComfyUI's RAM headroom is met; a
+    model in use, loaded for the running prompt, or `keep`, stays. Returns the handles evicted."""
+    from . import in_flight
+    from .events import executing_ids
+
+    prompt = executing_ids()[0]
+    limit, headroom = eviction.limit_bytes(), ram_headroom()
+    available = host_available_bytes() if headroom else None
+    shortfall = max(0, headroom - available) if available is not None else 0
+    with _lock:
+        entries = [eviction.Entry(k, host_bytes(h), evictable=k != keep and not in_flight.in_use(h)
+                                  and (prompt is None or getattr(h, "last_prompt", None) != prompt))
+                   for k, h in _handles.items()]
+        total, evicted = sum(e.bytes for e in entries), []
+        for entry in eviction.evictions(entries, limit, shortfall):
+            why = (f"the cached models hold {gib(total)} of host memory, over the limit of {gib(limit)} "
+                   f"({eviction.LIMIT_VARIABLE})" if limit is not None and total > limit else
+                   f"ComfyUI keeps {gib(headroom)} of RAM free and {gib(available)} is available")
+            handle = _drop(entry.key, f"evicted, least recently used ({mib(entry.bytes)} of host memory): {why}")
+            _evicted[entry.key] = weakref.ref(handle)
+            evicted.append(handle)
+            total -= entry.bytes
+    return evicted
+
+
+def host_bytes(handle) -> int:
+    """The host memory a cached model holds (its weights on the CPU, its pinned host copy)."""
+    return int(getattr(handle, "host_bytes", 0) or 0)
+
+
+def ram_headroom() -> int:
+    """The host memory ComfyUI's RAM-pressure cache keeps free, where this ComfyUI has one: 0.33.0 sets it for each
+    prompt (comfy.memory_management.RAM_CACHE_HEADROOM), 0.8.0 takes it from --cache-ram (GiB); else 0."""
+    try:
+        import comfy.memory_management as comfy_memory
+
+        headroom = int(getattr(comfy_memory, "RAM_CACHE_HEADROOM", 0) or 0)
+        if headroom:
+            return headroom
+    except Exception:  # noqa: BLE001 - absent, or not importable on this ComfyUI: no such policy
+        pass
+    try:
+        from comfy.cli_args import args
+
+        value = getattr(args, "cache_ram", 0)
+        value = value[0] if isinstance(value, (list, tuple)) and value else value
+        return int(float(value or 0) * GiB)
+    except Exception:  # noqa: BLE001
+        return 0
+
+
+def _revive(key: tuple):
+    """An evicted handle for `key` that is still alive elsewhere, back in the cache: no second copy is loaded."""
+    ref = _evicted.pop(key, None)
+    handle = ref() if ref is not None else None
+    if handle is not None:
+        _handles[key] = handle
+        logger.info("KV-Graph: %s %s was evicted but is still in memory: reused, not loaded again", key[0],
+                    key[1][0])
+    return handle
+
+
+def _mark_prompt(handle) -> None:
+    """Remember the prompt that last asked for `handle`: the running prompt's models are not evicted."""
+    from .events import executing_ids
+
+    handle.last_prompt = executing_ids()[0]
 
 
 def _drop(key: tuple, reason: str):

@@ -47,6 +47,7 @@ class ModelHandle:
     dtype_name: str
     key: tuple = ()
     info: dict = field(default_factory=dict)
+    last_prompt: str | None = None  # the prompt that last asked for it (the model cache spares the running one's)
 
     @classmethod
     def create(cls, kind: str, module: torch.nn.Module, source: str, dtype_name: str, load_device, offload_device,
@@ -76,6 +77,19 @@ class ModelHandle:
     @property
     def size_bytes(self) -> int:
         return self.patcher.model_size()
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory this model holds now: its host copy when it keeps one (its tensors point into it while
+        offloaded), else its weights that are on the CPU."""
+        if self.patcher.placement is not None:
+            return self.patcher.placement.host_bytes
+        return sum(t.numel() * t.element_size() for t in (*self.module.parameters(), *self.module.buffers())
+                   if t.device.type == "cpu")
+
+    def get_ram_usage(self) -> int:
+        """ComfyUI's RAM-pressure cache (0.8.0) weighs a cached output by this: the host memory it would free."""
+        return self.host_bytes
 
     def ensure_loaded(self, memory_required: int = 0) -> None:
         """Have ComfyUI put the whole model on its compute device, making room first; fail clearly otherwise."""
@@ -178,13 +192,25 @@ class TextEncoderHandle(ModelHandle):
         return self._encoder
 
     def before_encode(self) -> None:
-        self.ensure_loaded()
+        from . import in_flight
+
+        in_flight.begin_use(self)  # a release of models meanwhile waits for `after_encode`
+        try:
+            self.ensure_loaded()
+        except BaseException:
+            in_flight.end_use(self)
+            raise
 
     def after_encode(self) -> None:
+        from . import in_flight
+
         # The 8B text encoder is 16 GB in bf16: by default it leaves the GPU as soon as the prompt is encoded, so
         # the transformer and its graphs never have to compete with it.
-        if self.placement == TE_OFFLOAD:
-            self.offload()
+        try:
+            if self.placement == TE_OFFLOAD:
+                self.offload()
+        finally:
+            in_flight.end_use(self)
 
 
 @dataclass(eq=False)

@@ -71,10 +71,10 @@ def release(models: bool = False) -> dict:
     dropped = []
     if models:
         for handle in model_cache.forget_all():
-            busy = handle.kind == "transformer" and in_flight.is_busy(handle.engine)
-            if not busy:  # a running sampler keeps its weights where they are until it finishes
-                handle.offload()
-            dropped.append({"kind": handle.kind, "source": handle.source, "unloaded": not busy})
+            # A model a node is computing with (sampling, encoding, decoding) keeps its weights where they are
+            # until that use ends, then leaves.
+            unloaded = in_flight.offload_when_idle(handle)
+            dropped.append({"kind": handle.kind, "source": handle.source, "unloaded": unloaded})
     return {"graphs": graphs, "models": dropped}
 
 

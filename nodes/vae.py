@@ -15,6 +15,7 @@ from ..graph_runtime.comfy_interop.pixels import comfy_image_to_vae_pixels, crop
 from ..graph_runtime.encoding.images import decode_each, encode_each
 from ..graph_runtime.validation import check_finite
 from ..graph_runtime.vae_decode import check_decoded, plan_decode
+from . import in_flight
 from .memory_budget import free_bytes
 from .model_handles import same_device
 from .types import LATENT, Vae
@@ -23,9 +24,10 @@ from .types import LATENT, Vae
 def encode_raw(vae, pixels: torch.Tensor) -> torch.Tensor:
     """[B, 4, 1, H, W] in [-1, 1] -> raw latents [B, 64, H/16, W/16] (the distribution's mode), on the
     intermediate device; ComfyUI is asked for the room one image's encode needs (they are encoded one at a time)."""
-    vae.ensure_loaded(memory_required=memory.vae_encode_bytes(pixels.shape[-1], pixels.shape[-2]))
-    device = mm.intermediate_device()
-    return encode_each(vae.module, pixels, finish=lambda latent: latent.to(device))
+    with in_flight.using(vae):  # a release of models meanwhile waits for the encode to end
+        vae.ensure_loaded(memory_required=memory.vae_encode_bytes(pixels.shape[-1], pixels.shape[-2]))
+        device = mm.intermediate_device()
+        return encode_each(vae.module, pixels, finish=lambda latent: latent.to(device))
 
 
 def decode_to_images(vae, raw: torch.Tensor) -> torch.Tensor:
@@ -41,7 +43,6 @@ def decode_to_images(vae, raw: torch.Tensor) -> torch.Tensor:
     on_cpu = same_device(vae.patcher.load_device, "cpu")
     check_decoded_on_host(plan.width, plan.height, raw.shape[0], memory.IMAGE_BYTES_PER_PIXEL,
                           plan.bytes if on_cpu else 0, name="a latent batch", free=free_bytes(torch.device("cpu")))
-    vae.ensure_loaded(memory_required=plan.bytes)
     device = mm.intermediate_device()
     bar = comfy.utils.ProgressBar(raw.shape[0])
 
@@ -49,9 +50,11 @@ def decode_to_images(vae, raw: torch.Tensor) -> torch.Tensor:
         bar.update_absolute(index, total)  # also ComfyUI's interrupt check
         mm.throw_exception_if_processing_interrupted()
 
-    return decode_each(vae.module, raw, plan.tiled, before=before,
-                       check=lambda image, index, count: check_decoded(image, vae.source, (index, count)),
-                       finish=lambda image: vae_pixels_to_comfy_image(image).to(device))
+    with in_flight.using(vae):  # a release of models meanwhile waits for the decode to end
+        vae.ensure_loaded(memory_required=plan.bytes)
+        return decode_each(vae.module, raw, plan.tiled, before=before,
+                           check=lambda image, index, count: check_decoded(image, vae.source, (index, count)),
+                           finish=lambda image: vae_pixels_to_comfy_image(image).to(device))
 
 
 class KVGraphVAEDecode(io.ComfyNode):

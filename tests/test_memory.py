@@ -355,3 +355,27 @@ def test_should_tile_only_when_a_whole_decode_does_not_fit(caplog):
     assert not should_tile(vae, 1024, 1024, tiled - 1)  # nothing fits: leave it to ComfyUI to make room
     assert should_tile(vae, 1024, 1024, whole - 1)
     assert any("tiled" in r.getMessage() for r in caplog.records)
+
+
+def test_eviction_takes_the_least_recently_used_evictable_entries_until_within_the_limit_and_shortfall():
+    from graph_runtime.eviction import Entry, evictions
+
+    entries = [Entry("a", 5), Entry("b", 4, evictable=False), Entry("c", 3), Entry("d", 2)]
+    assert evictions(entries, limit=None) == []
+    assert [e.key for e in evictions(entries, limit=14)] == []
+    assert [e.key for e in evictions(entries, limit=9)] == ["a"]  # 14 - 5 = 9
+    assert [e.key for e in evictions(entries, limit=8)] == ["a", "c"]  # b is in use: skipped
+    assert [e.key for e in evictions(entries, limit=None, shortfall=6)] == ["a", "c"]
+    assert [e.key for e in evictions(entries, limit=0)] == ["a", "c", "d"]  # all it can
+
+
+def test_the_cache_limit_reads_its_setting(monkeypatch):
+    from graph_runtime import eviction
+
+    monkeypatch.setenv(eviction.LIMIT_VARIABLE, "1.5")
+    assert eviction.limit_bytes() == int(1.5 * GiB)
+    monkeypatch.setenv(eviction.LIMIT_VARIABLE, "none")
+    assert eviction.limit_bytes() is None
+    monkeypatch.setenv(eviction.LIMIT_VARIABLE, "lots")
+    total = memory.host_total_bytes()
+    assert total and eviction.limit_bytes() == int(total * eviction.DEFAULT_RAM_FRACTION)

@@ -188,3 +188,66 @@ def test_on_the_cpu_cached_models_are_not_counted_as_memory_to_free(comfy_env, l
     message = str(info.value)
     assert "0.0 GiB of models ComfyUI can unload" in message
     assert "release KV-Graph's other cached models" in message
+
+
+# -- the model cache's bound ----------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def cache_env(monkeypatch):
+    """A pack copy of its own (evictions here must not disturb the module's shared models)."""
+    from comfy_fake.fixtures import close_env, make_env
+
+    env = make_env()
+    yield env
+    close_env(env)
+
+
+def test_the_model_cache_evicts_the_least_recently_used_model_over_its_limit(cache_env, monkeypatch, caplog):
+    """Each distinct file/dtype/option is a cache entry; over KVGRAPH_MODEL_CACHE_GB (here: room for an fp32 copy and
+    one and a half bf16/fp16 copies) the least recently used one is evicted and the eviction logged. An evicted model that something still
+    holds comes back on the next load of the same file (no second copy); once nothing holds it, it is read again."""
+    import gc
+
+    cache = cache_env.pack.nodes.model_cache
+    load = lambda dtype: run(cache_env, "KVGraphLoadTransformer", transformer_name=FILES[0], dtype=dtype)[0]  # noqa
+    fp32 = load("fp32")
+    limit = 1.75 * cache.host_bytes(fp32)
+    monkeypatch.setenv("KVGRAPH_MODEL_CACHE_GB", str(limit / 2**30))
+    caplog.set_level(logging.INFO, logger="kvgraph")
+    bf16 = load("bf16")
+    assert load("fp32") is fp32  # used again: now bf16 is the least recently used
+    fp16 = load("fp16")
+    assert cache.handles() == [fp32, fp16]
+    evicted = [r.getMessage() for r in caplog.records if "evicted, least recently used" in r.getMessage()]
+    assert len(evicted) == 1 and "transformer" in evicted[0] and "KVGRAPH_MODEL_CACHE_GB" in evicted[0]
+    assert sum(cache.host_bytes(h) for h in cache.handles()) <= limit
+
+    again = load("bf16")  # still held (by this test): handed back, not read again; fp32 goes instead
+    assert again is bf16 and cache.load_count(bf16.key) == 1
+    assert cache.handles() == [fp16, bf16]
+    key = fp32.key
+    del fp32, again
+    gc.collect()
+    assert cache.load_count(key) == 1
+    reloaded = load("fp32")  # nothing held the evicted one: read from the file again
+    assert cache.load_count(key) == 2 and reloaded.module is not None
+
+
+def test_the_model_cache_honours_comfyui_ram_headroom_but_keeps_what_is_in_use(cache_env, monkeypatch, caplog):
+    """Where ComfyUI keeps RAM free (its RAM-pressure cache's headroom) and the host has less available, idle
+    cached models are evicted, least recently used first; a model a node is using now is not."""
+    cache = cache_env.pack.nodes.model_cache
+    in_flight = cache_env.pack.nodes.in_flight
+    memory_module = sys.modules[f"{cache_env.pack.__name__}.nodes.model_cache"]
+    vae, = run(cache_env, "KVGraphLoadVAE", vae_name=FILES[2], dtype="fp32")
+    transformer, = run(cache_env, "KVGraphLoadTransformer", transformer_name=FILES[0], dtype="fp32")
+    monkeypatch.setattr(memory_module, "ram_headroom", lambda: 10 * 2**30)
+    monkeypatch.setattr(memory_module, "host_available_bytes", lambda: 9 * 2**30)
+    caplog.set_level(logging.INFO, logger="kvgraph")
+    with in_flight.using(vae):
+        assert cache.trim() == [transformer]  # 1 GiB short: the idle transformer goes, the VAE in use stays
+    assert cache.handles() == [vae]
+    message = next(r.getMessage() for r in caplog.records if "evicted" in r.getMessage())
+    assert "ComfyUI keeps 10.0 GiB of RAM free and 9.0 GiB is available" in message
+    assert cache.trim() == [vae]  # idle now

@@ -375,3 +375,62 @@ def test_the_kernel_preload_starts_only_for_a_cuda_compute_device(comfy_env, mon
     monkeypatch.setattr(comfy_env.fake, "device", torch.device(device))
     loaders.start_kernel_preload()
     assert calls == started
+
+
+# -- a release of models while a prompt runs -------------------------------------------------------------------------
+
+
+def test_a_release_mid_prompt_waits_for_the_models_the_prompt_is_using(monkeypatch):
+    """POST /kvgraph/release {"models": true} while the text encoder encodes, the VAE decodes or the transformer
+    samples drops each from the cache but leaves its weights where they are until that use ends (then they leave);
+    the node's output equals the one a run without the release gives."""
+    env = make_env()
+    try:
+        status, images = env.pack.nodes.status, sys.modules[f"{env.pack.__name__}.graph_runtime.encoding.images"]
+        text_encoder, = run(env, "KVGraphLoadTextEncoder", text_encoder_name="qwen3vl_8b_bf16.safetensors",
+                            dtype="fp32", text_encoder_placement="always gpu")
+        vae, = run(env, "KVGraphLoadVAE", vae_name=VAE_FILE, dtype="fp32")
+        transformer, = run(env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32")
+        offloads, released = [], {}
+        for handle in (text_encoder, vae, transformer):
+            monkeypatch.setattr(handle, "offload", lambda kind=handle.kind: offloads.append(kind))
+
+        def release_during(kind, call):
+            def wrapped(*args, **kwargs):
+                if kind not in released:
+                    result = status.release(models=True)
+                    released[kind] = ({m["kind"]: m["unloaded"] for m in result["models"]}, list(offloads))
+                return call(*args, **kwargs)
+            return wrapped
+
+        encode_inputs = dict(text_encoder=text_encoder, prompt="a red cube", negative_prompt="", width=128,
+                             height=96, size_from_reference=True, reference_resolution=128)
+        expected = run(env, "KVGraphTextEncode", **encode_inputs)[0][0][0]
+        encoder = text_encoder.encoder
+        monkeypatch.setattr(encoder, "encode", release_during("text_encoder", encoder.encode))
+        positive, _, latent = run(env, "KVGraphTextEncode", **encode_inputs)
+        assert released["text_encoder"] == ({"text_encoder": False, "vae": True, "transformer": True}, ["vae",
+                                                                                                       "transformer"])
+        assert offloads == ["vae", "transformer", "text_encoder"]  # the text encoder left when its encode ended
+        assert torch.equal(positive[0][0], expected)
+
+        samples = {"samples": torch.randn(2, 64, 6, 8, generator=torch.Generator().manual_seed(0))}
+        first, = run(env, "KVGraphVAEDecode", vae=vae, latent=samples)
+        offloads.clear()
+        monkeypatch.setattr(images, "vae_decode", release_during("vae", images.vae_decode))
+        decoded, = run(env, "KVGraphVAEDecode", vae=vae, latent=samples)
+        assert released["vae"] == ({"vae": False}, []) and offloads == ["vae"]
+        assert torch.equal(decoded, first)
+
+        sampled = env.nodes["KVGraphSampler"].execute
+        inputs = dict(model=transformer, positive=positive, latent=latent, seed=1, steps=2, cfg=1.0,
+                      sigma_preset="dynamic", denoise=1.0, decode_mode="auto", compile="off")
+        reference = sampled(**inputs).args[0]["samples"]
+        offloads.clear()
+        engine = transformer.engine
+        monkeypatch.setattr(engine, "decode", release_during("transformer", engine.decode))
+        again = sampled(**inputs).args[0]["samples"]
+        assert released["transformer"] == ({"transformer": False}, []) and offloads == ["transformer"]
+        assert torch.equal(again, reference)
+    finally:
+        close_env(env)
