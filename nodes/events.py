@@ -1,7 +1,10 @@
 """Websocket events: `kvgraph.status` messages for each sampling phase (prefill, capture, replay, fallback, done).
 
-The web extension and API clients listen for them; each carries the prompt id and node id so a client can tell its
-own runs apart. An event that cannot be sent never fails the prompt.
+The web extension and API clients listen for them; each carries the prompt id and node id. They go only to the
+client that queued the prompt (the `client_id` of its POST /prompt, which ComfyUI keeps as
+`PromptServer.instance.client_id` while the prompt runs, in 0.8.0 and 0.33.0 alike), as ComfyUI sends `executing`
+and `executed`: other users' browsers see neither the prompt ids nor the toasts. A prompt queued without a client id
+gets none, as in core. An event that cannot be sent never fails the prompt.
 """
 
 from __future__ import annotations
@@ -26,16 +29,36 @@ def executing_ids() -> tuple[str | None, str | None]:
     return context.prompt_id, context.node_id
 
 
-def send(phase: str, data: dict, prompt_id: str | None = None, node_id: str | None = None) -> None:
+def _server():
     try:
         from server import PromptServer
 
-        server = PromptServer.instance
+        return PromptServer.instance
     except (ImportError, AttributeError):
+        return None
+
+
+def prompt_client() -> str | None:
+    """The websocket client id of the prompt running now (None outside a prompt, or for one queued without it)."""
+    return getattr(_server(), "client_id", None)
+
+
+def sender(prompt_id: str | None, node_id: str | None):
+    """`send` for one node's run: `(phase, data)` -> an event to the client that queued it, read once, when the node
+    starts (a run's events all go to its own client)."""
+    client = prompt_client()
+    return lambda phase, data: send(phase, data, prompt_id, node_id, client)
+
+
+def send(phase: str, data: dict, prompt_id: str | None = None, node_id: str | None = None,
+         client_id: str | None = None) -> None:
+    """One `kvgraph.status` event to `client_id`; nothing without one (never to every connected browser)."""
+    server = _server()
+    if server is None or client_id is None:
         return
     message = {"phase": phase, "prompt_id": prompt_id, "node": node_id, **data}
     try:
-        server.send_sync(EVENT, message)
+        server.send_sync(EVENT, message, client_id)
     except Exception as exc:  # noqa: BLE001 - telemetry must not break sampling
         logger.debug("KV-Graph: could not send %s event: %s", phase, exc)
 
@@ -45,13 +68,10 @@ def show_text(text: str) -> None:
     message, which the frontend draws as a read-only text box on that node. Sent to the client that queued the
     prompt (as ComfyUI sends `executed`); a server without the message, or no client, shows nothing."""
     _, node_id = executing_ids()
+    server, client = _server(), prompt_client()
+    if server is None or node_id is None or client is None:
+        return
     try:
-        from server import PromptServer
-
-        server = PromptServer.instance
-        client = getattr(server, "client_id", None)
-        if node_id is None or client is None:
-            return
         server.send_progress_text(text, node_id, client)
     except Exception as exc:  # noqa: BLE001 - showing the text must not fail the node
         logger.debug("KV-Graph: could not show the node's text: %s", exc)

@@ -118,7 +118,7 @@ class KVGraphSampler(io.ComfyNode):
             progress = SamplerProgress(total, record)
             try:
                 result = sample(engine, request, on_step=progress.on_step, should_stop=progress.should_stop,
-                                on_event=lambda phase, data: events.send(phase, data, prompt_id, node_id))
+                                on_event=events.sender(prompt_id, node_id))
             except Cancelled:
                 # The sampler stopped between steps (its caches are released): end the node the way ComfyUI
                 # expects an interrupted node to end.

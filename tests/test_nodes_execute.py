@@ -190,6 +190,26 @@ def test_sampler_equals_the_runtime_and_reports_progress_and_events(comfy_env, m
     assert done["captures"] == 0 and done["eager_steps"] == {"no CUDA": 3}  # every step, step 1 included
 
 
+def test_status_events_go_only_to_the_client_that_queued_the_prompt(comfy_env, models, monkeypatch):
+    """Every `kvgraph.status` event of a run is addressed to the prompt's client (ComfyUI's `client_id` while the
+    prompt runs), never broadcast (sid None) to every connected browser; a prompt queued without a client id sends
+    none, as core sends it no `executed`. The run's result is the same either way."""
+    transformer, text_encoder, _ = models
+    positive, _, latent = encode(comfy_env, text_encoder)
+    fake = comfy_env.fake
+    server = sys.modules["server"].PromptServer.instance
+    fake.set_context("prompt-B", "7")
+    monkeypatch.setattr(server, "client_id", "browser-of-B")
+    fake.sent.clear(), fake.recipients.clear()
+    first = sampler(comfy_env, transformer, positive, latent)
+    status = [sid for (event, _), sid in zip(fake.sent, fake.recipients) if event == "kvgraph.status"]
+    assert status and set(status) == {"browser-of-B"}
+    monkeypatch.setattr(server, "client_id", None)
+    fake.sent.clear(), fake.recipients.clear()
+    second = sampler(comfy_env, transformer, positive, latent)
+    assert fake.events() == [] and torch.equal(first["samples"], second["samples"])
+
+
 def test_sampler_reads_core_conditioning_without_slots(comfy_env, models):
     """References with no image_slots (as core's ReferenceLatent node adds them) go after the prompt's text."""
     transformer, text_encoder, vae = models
