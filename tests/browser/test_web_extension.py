@@ -125,7 +125,8 @@ def test_panel_shows_route_status_and_a_real_run(page, comfy, artifacts):
             if (!window.kvgraphToasts.includes(t.innerText)) window.kvgraphToasts.push(t.innerText);
     }).observe(document.body, {childList: true, subtree: true, characterData: true}); }""")
     prompt = load_api_workflow("qwen_image_2.1_text_to_image", seed=int(time.time()) % 100_000)
-    prompt_id = comfy.queue_ok(prompt)
+    # Queued for this page's websocket client: the pack sends a prompt's events to its own client only.
+    prompt_id = comfy.queue_ok(prompt, client_id=page.evaluate("sessionStorage.getItem('clientId') || window.name"))
     page.wait_for_selector(".kvgraph-phases li[data-phase=done]", timeout=120_000)
     comfy.wait(prompt_id)
     status = comfy.status()

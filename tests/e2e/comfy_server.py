@@ -118,11 +118,13 @@ class ComfyServer:
     def post(self, path: str, body=None) -> requests.Response:
         return requests.post(f"{self.url}{path}", json=body, timeout=30)
 
-    def queue(self, prompt: dict) -> requests.Response:
-        return self.post("/prompt", {"prompt": prompt, "client_id": self.client_id})
+    def queue(self, prompt: dict, client_id: str | None = None) -> requests.Response:
+        """POST /prompt for this test's websocket client, or for `client_id` (a browser page's, to hear its
+        events there: the pack sends them to the prompt's client only)."""
+        return self.post("/prompt", {"prompt": prompt, "client_id": client_id or self.client_id})
 
-    def queue_ok(self, prompt: dict) -> str:
-        response = self.queue(prompt)
+    def queue_ok(self, prompt: dict, client_id: str | None = None) -> str:
+        response = self.queue(prompt, client_id)
         assert response.status_code == 200, f"prompt rejected: {response.text}\n{self.log_tail()}"
         return response.json()["prompt_id"]
 
