@@ -164,6 +164,14 @@ class ComfyServer:
                 paths.append(self.base / "output" / item.get("subfolder", "") / item["filename"])
         return paths
 
+    def output_pixels(self, entry: dict) -> tuple[tuple[int, int], bytes]:
+        """The size and RGB bytes of a prompt's one output image, to compare runs pixel for pixel."""
+        from PIL import Image
+
+        path, = self.output_images(entry)
+        image = Image.open(path).convert("RGB")
+        return image.size, image.tobytes()
+
 
 def start_server(comfyui_install, base: Path, *extra_args) -> ComfyServer:
     comfyui_dir, python = comfyui_install

@@ -7,6 +7,7 @@ prompt runs again and its image equals, pixel for pixel, the one it gave first: 
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -15,7 +16,6 @@ import time
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -49,19 +49,14 @@ def good_prompt() -> dict:
     return prompt
 
 
-def pixels(server, entry) -> tuple[tuple[int, int], bytes]:
-    path, = server.output_images(entry)
-    image = Image.open(path).convert("RGB")
-    return image.size, image.tobytes()
-
-
 @pytest.fixture(scope="module")
 def reference(server):
-    return pixels(server, server.run(good_prompt()))
+    """The good prompt's image from its first run on this server."""
+    return server.output_pixels(server.run(good_prompt()))
 
 
 def assert_next_good_prompt_matches(server, reference) -> None:
-    assert pixels(server, server.run(good_prompt())) == reference
+    assert server.output_pixels(server.run(good_prompt())) == reference
 
 
 def wait_until(condition, timeout: float, what: str):
@@ -149,12 +144,10 @@ def test_status_events_reach_only_the_prompts_own_client(server, comfyui_install
                 and m["data"]["prompt_id"] == prompt_id]
         assert [m["phase"] for m in ours][0] == "prefill" and ours[-1]["phase"] == "done"
         time.sleep(1.0)  # anything still in flight reaches the second listener too
-        import json
-
         theirs = [json.loads(line) for line in other_log.read_text().splitlines() if line.strip()]
         assert any(m.get("type") == "status" for m in theirs)  # it was connected and hearing broadcasts
         assert not [m for m in theirs if m.get("type") == "kvgraph.status"]
-        assert pixels(server, entry) == reference
+        assert server.output_pixels(entry) == reference
     finally:
         os.killpg(listener.pid, 15)
         listener.wait(timeout=10)
