@@ -135,4 +135,4 @@ def test_the_load_log_names_the_storage_as_it_is(comfy_env, caplog):
     assert "int8 ConvRot" in loaded[0] and "bf16 compute" in loaded[0]
     assert "(bf16 weights, bf16 compute" in loaded[1]
     precision = [r.getMessage() for r in caplog.records if "transformer precision" in r.getMessage()]
-    assert "as loaded, " in precision[0] and "int8 ConvRot" in precision[0]
+    assert precision[0].endswith(")") and "precision: int8 (" in precision[0] and "int8 ConvRot" in precision[0]
