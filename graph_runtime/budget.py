@@ -13,8 +13,8 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from .errors import KVGraphError
 from . import memory
+from .errors import KVGraphError
 from .memory import (
     GenerationShape, MemoryBudget, TransformerDims, VaeDims, available_bytes, estimate, fitting_estimate, gib,
     host_available_bytes, module_bytes,

@@ -12,7 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Hashable
 
-from .memory import GiB, host_total_bytes
+from .host_memory import host_total_bytes
+from .memory import GiB
 
 logger = logging.getLogger("kvgraph")
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .host_memory import host_available_bytes, host_total_bytes  # noqa: F401 - the CPU's side of the budget
 
 GiB = 2**30
 MiB = 2**20
@@ -359,63 +360,6 @@ def device_free_bytes(device, exclude: int = 0) -> int | None:
     if fraction is not None:
         free = min(free, max(0, int(fraction(index) * total) - reserved))
     return max(0, free + reserved - torch.cuda.memory_allocated(index) - exclude)
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path) as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None  # cgroup v2 writes "max" for no limit
-
-
-def _meminfo(field: str) -> int | None:
-    """A /proc/meminfo figure (e.g. "MemAvailable:") in bytes, or None off Linux."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith(field):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
-
-
-def host_total_bytes() -> int | None:
-    """The machine's RAM (psutil, else /proc/meminfo), or the container's memory limit when that is smaller."""
-    try:
-        import psutil
-
-        total = int(psutil.virtual_memory().total)
-    except ImportError:
-        total = _meminfo("MemTotal:")
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        limit = _read_int(limit_file)
-        if limit is not None and limit < 1 << 60:
-            return limit if total is None else min(total, limit)
-    return total
-
-
-def host_available_bytes() -> int | None:
-    """Memory a new host (CPU) allocation can get without swapping or being killed: what the OS reports available
-    (psutil's figure, as ComfyUI reads it, else /proc/meminfo), capped by the container's memory limit less what it
-    uses (cgroup v2 or v1). None where nothing reports it."""
-    try:
-        import psutil
-
-        available = int(psutil.virtual_memory().available)
-    except ImportError:
-        available = _meminfo("MemAvailable:")
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        limit, usage = _read_int(limit_file), _read_int(usage_file)
-        if limit is not None and usage is not None and limit < 1 << 60:  # v1 writes a huge number for no limit
-            room = max(0, limit - usage)
-            available = room if available is None else min(available, room)
-            break
-    return available
 
 
 def available_bytes(device) -> int | None:
