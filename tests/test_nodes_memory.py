@@ -175,7 +175,7 @@ def test_on_the_cpu_cached_models_are_not_counted_as_memory_to_free(comfy_env, l
     model in the pack's cache is not counted as available; a request that would fit only if it were is refused, and
     the refusal says releasing it would help."""
     transformer, _, positive, latent = loaded
-    other, = run(comfy_env, "KVGraphLoadTransformer", transformer_name=FILES[0], dtype="bf16")  # a second copy
+    other = run(comfy_env, "KVGraphLoadTransformer", transformer_name=FILES[0], dtype="bf16")[0]  # a second copy
     assert other is not transformer and other.size_bytes > 0
     sample(comfy_env, transformer, positive, latent)
     budget = transformer.last_budget
@@ -241,7 +241,7 @@ def test_the_model_cache_honours_comfyui_ram_headroom_but_keeps_what_is_in_use(c
     in_flight = cache_env.pack.nodes.in_flight
     memory_module = sys.modules[f"{cache_env.pack.__name__}.nodes.model_cache"]
     vae, = run(cache_env, "KVGraphLoadVAE", vae_name=FILES[2], dtype="fp32")
-    transformer, = run(cache_env, "KVGraphLoadTransformer", transformer_name=FILES[0], dtype="fp32")
+    transformer = run(cache_env, "KVGraphLoadTransformer", transformer_name=FILES[0], dtype="fp32")[0]
     monkeypatch.setattr(memory_module, "ram_headroom", lambda: 10 * 2**30)
     monkeypatch.setattr(memory_module, "host_available_bytes", lambda: 9 * 2**30)
     caplog.set_level(logging.INFO, logger="kvgraph")

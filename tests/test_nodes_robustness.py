@@ -390,7 +390,7 @@ def test_a_release_mid_prompt_waits_for_the_models_the_prompt_is_using(monkeypat
         text_encoder, = run(env, "KVGraphLoadTextEncoder", text_encoder_name="qwen3vl_8b_bf16.safetensors",
                             dtype="fp32", text_encoder_placement="always gpu")
         vae, = run(env, "KVGraphLoadVAE", vae_name=VAE_FILE, dtype="fp32")
-        transformer, = run(env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32")
+        transformer = run(env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32")[0]
         offloads, released = [], {}
         for handle in (text_encoder, vae, transformer):
             monkeypatch.setattr(handle, "offload", lambda kind=handle.kind: offloads.append(kind))
