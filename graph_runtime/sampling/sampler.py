@@ -183,8 +183,8 @@ def _denoise_step(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, pr
     and the path each branch took."""
     timestep = _model_timestep(run.timesteps[i], req.batch_size, run.dtype)
     preds, paths = {}, []
-    for name in run.branches:
-        outcome = engine.decode(prefixes[name], latents, timestep, req.decode_mode)
+    outcomes = engine.decode_all({name: prefixes[name] for name in run.branches}, latents, timestep, req.decode_mode)
+    for name, outcome in outcomes.items():
         preds[name] = outcome.output
         paths.append(outcome.path)
         reporter.decoded(i + 1, name, outcome)
