@@ -55,6 +55,15 @@ class ParallelStartError(RuntimeError):
     """The ranks could not be started."""
 
 
+class StoppedInStep(Exception):
+    """Carries what ended a prompt on every rank at the same point (a cancel, a bad input, a NaN, or rank 0's
+    progress callback raising): the ranks are idle and in step, ready for the next prompt."""
+
+    def __init__(self, error: BaseException):
+        super().__init__(str(error))
+        self.error = error
+
+
 def rank_devices(device: torch.device, world: int, local: int) -> list[torch.device | None]:
     """Rank 0's device, then one device per further local rank (None for ranks on other hosts)."""
     device = torch.device(device)
@@ -249,8 +258,8 @@ class RankSet:
 
     def sample(self, transformer, request: SamplingRequest, on_step=None, should_stop=None,
                on_event=None) -> SampleResult:
-        """One prompt on every rank. Raises what rank 0's loop raised when every rank met it in step (a cancel, a bad
-        input, a NaN), leaving the ranks running; else `PeerLost` or rank 0's own error, for the caller to abort."""
+        """One prompt on every rank. Raises `StoppedInStep` when every rank stopped at the same point (the ranks
+        keep running); anything else (`PeerLost`, rank 0's own error) leaves the ranks for the caller to abort."""
         if weights_version(transformer) != self.version:
             self.send_model(transformer)
         engine = self.engine(transformer, request)
@@ -271,14 +280,12 @@ class RankSet:
 
         try:
             result = sample(engine, request, step_done, stop, on_event)
-        except (Cancelled, KVGraphError):
+        except (Cancelled, KVGraphError) as exc:
             self.control.answers(seq, self.timeout_s, self.health)  # every rank met it: they wait for the next
-            if deferred:
-                raise deferred[0] from None
-            raise
+            raise StoppedInStep(deferred[0] if deferred else exc) from None
         answers = self.control.answers(seq, self.timeout_s, self.health)
         if deferred:
-            raise deferred[0]
+            raise StoppedInStep(deferred[0])
         result.stats["ranks"] = [{"rank": 0, "device": str(self.device), **_per_rank(result.stats)}] + [
             {"rank": rank, "device": self.device_name(rank), **_per_rank(answer["stats"])}
             for rank, answer in sorted(answers.items())]
@@ -347,8 +354,8 @@ class ParallelRuntime:
                 return sample(engine_for(transformer), request, on_step, should_stop, on_event)
             try:
                 return ranks.sample(transformer, request, on_step, should_stop, on_event)
-            except (Cancelled, KVGraphError):
-                raise
+            except StoppedInStep as stopped:
+                raise stopped.error from None
             except BaseException as exc:
                 raise self._failed(ranks, exc) from exc
 
