@@ -140,6 +140,20 @@ class RankGroups:
                 if rank in pair:
                     self._cfg[plan] = self._make(store, f"cfg.{position}", pair)
 
+        self._connect()
+
+    def _connect(self) -> None:
+        """One small all-to-all and all-gather on every compute group, now: NCCL connects peers on their first
+        exchange, and a connection made inside a graph capture (its buffers allocated there) would fail it."""
+        for comm in self.all():
+            if comm is self.control:
+                continue
+            probe = torch.arange(comm.size, dtype=torch.float32, device=self.device)
+            comm.all_to_all(torch.empty_like(probe), probe, [1] * comm.size, [1] * comm.size)
+            comm.all_gather(probe)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
     def _make(self, store, name, ranks) -> Comm:
         return make_group(store, name, ranks, self.rank, self.backend, self.device, self.timeout_s)
 
