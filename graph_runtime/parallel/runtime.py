@@ -15,11 +15,13 @@ the collective timeout.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import hashlib
 import logging
 import os
 import shutil
+import signal
 import sys
 import tempfile
 import threading
@@ -142,8 +144,9 @@ class RankSet:
             envs[rank - 1] = env
             args[rank - 1] = ("-m", "graph_runtime.parallel.worker")
         logs = DefaultLogsSpecs(log_dir=self.log_dir, redirects=Std.NONE, tee=Std.NONE)
-        self.pcontext = start_processes(name="kvgraph-rank", entrypoint=sys.executable, args=args, envs=envs,
-                                        logs_specs=logs)
+        with _process_signals_kept():
+            self.pcontext = start_processes(name="kvgraph-rank", entrypoint=sys.executable, args=args, envs=envs,
+                                            logs_specs=logs)
 
     def _wait_ready(self) -> None:
         keys = [f"ready/{rank}" for rank in range(1, self.world)]
@@ -295,6 +298,26 @@ class RankSet:
         return result
 
 
+@contextlib.contextmanager
+def _process_signals_kept():
+    """The launcher installs its own SIGINT/SIGTERM/SIGHUP/SIGQUIT handlers when started from the main thread (it
+    was written for torchrun, which owns its process), and warns when started from another. This process is
+    ComfyUI's or the command line's: its handlers stay as they were, and the workers need no signal to end (they
+    watch for rank 0, see worker.py)."""
+    names = ("SIGTERM", "SIGINT", "SIGHUP", "SIGQUIT")
+    main = threading.current_thread() is threading.main_thread()
+    saved = {sig: signal.getsignal(sig) for sig in (getattr(signal, n, None) for n in names) if sig} if main else {}
+    launcher_log = logging.getLogger("torch.distributed.elastic.multiprocessing.api")
+    level = launcher_log.level
+    launcher_log.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        launcher_log.setLevel(level)
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
 def _per_rank(stats: dict) -> dict:
     keys = ("captures", "replays", "eager_steps", "prefill_captures", "prefill_replays", "eager_prefills")
     return {k: stats[k] for k in keys if k in stats}
@@ -302,8 +325,6 @@ def _per_rank(stats: dict) -> dict:
 
 def _exit_text(exitcode: int) -> str:
     if exitcode is not None and exitcode < 0:
-        import signal
-
         try:
             return f"was killed by signal {signal.Signals(-exitcode).name}"
         except ValueError:
