@@ -123,8 +123,9 @@ class RankSet:
         self._wait_ready()
         self.groups = RankGroups(self.store, 0, self.world, self.device, self.timeout_s)
         self.send_model(transformer)
-        logger.info("KV-Graph: %d ranks ready on %s in %.1f s (%s).", self.world, self.describe_devices(),
-                    time.perf_counter() - started, backend_for(self.device))
+        logger.info("KV-Graph: %d ranks ready on %s in %.1f s (%s; worker pids %s).", self.world,
+                    self.describe_devices(), time.perf_counter() - started, backend_for(self.device),
+                    ", ".join(map(str, self.pids())) or "none")
 
     def _launch(self) -> None:
         from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std, start_processes
