@@ -105,7 +105,6 @@ class RankSet:
         self.seq = 0
         self.version = None
         self.skeleton_digest = None
-        self.log_dir = tempfile.mkdtemp(prefix="kvgraph-ranks-")
         self.exits: dict[int, str] = {}
         if self.device.type == "cuda":
             nccl_process_settings()
@@ -114,6 +113,7 @@ class RankSet:
                                    int(os.environ.get("KVGRAPH_MASTER_PORT", "0")), world, True, timeout,
                                    wait_for_workers=False)
         self.control = Control(self.store, 0, world)
+        self.log_dir = tempfile.mkdtemp(prefix="kvgraph-ranks-")  # the launcher's error files
 
     # -- start and stop ----------------------------------------------------------------------------------------------
 
@@ -453,15 +453,18 @@ def _registry_with_exit_hook():
 
 def runtime_for(transformer, world: int) -> ParallelRuntime:
     """The transformer's runtime for `world` ranks; another count stops the old one's workers first."""
-    runtime = getattr(transformer, _RUNTIME_ATTR, None)
-    if runtime is not None and runtime.world != world:
-        runtime.shutdown()
-        runtime = None
-    if runtime is None:
-        runtime = ParallelRuntime(transformer, world)
-        object.__setattr__(transformer, _RUNTIME_ATTR, runtime)  # not a submodule
-        # The workers go with the model: when the transformer is freed, so are they.
-        weakref.finalize(transformer, runtime.shutdown)
+    from ..registry import process_registry
+
+    with process_registry().lock:
+        runtime = getattr(transformer, _RUNTIME_ATTR, None)
+        if runtime is not None and runtime.world != world:
+            runtime.shutdown()
+            runtime = None
+        if runtime is None:
+            runtime = ParallelRuntime(transformer, world)
+            object.__setattr__(transformer, _RUNTIME_ATTR, runtime)  # not a submodule
+            # The workers go with the model: when the transformer is freed, so are they.
+            weakref.finalize(transformer, runtime.shutdown)
     return runtime
 
 
