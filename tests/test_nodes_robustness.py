@@ -80,7 +80,7 @@ def test_a_symlink_inside_models_diffusers_is_followed(comfy_env, tmp_path, monk
     folder_paths = comfy_env.fake.modules["folder_paths"]
     monkeypatch.setattr(folder_paths, "get_folder_paths",
                         lambda folder: [str(diffusers)] if folder == "diffusers" else [str(comfy_env.models / folder)])
-    transformer, text_encoder, vae = run(comfy_env, "KVGraphLoadDiffusers", folder="linked", **DIFFUSERS_INPUTS)
+    transformer, text_encoder, vae, _ = run(comfy_env, "KVGraphLoadDiffusers", folder="linked", **DIFFUSERS_INPUTS)
     assert transformer.source == str(diffusers / "linked")
     assert type(transformer.module).__name__ == "QwenImage21Transformer2DModel" and vae.module.config.z_dim == 64
     message = refusal(comfy_env, "KVGraphLoadDiffusers", folder="linked/../linked", **DIFFUSERS_INPUTS)
@@ -250,7 +250,7 @@ def test_sampler_names_a_size_too_large_for_the_schedule_before_anything_loads(c
                                                                                monkeypatch):
     """Before: a 16384x16384 latent from core nodes was refused as `sigmas=[1.0, ...] is invalid`. It is refused
     naming its size, before the memory budget is worked out and before the transformer is loaded."""
-    transformer, = run(comfy_env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32")
+    transformer = run(comfy_env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32")[0]
     positive, _, _ = encode(comfy_env, text_encoder)
     budget = comfy_env.pack.nodes.memory_budget
     monkeypatch.setattr(budget, "check_request", lambda *a: pytest.fail("the budget was worked out first"))

@@ -17,6 +17,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -191,12 +192,20 @@ def test_the_template_browser_shows_the_cards_and_opens_one_at_its_view(window, 
         page.wait_for_selector(".p-dialog", timeout=15_000)
         page.locator(".p-dialog").get_by_text(pack_folder, exact=True).first.click()
         names = [p.stem for p in EXAMPLES]
+        # The browser draws the cards in view: scroll through them until every thumbnail was fetched and every card
+        # drawn shows its thumbnail at full size.
         page.wait_for_function("""([names, side]) => {
             const dialog = document.querySelector('.p-dialog');
             if (!dialog || !names.every(name => dialog.innerText.includes(name))) return false;
-            const shown = Array.from(dialog.querySelectorAll('img')).filter(i => i.complete && i.naturalWidth === side);
-            return shown.length >= names.length;
+            const images = Array.from(dialog.querySelectorAll('img'));
+            return images.length > 0 && images.every(i => i.complete && i.naturalWidth === side);
         }""", arg=[names, THUMBNAIL_SIDE], timeout=20_000)
+        deadline = time.time() + 20
+        while {n for n, _ in fetched} < {f"{name}.jpg" for name in names} and time.time() < deadline:
+            page.evaluate("""() => document.querySelectorAll('.p-dialog *').forEach(el => {
+                if (el.scrollHeight > el.clientHeight + 4) el.scrollTop += el.clientHeight / 2;
+            })""")
+            page.wait_for_timeout(300)
     finally:
         page.remove_listener("response", record)
     assert sorted(set(fetched)) == [(f"{name}.jpg", 200) for name in sorted(names)]

@@ -34,7 +34,7 @@ MAX_SCALE = 1.0
 # (width, height) each node type needs at least: its widgets at full width (the longest label and value of the
 # example values, plus the widget's arrows and padding), its title, and `computeSize()`'s height.
 MIN_SIZE = {
-    "KVGraphLoadTransformer": (480, 154),
+    "KVGraphLoadTransformer": (480, 174),
     "KVGraphLoadTextEncoder": (440, 130),
     "KVGraphLoadVAE": (400, 82),
     "KVGraphLoadLoRA": (400, 82),
@@ -44,21 +44,38 @@ MIN_SIZE = {
     "KVGraphSampler": (360, 300),
     "KVGraphVAEDecode": (260, 50),
     "SaveImage": (360, 320),
+    "KVGraphSigmas": (400, 180),
+    "KVGraphVAEEncode": (260, 50),
+    "KSampler": (360, 262),
+    "RandomNoise": (320, 82),
+    "KSamplerSelect": (320, 58),
+    "CFGGuider": (320, 106),
+    "SamplerCustomAdvanced": (360, 106),
+    "SetLatentNoiseMask": (260, 50),
 }
+# The encode node grows a socket row per reference socket: its height for `sockets` of them.
+ENCODE_BASE_HEIGHT, SOCKET_ROW = 258, 20
+# Load Image at the height the frontend needs (its preview smaller), where an example has many of them.
+COMPACT_IMAGE = (340, 326)
 
 
-def place(columns, node_types: dict) -> dict:
+def place(columns, node_types: dict, sizes: dict | None = None) -> dict:
     """{node id: ((x, y), (width, height))} for `columns`: a list of columns, each a list of rows, each a list of
-    node ids. `node_types` maps each id to its type (for MIN_SIZE). Node positions are the top-left corner of the
-    node's body; its title bar sits above, inside the row gap."""
+    node ids. `node_types` maps each id to its type (for MIN_SIZE); `sizes` may give some ids another size (at least
+    what the frontend needs for their widgets). Node positions are the top-left corner of the node's body; its title
+    bar sits above, inside the row gap."""
     placed = {}
     x = 0
+
+    def size(i):
+        return (sizes or {}).get(i) or MIN_SIZE[node_types[i]]
+
     for column in columns:
-        width = max(sum(MIN_SIZE[node_types[i]][0] for i in row) + NODE_GAP * (len(row) - 1) for row in column)
+        width = max(sum(size(i)[0] for i in row) + NODE_GAP * (len(row) - 1) for row in column)
         y = 0
         for row in column:
             share = (width - NODE_GAP * (len(row) - 1)) // len(row)
-            height = max(MIN_SIZE[node_types[i]][1] for i in row)
+            height = max(size(i)[1] for i in row)
             for k, node_id in enumerate(row):
                 placed[node_id] = ((x + k * (share + NODE_GAP), y), (share, height))
             y += height + ROW_GAP + TITLE_HEIGHT
