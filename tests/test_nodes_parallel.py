@@ -43,7 +43,7 @@ def test_gpus_is_an_optional_input_defaulting_to_one(comfy_env, node_id):
 def test_gpus_rides_on_the_same_loaded_model(comfy_env, loaded):
     """gpus=2 gives a handle on the same model object (one load from disk); the loader re-runs when it changes."""
     one, _ = loaded
-    two, = run(comfy_env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32", gpus=2)
+    two = run(comfy_env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32", gpus=2)[0]
     assert two.gpus == 2 and one.gpus == 1 and two.module is one.module
     assert comfy_env.pack.nodes.model_cache.load_count(one.key) == 1
     node = comfy_env.nodes["KVGraphLoadTransformer"]
@@ -64,7 +64,7 @@ def test_sampler_on_two_processes_equals_one(comfy_env, loaded):
     """The sampler node with a gpus=2 model: the worker started on the first prompt gives the one-device latents,
     with and without CFG, and stays up for the next prompt."""
     one, text_encoder = loaded
-    two, = run(comfy_env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32", gpus=2)
+    two = run(comfy_env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32", gpus=2)[0]
     positive, negative, latent = encode(comfy_env, text_encoder)
     for extra in ({}, {"negative": negative, "cfg": 3.0}):
         expected = sampler(comfy_env, one, positive, latent, **extra)["samples"]

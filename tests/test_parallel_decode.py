@@ -15,7 +15,7 @@ from graph_runtime.parallel.plan import ParallelPlan, plan_for
 from graph_runtime.sampling.sampler import SamplingRequest, sample
 from graph_runtime.tiny import TINY_TRANSFORMER, random_tiny_transformer
 
-from .parallel_threads import run_ranks
+from .parallel_helpers import run_ranks
 from .test_graph_manager import RecordingBackend
 
 ATOL = 1e-5

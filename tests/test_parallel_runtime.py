@@ -9,7 +9,6 @@ be reported well inside it.
 import copy
 import logging
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +24,8 @@ from graph_runtime.parallel import ParallelFailure, runtime_for, sample_on_devic
 from graph_runtime.parallel import runtime as runtime_module
 from graph_runtime.sampling.sampler import Cancelled, SamplingRequest, sample
 from graph_runtime.tiny import TINY_TRANSFORMER, random_tiny_transformer
+
+from .parallel_helpers import kill_at_step
 
 ATOL = 1e-5
 TIMEOUT_S = 60
@@ -136,14 +137,9 @@ def test_killed_worker_fails_the_prompt_clearly_and_the_next_prompt_restarts(mod
     request = _request(generator, seed=8, steps=4)
     sample_on_devices(model, request, gpus=2)  # the ranks are up
     pid, = runtime.status()["pids"]
-
-    def kill(step, total, latents):
-        if step == 2:
-            os.kill(pid, signal.SIGKILL)
-
     started = time.monotonic()
     with pytest.raises(ParallelFailure, match=r"rank 1 \(cpu\) was killed by signal SIGKILL.*next prompt starts"):
-        sample_on_devices(model, request, gpus=2, on_step=kill)
+        sample_on_devices(model, request, gpus=2, on_step=kill_at_step(pid, 2))
     assert time.monotonic() - started < TIMEOUT_S
     assert runtime.failures == 1 and not runtime.status()["running"]
     result = sample_on_devices(model, request, gpus=2)

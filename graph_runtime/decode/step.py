@@ -191,15 +191,20 @@ class TargetDecodeBlock(torch.nn.Module):
             keys, values = k_cache, v_cache
         else:
             q, k = self.norm_rope(q, k, v, cos, sin)
-            if static_kv:
-                k_cache[:, prefix_len:].copy_(k)
-                v_cache[:, prefix_len:].copy_(v)
-                keys, values = k_cache, v_cache
-            else:
-                keys, values = torch.cat([k_cache, k], dim=1), torch.cat([v_cache, v], dim=1)
+            keys, values = self.keep_kv(k, v, k_cache, v_cache, prefix_len, static_kv)
         if kv_only:
             return None
         return self.attention(q, keys, values, attn_mask)
+
+    @staticmethod
+    def keep_kv(k, v, k_cache, v_cache, prefix_len: int, static_kv: bool):
+        """The rows' K/V after the prefix's: written into the static buffer's rows `prefix_len:`, or concatenated.
+        Returns the keys and values attention reads."""
+        if static_kv:
+            k_cache[:, prefix_len:].copy_(k)
+            v_cache[:, prefix_len:].copy_(v)
+            return k_cache, v_cache
+        return torch.cat([k_cache, k], dim=1), torch.cat([v_cache, v], dim=1)
 
     def norm_rope(self, q, k, v, cos, sin):
         """q and k RMS-normed and rotated (the modules' own code)."""

@@ -12,10 +12,11 @@ import torch
 from ..errors import InputError
 from .runtime import MAX_DEVICES, ParallelFailure, runtime_for, shutdown_runtime
 
-GPUS_HELP = ("How many devices decode each image: 1 (default) runs on one; N > 1 starts N-1 worker processes beside "
-             "this one, which split the image's tokens (sequence parallelism) and, with CFG, the two branches. On "
-             "CUDA it needs N GPUs visible to this process; on a CPU-only machine N > 1 means N CPU processes "
-             "(for tests). The count must divide the transformer's attention heads (32: 1, 2, 4, 8).")
+GPUS_HELP = ("How many devices the KV-Graph sampler decodes each image on: 1 (default) runs on one; N > 1 starts N-1 "
+             "worker processes beside this one, which split the image's tokens (sequence parallelism) and, with "
+             "CFG, the two branches. On CUDA it needs N GPUs visible to this process; on a CPU-only machine N > 1 "
+             "means N CPU processes (for tests). The count must divide the transformer's attention heads (32: 1, 2, "
+             "4, 8). Core samplers on the MODEL output decode on one GPU.")
 
 
 def check_gpus(gpus, device=None) -> int:

@@ -16,8 +16,8 @@ import pickle
 
 import torch
 
-PACKAGE = __name__.rsplit(".parallel.", 1)[0]  # this copy of the runtime's name: "graph_runtime" or "<pack>.graph_runtime"
-WORKER_PACKAGE = "graph_runtime"
+# This copy of the runtime's name: "graph_runtime", or "<pack>.graph_runtime" inside ComfyUI.
+PACKAGE = __name__.rsplit(".parallel.", 1)[0]
 
 
 class _Pickler(pickle.Pickler):
@@ -43,8 +43,8 @@ class _Pickler(pickle.Pickler):
             self.storages.append(untyped)
         dtype_name = str(dtype).removeprefix("torch.")
         if self.inline:
-            return ("bytes", index, dtype_name, _storage_bytes(untyped))
-        return ("storage", index, dtype_name, untyped.nbytes())
+            return ("bytes", index, dtype_name, _storage_bytes(untyped), untyped.device.type)
+        return ("storage", index, dtype_name, untyped.nbytes(), untyped.device.type)
 
 
 class _Unpickler(pickle.Unpickler):
@@ -59,14 +59,17 @@ class _Unpickler(pickle.Unpickler):
         return super().find_class(module, name)
 
     def persistent_load(self, pid):
-        kind, index, dtype_name, data = pid
+        kind, index, dtype_name, data, device_type = pid
         storage = self.storages.get(index)
         if storage is None:
+            # What rank 0 keeps on its accelerator goes to this rank's; what it keeps in host memory stays there.
+            device = torch.device("cpu") if device_type == "cpu" else self.device
             if kind == "bytes":
-                storage = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
-                storage = storage.to(self.device).untyped_storage()
+                storage = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else torch.empty(0,
+                                                                                                  dtype=torch.uint8)
+                storage = storage.to(device).untyped_storage()
             else:
-                storage = torch.UntypedStorage(data, device=self.device)
+                storage = torch.UntypedStorage(data, device=device)
             self.storages[index] = storage
         return torch.storage.TypedStorage(wrap_storage=storage, dtype=getattr(torch, dtype_name), _internal=True)
 

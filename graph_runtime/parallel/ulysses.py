@@ -132,12 +132,7 @@ class UlyssesDecodeBlock(TargetDecodeBlock):
             k, v = exchange.to_heads(k, v)
         else:
             q, k, v = exchange.to_heads(q, k, v)
-        if static_kv:
-            k_cache[:, prefix_len:].copy_(k)
-            v_cache[:, prefix_len:].copy_(v)
-            keys, values = k_cache, v_cache
-        else:
-            keys, values = torch.cat([k_cache, k], dim=1), torch.cat([v_cache, v], dim=1)
+        keys, values = self.keep_kv(k, v, k_cache, v_cache, prefix_len, static_kv)
         if kv_only:
             return None
         return exchange.to_sequence(self.attention(q, keys, values, attn_mask))

@@ -8,8 +8,6 @@ kernel): 1e-4 absolute. A wrong row, head or prefix moves the latents by 1e-1 or
 """
 
 import copy
-import os
-import signal
 import time
 
 import pytest
@@ -19,6 +17,8 @@ from graph_runtime.decode import DecodeEngine
 from graph_runtime.parallel import ParallelFailure, runtime_for, sample_on_devices, shutdown_runtime
 from graph_runtime.sampling.sampler import SamplingRequest, sample
 from graph_runtime.tiny import TINY_TRANSFORMER, random_tiny_transformer
+
+from ..parallel_helpers import kill_at_step
 
 pytestmark = pytest.mark.gpu
 ATOL = 1e-4
@@ -112,14 +112,9 @@ def test_killed_gpu_worker_fails_the_prompt_and_the_next_one_restarts(model, cud
     sample_on_devices(model, request, gpus=2)
     runtime = runtime_for(model, 2)
     pid, = runtime.status()["pids"]
-
-    def kill(step, total, latents):
-        if step == 2:
-            os.kill(pid, signal.SIGKILL)
-
     started = time.monotonic()
     with pytest.raises(ParallelFailure, match=r"rank 1 \(cuda:\d\) was killed by signal SIGKILL"):
-        sample_on_devices(model, request, gpus=2, on_step=kill)
+        sample_on_devices(model, request, gpus=2, on_step=kill_at_step(pid, 2))
     assert time.monotonic() - started < 120
     again = sample_on_devices(model, request, gpus=2)
     assert runtime.starts == 2 and (again.latents - _one_gpu(model, request).latents).abs().max().item() <= ATOL

@@ -1,9 +1,12 @@
-"""Ranks of a gloo group as threads of the test process: the parallel decode's collectives run for real over TCP,
-on one shared tiny model, without the seconds each worker process takes to import torch."""
+"""Helpers of the parallel tests: ranks of a gloo group as threads of the test process (the parallel decode's
+collectives run for real over TCP, on one shared tiny model, without the seconds each worker process takes to import
+torch), and a progress callback that kills a worker."""
 
 from __future__ import annotations
 
 import datetime
+import os
+import signal
 import threading
 
 import torch.distributed as dist
@@ -40,3 +43,13 @@ def run_ranks(world: int, fn, timeout_s: float = TIMEOUT_S) -> list:
     if any(t.is_alive() for t in threads):
         raise TimeoutError("a rank thread did not finish")
     return results
+
+
+def kill_at_step(pid: int, step: int):
+    """An `on_step` callback that kills process `pid` (SIGKILL) once sampling reaches `step`."""
+
+    def on_step(done, total, latents):
+        if done == step:
+            os.kill(pid, signal.SIGKILL)
+
+    return on_step
