@@ -194,6 +194,9 @@ class RankSet:
             self.pcontext.close(timeout=5)
             self.pcontext = None
         self.engines = {}
+        # The store closes now, not at some later garbage collection: a fixed KVGRAPH_MASTER_PORT is free for the
+        # next start.
+        self.store = self.control.store = None
         shutil.rmtree(self.log_dir, ignore_errors=True)
 
     # -- health and failures -----------------------------------------------------------------------------------------
