@@ -34,7 +34,7 @@ MAX_SCALE = 1.0
 # (width, height) each node type needs at least: its widgets at full width (the longest label and value of the
 # example values, plus the widget's arrows and padding), its title, and `computeSize()`'s height.
 MIN_SIZE = {
-    "KVGraphLoadTransformer": (480, 150),
+    "KVGraphLoadTransformer": (480, 174),
     "KVGraphLoadTextEncoder": (440, 130),
     "KVGraphLoadVAE": (400, 82),
     "KVGraphLoadLoRA": (400, 82),
