@@ -185,8 +185,9 @@ def error_message(entry: dict) -> str:
     return json.dumps(entry["status"])
 
 
-def load_api_workflow(name: str, seed: int | None = None, **encode_overrides) -> dict:
-    """An example API workflow shrunk for a CPU run: small sizes (the steps stay as the example has them)."""
+def load_api_workflow(name: str, seed: int | None = None, steps: int | None = None, **encode_overrides) -> dict:
+    """An example API workflow shrunk for a CPU run: small sizes, and the KV-Graph Sampler's `steps` when given (else
+    the steps stay as the example has them)."""
     prompt = json.loads((REPO / "example_workflows" / "api" / f"{name}.json").read_text())
     prompt = copy.deepcopy(prompt)
     for node in prompt.values():
@@ -197,6 +198,8 @@ def load_api_workflow(name: str, seed: int | None = None, **encode_overrides) ->
             node["inputs"]["seed"] = seed
         if node["class_type"] == "RandomNoise" and seed is not None:
             node["inputs"]["noise_seed"] = seed
+        if node["class_type"] == "KVGraphSampler" and steps is not None:
+            node["inputs"]["steps"] = steps
     return prompt
 
 

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import pytest
 import requests
-from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -60,28 +59,20 @@ def server(comfyui_install, base):
 
 
 def good_prompt() -> dict:
-    prompt = load_api_workflow(T2I, seed=2024)
-    node_of(prompt, "KVGraphSampler")["inputs"]["steps"] = STEPS
-    return prompt
-
-
-def pixels(server, entry) -> tuple[tuple[int, int], bytes]:
-    path, = server.output_images(entry)
-    image = Image.open(path).convert("RGB")
-    return image.size, image.tobytes()
+    return load_api_workflow(T2I, seed=2024, steps=STEPS)
 
 
 @pytest.fixture(scope="module")
 def reference(server):
     """The good prompt's image from its first run on this server."""
-    return pixels(server, server.run(good_prompt()))
+    return server.output_pixels(server.run(good_prompt()))
 
 
 def assert_next_good_prompt_matches(server, reference) -> None:
     entry = server.run(good_prompt())
     cached = [data["nodes"] for kind, data in entry["status"]["messages"] if kind == "execution_cached"]
     assert cached == [[]]  # every node ran again, the sampler included
-    assert pixels(server, entry) == reference
+    assert server.output_pixels(entry) == reference
 
 
 def execution_error(entry) -> dict:
@@ -169,7 +160,7 @@ def test_a_pipeline_linked_into_models_diffusers_loads(server):
     options = server.get("/object_info/KVGraphLoadDiffusers")["KVGraphLoadDiffusers"]["input"]["required"]
     assert "linked-tiny" in options["folder"][1]["options"]
     entry = server.run(diffusers_prompt("linked-tiny"))
-    assert pixels(server, entry)[0] == (SMALL, SMALL * 3 // 4)
+    assert server.output_pixels(entry)[0] == (SMALL, SMALL * 3 // 4)
 
 
 # -- sizes checked when the prompt is queued -------------------------------------------------------------------------
@@ -349,7 +340,7 @@ def test_cache_nodes_run_after_the_sampler_they_pass_through(server, reference, 
     prompt_id = server.queue_ok(prompt)
     entry = server.wait(prompt_id)
     assert entry["status"]["status_str"] == "success"
-    assert pixels(server, entry) == reference
+    assert server.output_pixels(entry) == reference
 
     after = eager_steps(server.status())
     engine, = [e for e in after if after[e] - before.get(e, 0) == STEPS]  # the engine this run sampled on

@@ -44,9 +44,7 @@ def server(comfyui_install, base):
 
 
 def good_prompt() -> dict:
-    prompt = load_api_workflow(T2I, seed=77)
-    node_of(prompt, "KVGraphSampler")["inputs"]["steps"] = 3
-    return prompt
+    return load_api_workflow(T2I, seed=77, steps=3)
 
 
 @pytest.fixture(scope="module")
