@@ -115,6 +115,29 @@ def test_dtype_and_device_moves_keep_int8_and_fp32_scales():
     assert torch.equal(fresh.weight, weight) and torch.equal(fresh.weight_scale, scale)
 
 
+_UNPICKLE_AND_RUN = r"""
+import pickle, sys, torch
+layer, x, expected = pickle.load(sys.stdin.buffer)  # nothing imported comfy_kitchen in this process before
+assert torch.equal(layer(x), expected)
+"""
+
+
+def test_an_unpickled_layer_runs_in_a_fresh_process():
+    """A layer unpickled in another process skips `__init__` (the worker processes of graph_runtime/parallel receive
+    rank 0's model that way): its forward must still find comfy-kitchen's `int8_linear` op there, and give the
+    sending process's output exactly (same op, same inputs, both on the CPU)."""
+    import pickle
+    import subprocess
+    import sys
+
+    torch.manual_seed(5)
+    layer = ConvRotInt8Linear.from_linear(torch.nn.Linear(32, 16), 16)
+    x = torch.randn(3, 32)
+    done = subprocess.run([sys.executable, "-c", _UNPICKLE_AND_RUN], input=pickle.dumps((layer, x, layer(x))),
+                          capture_output=True, timeout=120)
+    assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+
 def test_model_dtype_stays_the_float_dtype_with_int8_layers(tiny_parts):
     """diffusers' ModelMixin.dtype (first floating parameter) and the runtime's first-parameter reads see the
     compute dtype: int8 blocks do not change them."""

@@ -115,6 +115,12 @@ class ConvRotInt8Linear(_KeepsScaleFp32, torch.nn.Linear):
         else:
             self.register_parameter("bias", None)
 
+    def __setstate__(self, state) -> None:
+        # An unpickled layer skips __init__ (a worker process's copy of rank 0's model, graph_runtime/parallel):
+        # forward's custom op must be registered in that process too.
+        int8_layout("An INT8 ConvRot layer kept int8")
+        super().__setstate__(state)
+
     @classmethod
     def from_quantized(cls, weight: torch.Tensor, scale: torch.Tensor, group_size: int, convrot: bool = True,
                        bias: torch.Tensor | None = None) -> "ConvRotInt8Linear":
