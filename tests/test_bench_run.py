@@ -49,3 +49,22 @@ def test_fastest_path_lists_paths_tied_within_one_percent():
     rows[2]["decode_ms"] = 30.0
     tied, _ = _fastest_passing(results[:1], specs)
     assert [s.name for s in tied] == ["compile+graph"]
+
+
+def test_int8_paths_are_judged_by_the_int8_bound_not_the_bf16_guard():
+    """W8A8's error is larger than bf16's by construction, so an INT8 file kept int8 (`graph-int8`) and
+    `precision: int8` are judged by the `int8` variant's verdict against comfy-kitchen's W8A8 (their own weights),
+    and neither is a fastest-path candidate until that verdict was measured and met."""
+    from graph_runtime.bench.paths import PathSpec
+    from graph_runtime.bench.runner import _bound_variant, _fastest_passing
+
+    kept = PathSpec("graph-int8", weights="int8")
+    quantized = PathSpec("int8", precision="int8")
+    assert _bound_variant(kept) == _bound_variant(quantized) == "int8"
+    assert _bound_variant(PathSpec("graph")) == "bf16"
+    assert _bound_variant(PathSpec("fp8-attn", precision="fp8-attn")) == "fp8-attn"
+    specs = [PathSpec("graph"), kept, quantized]
+    rows = [{"path": "graph", "decode_ms": 100.0, "quality_ok": True}, {"path": "graph-int8", "decode_ms": 70.0},
+            {"path": "int8", "decode_ms": 71.0, "quality_ok": True}]
+    tied, totals = _fastest_passing([{"rows": rows}], specs)
+    assert [s.name for s in tied] == ["int8"] and "graph-int8" not in totals

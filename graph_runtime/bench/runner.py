@@ -181,9 +181,9 @@ def _run_paths(transformer, scenario, inputs, prefixes, path_specs, engines, ref
                 if path_prefill_ms is not None:
                     row["prefill_ms"] = path_prefill_ms
                 path.engine.release()  # each path's peak is its own: drop its graphs before the next path
-            verdict = fp8_verdicts.get(spec.precision, {}).get(scenario.name)
-            if spec.precision != "bf16":
-                # The FP8 bound replaces the bf16 guard; without a verdict for this scenario there is no guard.
+            verdict = fp8_verdicts.get(_bound_variant(spec), {}).get(scenario.name)
+            if _bound_variant(spec) != "bf16":
+                # The INT8 bound replaces the bf16 guard for 8-bit paths; without a verdict for this scenario there is no guard.
                 row.pop("quality_ok", None)
                 if verdict is not None:
                     row["quality_ok"] = verdict["pass"]
@@ -334,7 +334,7 @@ def main(args) -> int:
         print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
     gc.collect()
     refs = _fp32_references(transformer, scenarios, device, context, channels)
-    fp8_report = _fp8_quality(transformer, scenarios, specs, device, context, channels, args.tiny)
+    fp8_report = _fp8_quality(transformer, scenarios, specs, device, context, channels, every=args.paths == "all")
     fp8_verdicts = _verdicts_by_precision(fp8_report)
     engines: dict = {}
     results = []
@@ -375,18 +375,20 @@ def main(args) -> int:
     return 0
 
 
-def _fp8_quality(transformer, scenarios, specs, device, context, channels, tiny=False) -> dict | None:
-    """`fp8_quality`'s errors on the quality scenarios when an FP8 path runs (None otherwise); a failure is reported
-    in the results instead of ending the run (the FP8 paths then have no guard and are no candidates). The tiny
-    smoke run measures the variants of the selected paths only."""
-    precisions = [spec.precision for spec in specs if spec.precision != "bf16"]
+def _fp8_quality(transformer, scenarios, specs, device, context, channels, every=False) -> dict | None:
+    """`fp8_quality`'s errors on the quality scenarios when an 8-bit path runs (None otherwise); a failure is
+    reported in the results instead of ending the run (those paths then have no guard and are no candidates). The
+    variants of the selected paths are measured beside bf16 and the INT8 bound; `every` (`--paths all`) adds the
+    exploratory ones (FP8 per Linear group, FP8 with rotation)."""
+    precisions = [_bound_variant(spec) for spec in specs if _bound_variant(spec) != "bf16"]
     if not precisions:
         return None
     from . import fp8_quality
 
     dtype = next(transformer.parameters()).dtype
     wanted = {s.name: build_inputs(s, context, channels, device, dtype) for s in scenarios if s.quality}
-    variants = (["bf16", fp8_quality.INT8, *dict.fromkeys(precisions)] if tiny else fp8_quality.DEFAULT_VARIANTS)
+    variants = (fp8_quality.DEFAULT_VARIANTS if every
+                else list(dict.fromkeys(["bf16", fp8_quality.INT8, *precisions])))
     try:
         report = fp8_quality.measure(transformer, wanted, device, variants)
     except Exception as exc:  # noqa: BLE001 - the timings of every other path are still worth writing
@@ -395,6 +397,12 @@ def _fp8_quality(transformer, scenarios, specs, device, context, channels, tiny=
     for line in fp8_quality.summary_lines(report):
         print("bench: FP8 bound: " + line, flush=True)
     return report
+
+
+def _bound_variant(spec) -> str:
+    """The quality variant whose verdict judges `spec`: its precision, and for an INT8 file kept int8 the `int8`
+    variant (the same ConvRot weights through our kernels), since its error is W8A8's and not bf16's."""
+    return "int8" if spec.weights == "int8" else spec.precision
 
 
 def _verdicts_by_precision(report: dict | None) -> dict:
@@ -439,8 +447,8 @@ def _fastest_passing(results, specs) -> tuple[list, dict]:
         rows = [r for res in results for r in res["rows"] if r["path"] == spec.name and "skipped" not in r]
         if any(r.get("quality_ok") is False for r in rows):
             continue
-        if spec.precision != "bf16" and not any(r.get("quality_ok") for r in rows):
-            continue  # an FP8 path is a candidate only once its bound was measured and met
+        if _bound_variant(spec) != "bf16" and not any(r.get("quality_ok") for r in rows):
+            continue  # an 8-bit path is a candidate only once its bound was measured and met
         totals[spec.name] = sum(r["decode_ms"] for r in rows)
     if not totals:
         return [], totals

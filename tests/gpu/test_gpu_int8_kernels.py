@@ -61,23 +61,24 @@ def test_gemm_replays_in_a_cuda_graph_bit_equal():
 @pytest.mark.parametrize("cols", [4096, 12288])
 @pytest.mark.parametrize("rotate", [False, True])
 def test_row_quantizer_matches_the_reference(cols, rotate):
-    """Scales agree to fp32 rounding (tf32 in the rotation: 2^-10 relative); values equal the reference's but for
-    rare neighbours of a rounding boundary."""
+    """Scales agree to the rotation's rounding (two tf32 passes, each rounding its inputs to 10 mantissa bits: 2^-9
+    relative at worst); values equal the reference's but for rare neighbours of a rounding boundary."""
     x = torch.randn(333, cols, device="cuda", dtype=torch.bfloat16) * 4
     got = quantize_rows_int8(x, rotate)
     q, s = reference_quantize_rows_int8(x, rotate)
-    assert torch.allclose(got.scale, s, rtol=2 ** -10, atol=0)
+    assert torch.allclose(got.scale, s, rtol=2 ** -9, atol=0)
     diff = (got.data.int() - q.int()).abs()
     assert diff.max().item() <= 1
     assert diff.float().mean().item() < 1e-2
 
 
 def test_silu_mul_quantizer_matches_the_reference():
+    """The same bounds as the row quantizer's: only the rotation's tf32 passes round differently."""
     gate = torch.randn(100, 12288, device="cuda", dtype=torch.bfloat16)
     up = torch.randn(100, 12288, device="cuda", dtype=torch.bfloat16)
     got = silu_mul_int8(gate, up, True)
     q, s = reference_quantize_rows_int8(torch.nn.functional.silu(gate.float()) * up.float(), True)
-    assert torch.allclose(got.scale, s, rtol=2 ** -10, atol=0)
+    assert torch.allclose(got.scale, s, rtol=2 ** -9, atol=0)
     assert (got.data.int() - q.int()).abs().max().item() <= 1
 
 
