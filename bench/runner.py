@@ -1,4 +1,4 @@
-"""`python -m graph_runtime bench`: decode-step speed, memory and quality of every path, in one process.
+"""`python -m bench`: decode-step speed, memory and quality of every path, in one process.
 
 Phases: (1) fp32 reference outputs for the quality scenarios (an fp32 copy of the weights, freed afterwards);
 (2) every scenario x path: prefill, decode step (median CUDA-event time), host time, capture/compile time, peak
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..decode import DecodeEngine
+from graph_runtime.decode import DecodeEngine
+
 from . import quality
 from .model import build_transformer, fp32_copy
 from .paths import ALL_PATHS, DEFAULT_PATHS, OursPath, reference_caches, reference_prefill, reference_step
@@ -261,9 +262,9 @@ AFTER_IDLE = f"after {IDLE_S:g} s idle"
 def amortization(transformer, device, context, channels):
     """Two sampler runs back to back, equal shapes, through the process-wide engine (like two queued prompts),
     with the product's default settings (decode "auto", blocks not compiled)."""
-    from ..encoding.prompt import PromptEmbeds
-    from ..registry import engine_for
-    from ..sampling.sampler import SamplingRequest, sample
+    from graph_runtime.encoding.prompt import PromptEmbeds
+    from graph_runtime.registry import engine_for
+    from graph_runtime.sampling.sampler import SamplingRequest, sample
     from .scenarios import Scenario
 
     engine = engine_for(transformer)
@@ -309,7 +310,8 @@ def amortization(transformer, device, context, channels):
     return results
 
 
-def main(args) -> int:
+def main(args, argv=()) -> int:
+    """The run `args` (parsed by `cli.py`) ask for; `argv`, the options as given, goes into the results' command."""
     if getattr(args, "e2e", False):
         from .e2e_runner import e2e_main
 
@@ -319,7 +321,7 @@ def main(args) -> int:
         print("bench: no CUDA device; run with --device cpu --tiny for a smoke run", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    command = "python -m graph_runtime bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    command = " ".join(["python -m bench", *(shlex.quote(a) for a in argv)])
     transformer = build_transformer(tiny=args.tiny, layers=args.layers, device=device,
                                     dtype=torch.bfloat16 if device != "cpu" else torch.float32)
     config = transformer.config

@@ -25,8 +25,9 @@ import math
 
 import torch
 
-from ..decode import DecodeEngine
-from ..fp8.convert import GROUPS, groups_of, quantized_linears, swapped
+from graph_runtime.decode import DecodeEngine
+from graph_runtime.fp8.convert import GROUPS, groups_of, quantized_linears, swapped
+
 from .int8_reference import KitchenInt8Linear, convrot_group
 from .model import fp32_copy
 
@@ -50,7 +51,7 @@ class RotatedFp8Linear(torch.nn.Module):
     then the FP8 GEMM of `fp8/linear.py`)."""
 
     def __init__(self, linear: torch.nn.Linear):
-        from ..fp8.linear import Fp8Linear
+        from graph_runtime.fp8.linear import Fp8Linear
 
         super().__init__()
         self.group = convrot_group(linear.in_features)
@@ -119,7 +120,7 @@ class QualityRun:
         """The Linears to swap in for `variant` (built once per group and shared between presets)."""
         if variant == "bf16":
             return {}
-        from ..fp8.convert import int8_factory
+        from graph_runtime.fp8.convert import int8_factory
 
         # "int8" is our INT8 W8A8 (the same ConvRot weights as the bound, through our kernels).
         factories = {INT8: KitchenInt8Linear, ROTATED: RotatedFp8Linear, "int8": int8_factory()}
