@@ -26,6 +26,7 @@ import math
 import torch
 
 from graph_runtime.decode import DecodeEngine
+from graph_runtime.decode.warm_up import prefilled_static_inputs
 from graph_runtime.fp8.convert import GROUPS, groups_of, quantized_linears, swapped
 
 from .int8_reference import KitchenInt8Linear, convrot_group
@@ -145,8 +146,8 @@ def _reference(model32, inputs32) -> dict:
     engine32 = DecodeEngine(model32)
     step32 = engine32.step
     for n, branch in enumerate(inputs32.branches):
-        static = engine32.static_inputs(branch.layout, inputs32.hidden_all, branch.embeds, inputs32.timestep,
-                                        inputs32.latents)
+        static = prefilled_static_inputs(model32, branch.layout, inputs32.hidden_all, branch.embeds,
+                                         inputs32.timestep, inputs32.latents)
         with _recorded_blocks(step32, records) if n == 0 else contextlib.nullcontext():
             outputs.append(step32(static))
         if n == 0:
@@ -175,8 +176,8 @@ def _step_outputs(transformer, inputs) -> list[torch.Tensor]:
     engine = DecodeEngine(transformer)  # built now: the variant's Linears are the ones swapped in
     outs = []
     for branch in inputs.branches:
-        static = engine.static_inputs(branch.layout, inputs.hidden_all, branch.embeds, inputs.timestep,
-                                      inputs.latents)
+        static = prefilled_static_inputs(transformer, branch.layout, inputs.hidden_all, branch.embeds,
+                                         inputs.timestep, inputs.latents)
         outs.append(engine.step(static))
     return outs
 
