@@ -27,10 +27,11 @@ import torch
 
 from graph_runtime.decode import DecodeEngine
 from graph_runtime.decode.warm_up import prefilled_static_inputs
-from graph_runtime.fp8.convert import GROUPS, groups_of, quantized_linears, swapped
+from graph_runtime.fp8.convert import GROUPS, groups_of
 
 from .int8_reference import KitchenInt8Linear, convrot_group
 from .model import fp32_copy
+from .swap import quantized_linears, swapped
 
 INT8 = "int8-convrot"
 ROTATED = "fp8+rotation"

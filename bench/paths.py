@@ -18,7 +18,9 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
 from graph_runtime.decode import DecodeEngine
-from graph_runtime.fp8.convert import int8_factory, quantized_linears, swapped
+from graph_runtime.fp8.convert import int8_factory
+
+from .swap import quantized_linears, swapped
 
 
 @dataclass(frozen=True)

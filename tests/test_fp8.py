@@ -14,7 +14,7 @@ import torch
 from graph_runtime.decode.step import DecodeInputs, DecodeStep
 from graph_runtime.errors import InputError
 from graph_runtime.fp8 import Fp8Linear, apply_precision, precision_of
-from graph_runtime.fp8.convert import linear_names, quantized_linears, swapped
+from graph_runtime.fp8.convert import linear_names
 from graph_runtime.fp8.linear import dequantized_matmul
 from graph_runtime.kernels.fp8_quant import Fp8Rows, quantize_rows_fp8, reference_quantize_rows
 
@@ -107,6 +107,8 @@ def test_precisions_convert_their_groups_and_free_the_float_weights(tiny_parts):
 
 
 def test_swapped_modules_are_put_back(tiny_parts):
+    from bench.swap import quantized_linears, swapped
+
     model = copy.deepcopy(tiny_parts["transformer"])
     originals = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     modules = quantized_linears(model, "fp8")
