@@ -1,4 +1,4 @@
-"""Command line: `python -m graph_runtime generate | make-tiny | bench`."""
+"""Command line: `python -m graph_runtime generate | make-tiny` (the benchmark: `python -m bench` in a checkout)."""
 
 from __future__ import annotations
 
@@ -260,18 +260,14 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    import torch
+# The benchmark is the repository's lab, not part of the installed package: the command says where it went.
+BENCH_MOVED = ("the benchmark is not part of the installed package: it runs from a checkout of the repository, as "
+               "`python -m bench [options]` from the repository root (docs/benchmark.md)")
 
-    if not args.tiny and not (torch.cuda.is_available() and args.device.startswith("cuda")):
-        # Off the GPU the full-size run would build the 7B model in host memory and be killed for it.
-        none = "" if torch.cuda.is_available() else ", and this machine has none"
-        raise InputError("--device", args.device, f"a CUDA device: the full-size benchmark builds the 7B model on "
-                                                  f"it{none}; for a CPU smoke run use `python -m graph_runtime bench "
-                                                  "--tiny --device cpu`")
-    from .bench.runner import main as bench_main
 
-    return bench_main(args)
+def cmd_bench_moved(args) -> int:
+    print(f"error: {BENCH_MOVED}", file=sys.stderr)
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -325,16 +321,17 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--force", action="store_true", help="overwrite existing files (refused otherwise)")
     tiny.set_defaults(func=cmd_make_tiny)
 
-    bench = sub.add_parser("bench", help="decode-step benchmark on the GPU (full-size random weights)")
-    from .bench.options import add_bench_arguments
-
-    add_bench_arguments(bench)
-    bench.set_defaults(func=cmd_bench)
+    # Any options after `bench` are accepted (see main), so every old spelling gets the pointer, not a usage error.
+    moved = sub.add_parser("bench", add_help=False, help="moved: `python -m bench` in a checkout of the repository")
+    moved.set_defaults(func=cmd_bench_moved)
     return parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not args.verbose:

@@ -1,4 +1,4 @@
-"""`python -m graph_runtime.bench.placement`: what each text-encoder placement costs, timed on the GPU.
+"""`python -m bench.placement`: what each text-encoder placement costs, timed on the GPU.
 
 A full-size Qwen3-VL-8B text encoder (its published dimensions, random bf16 weights built on the GPU; nothing is
 downloaded) is moved to and from the GPU the two ways the pack can:
@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from ..placement import PinnedWeights
+from graph_runtime.placement import PinnedWeights
 
 PROMPT = "A capybara wearing a wizard hat, reading a book by candlelight, oil painting"
 
@@ -33,11 +33,11 @@ def text_encoder_8b_config():
     tied to the embeddings, as the loader does: 8.15 B parameters, 16.3 GB in bf16."""
     from transformers import Qwen3VLConfig
 
-    from ..loading.config_infer import (
+    from graph_runtime.loading.config_infer import (
         IMAGE_TOKEN_ID, QWEN3VL_MAX_POSITIONS, QWEN3VL_ROPE_THETA, VIDEO_TOKEN_ID, VISION_END_TOKEN_ID,
         VISION_START_TOKEN_ID, deepstack_indexes, mrope_section_for_head_dim,
     )
-    from ..tiny import QWEN_VOCAB_SIZE
+    from graph_runtime.tiny import QWEN_VOCAB_SIZE
 
     return Qwen3VLConfig(
         text_config=dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
@@ -91,9 +91,9 @@ def _same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 
 def measure(device="cuda", repeats: int = 3) -> dict:
-    from ..encoding.prompt import PromptEncoder
-    from ..memory import module_bytes
-    from ..tiny import build_processor
+    from graph_runtime.encoding.prompt import PromptEncoder
+    from graph_runtime.memory import module_bytes
+    from graph_runtime.tiny import build_processor
 
     device = torch.device(device)
     module = build_text_encoder(device)
@@ -164,7 +164,7 @@ def markdown(result: dict, command: str, date: str) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m graph_runtime.bench.placement", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.placement", description=__doc__)
     parser.add_argument("--out-dir", default="bench/results")
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args(argv)
@@ -172,7 +172,7 @@ def main(argv=None) -> int:
         print("bench placement: needs a CUDA GPU", file=sys.stderr)
         return 2
     now = datetime.datetime.now(datetime.timezone.utc)
-    command = "python -m graph_runtime.bench.placement " + " ".join(argv if argv is not None else sys.argv[1:])
+    command = "python -m bench.placement " + " ".join(argv if argv is not None else sys.argv[1:])
     result = measure(repeats=args.repeats)
     out = Path(args.out_dir)
     out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,4 @@
-"""`python -m graph_runtime bench --e2e`: prompt to PNG, ours against diffusers' pipeline, first prompt and warm.
+"""`python -m bench --e2e`: prompt to PNG, ours against diffusers' pipeline, first prompt and warm.
 
 The parent process only plans and reports; every measurement runs in a child (`e2e_worker`) that builds its own
 models, so a "first prompt" is the first of a fresh process: no kernel loaded, no plan made, no graph captured.
@@ -78,7 +78,7 @@ def plan_tasks(scenarios: list[str], paths: list[str], first: bool, warm: bool, 
 
 def fp8_precision(option: str) -> str | None:
     """`--e2e-precisions`: "bf16" alone, or "bf16," and one FP8 precision (fp8, fp8-attn, fp8-no-out)."""
-    from ..fp8 import PRECISIONS
+    from graph_runtime.fp8 import PRECISIONS
 
     precisions = [p.strip() for p in option.split(",") if p.strip()]
     fp8 = [p for p in precisions if p != "bf16"]
@@ -103,7 +103,7 @@ def run_child(task: dict, workdir: Path, index: int, cache_dirs: dict, timeout: 
     an `error` record, so one broken child does not lose the rest of the run."""
     task_path, out_path = workdir / f"task-{index}.json", workdir / f"result-{index}.json"
     task_path.write_text(json.dumps(task))
-    root = str(Path(__file__).resolve().parents[2])
+    root = str(Path(__file__).resolve().parents[1])  # the repository: the child imports `bench` from it
     env = dict(os.environ, **cache_dirs, PYTHONUNBUFFERED="1")
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     label = describe_task(task)
@@ -194,7 +194,7 @@ def command_line(args) -> str:
 
     defaults = argparse.ArgumentParser()
     add_bench_arguments(defaults)
-    parts = ["python -m graph_runtime bench --e2e"]
+    parts = ["python -m bench --e2e"]
     for action in defaults._actions:
         if not action.option_strings or action.dest in ("help", "e2e"):
             continue

@@ -25,10 +25,13 @@ import math
 
 import torch
 
-from ..decode import DecodeEngine
-from ..fp8.convert import GROUPS, groups_of, quantized_linears, swapped
+from graph_runtime.decode import DecodeEngine
+from graph_runtime.decode.warm_up import prefilled_static_inputs
+from graph_runtime.fp8.convert import GROUPS, groups_of
+
 from .int8_reference import KitchenInt8Linear, convrot_group
 from .model import fp32_copy
+from .swap import quantized_linears, swapped
 
 INT8 = "int8-convrot"
 ROTATED = "fp8+rotation"
@@ -50,7 +53,7 @@ class RotatedFp8Linear(torch.nn.Module):
     then the FP8 GEMM of `fp8/linear.py`)."""
 
     def __init__(self, linear: torch.nn.Linear):
-        from ..fp8.linear import Fp8Linear
+        from graph_runtime.fp8.linear import Fp8Linear
 
         super().__init__()
         self.group = convrot_group(linear.in_features)
@@ -119,7 +122,7 @@ class QualityRun:
         """The Linears to swap in for `variant` (built once per group and shared between presets)."""
         if variant == "bf16":
             return {}
-        from ..fp8.convert import int8_factory
+        from graph_runtime.fp8.convert import int8_factory
 
         # "int8" is our INT8 W8A8 (the same ConvRot weights as the bound, through our kernels).
         factories = {INT8: KitchenInt8Linear, ROTATED: RotatedFp8Linear, "int8": int8_factory()}
@@ -144,8 +147,8 @@ def _reference(model32, inputs32) -> dict:
     engine32 = DecodeEngine(model32)
     step32 = engine32.step
     for n, branch in enumerate(inputs32.branches):
-        static = engine32.static_inputs(branch.layout, inputs32.hidden_all, branch.embeds, inputs32.timestep,
-                                        inputs32.latents)
+        static = prefilled_static_inputs(model32, branch.layout, inputs32.hidden_all, branch.embeds,
+                                         inputs32.timestep, inputs32.latents)
         with _recorded_blocks(step32, records) if n == 0 else contextlib.nullcontext():
             outputs.append(step32(static))
         if n == 0:
@@ -174,8 +177,8 @@ def _step_outputs(transformer, inputs) -> list[torch.Tensor]:
     engine = DecodeEngine(transformer)  # built now: the variant's Linears are the ones swapped in
     outs = []
     for branch in inputs.branches:
-        static = engine.static_inputs(branch.layout, inputs.hidden_all, branch.embeds, inputs.timestep,
-                                      inputs.latents)
+        static = prefilled_static_inputs(transformer, branch.layout, inputs.hidden_all, branch.embeds,
+                                         inputs.timestep, inputs.latents)
         outs.append(engine.step(static))
     return outs
 

@@ -59,7 +59,7 @@ def prompt_of_tokens(encoder, tokens: int = PROMPT_TOKENS) -> tuple[str, int]:
 
 
 def text_prefix_tokens(encoder, prompt: str) -> int:
-    from ..encoding.prompt import prompt_text
+    from graph_runtime.encoding.prompt import prompt_text
 
     tokenizer = encoder.processor.tokenizer
     return len(tokenizer(prompt_text(prompt, 0), add_special_tokens=False).input_ids) - encoder.drop_idx

@@ -1,4 +1,4 @@
-"""`python -m graph_runtime bench`: decode-step speed, memory and quality of every path, in one process.
+"""`python -m bench`: decode-step speed, memory and quality of every path, in one process.
 
 Phases: (1) fp32 reference outputs for the quality scenarios (an fp32 copy of the weights, freed afterwards);
 (2) every scenario x path: prefill, decode step (median CUDA-event time), host time, capture/compile time, peak
@@ -22,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from ..decode import DecodeEngine
+from graph_runtime.decode import DecodeEngine
+
 from . import quality
 from .model import build_transformer, fp32_copy
 from .paths import ALL_PATHS, DEFAULT_PATHS, OursPath, reference_caches, reference_prefill, reference_step
@@ -206,7 +207,7 @@ def _measure(row, step, path, spec, transformer, inputs, prefixes, caches, refs,
         delta = path.engine.stats.delta(stats_before)
         row["captures"] = delta["captures"]
         row["capture_s"] = delta["capture_seconds"]
-        row["warmup_s"] = path.engine.warmup_seconds()
+        row["warmup_s"] = warmup_seconds(path.engine)
         row["compile_s"] = row["warmup_s"] if spec.compile else 0.0
         row["eager_steps"] = delta["eager_steps"]
     with ClockSampler(device) as clocks:
@@ -241,6 +242,19 @@ def _measure(row, step, path, spec, transformer, inputs, prefixes, caches, refs,
             row["quality_ok"] = err <= quality.GUARD_RATIO * seen["reference_err"]
 
 
+def body_as_captured(engine, prefix) -> torch.Tensor:
+    """The step body of `prefix`'s graph entry run eagerly on its static buffers under the settings its capture ran
+    with, so it launches the kernels a replay runs: what a replay is compared with exactly."""
+    entry = engine.manager.entries[prefix.graph_key]
+    with engine.manager.backend.capture_settings():
+        return engine.step(entry.inputs)
+
+
+def warmup_seconds(engine) -> float:
+    """The eager warm-up runs of every captured entry, in seconds (compiling included, for compiled blocks)."""
+    return sum(getattr(entry, "warmup_seconds", 0.0) for entry in engine.manager.entries.values())
+
+
 def _replay_vs_body(path, inputs, prefixes) -> float:
     """Max abs difference between each branch's graph replay and the same body run eagerly on the same static
     buffers, under the settings the capture ran with (so cuBLAS picks the graph's GEMM kernels): the graph's own
@@ -249,7 +263,7 @@ def _replay_vs_body(path, inputs, prefixes) -> float:
     for branch in inputs.branches:
         prefix = prefixes[branch.name]
         replayed = path.engine.decode(prefix, inputs.latents, inputs.timestep, "graph").output
-        body = path.engine.body_as_captured(prefix)  # on torch 2.13+ without a cuBLAS workspace, as captured
+        body = body_as_captured(path.engine, prefix)  # on torch 2.13+ without a cuBLAS workspace, as captured
         worst = max(worst, (body - replayed).abs().max().item())
     return worst
 
@@ -261,9 +275,9 @@ AFTER_IDLE = f"after {IDLE_S:g} s idle"
 def amortization(transformer, device, context, channels):
     """Two sampler runs back to back, equal shapes, through the process-wide engine (like two queued prompts),
     with the product's default settings (decode "auto", blocks not compiled)."""
-    from ..encoding.prompt import PromptEmbeds
-    from ..registry import engine_for
-    from ..sampling.sampler import SamplingRequest, sample
+    from graph_runtime.encoding.prompt import PromptEmbeds
+    from graph_runtime.registry import engine_for
+    from graph_runtime.sampling.sampler import SamplingRequest, sample
     from .scenarios import Scenario
 
     engine = engine_for(transformer)
@@ -309,7 +323,8 @@ def amortization(transformer, device, context, channels):
     return results
 
 
-def main(args) -> int:
+def main(args, argv=()) -> int:
+    """The run `args` (parsed by `cli.py`) ask for; `argv`, the options as given, goes into the results' command."""
     if getattr(args, "e2e", False):
         from .e2e_runner import e2e_main
 
@@ -319,7 +334,7 @@ def main(args) -> int:
         print("bench: no CUDA device; run with --device cpu --tiny for a smoke run", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    command = "python -m graph_runtime bench " + " ".join(shlex.quote(a) for a in sys.argv[2:])
+    command = " ".join(["python -m bench", *(shlex.quote(a) for a in argv)])
     transformer = build_transformer(tiny=args.tiny, layers=args.layers, device=device,
                                     dtype=torch.bfloat16 if device != "cpu" else torch.float32)
     config = transformer.config
@@ -422,7 +437,7 @@ def _profile(transformer, spec, device, context, channels) -> str:
         prefixes = _prefixes(DecodeEngine(transformer), inputs)
         path.step(inputs, prefixes)()
         prefix = prefixes[inputs.branches[0].name]  # the first entry the step registered
-        table = kernel_table(lambda: path.engine.body_as_captured(prefix), device)
+        table = kernel_table(lambda: body_as_captured(path.engine, prefix), device)
     layout = inputs.branches[0].layout
     rates = op_rates(transformer, layout.target_tokens, layout.seq_len, device)
     path.engine.release()

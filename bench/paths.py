@@ -17,8 +17,10 @@ from dataclasses import dataclass
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
-from ..decode import DecodeEngine
-from ..fp8.convert import int8_factory, quantized_linears, swapped
+from graph_runtime.decode import DecodeEngine
+from graph_runtime.fp8.convert import int8_factory
+
+from .swap import quantized_linears, swapped
 
 
 @dataclass(frozen=True)
@@ -102,7 +104,7 @@ def quantized_transformer(transformer, weights: str):
     two ways the loaders run an INT8 file."""
     import copy
 
-    from ..quantized import dequantize_linears_, quantize_linears_
+    from graph_runtime.quantized import dequantize_linears_, quantize_linears_
 
     model = copy.deepcopy(transformer)
     quantize_linears_(model, CONVROT_GROUP, lambda name, _: name.startswith("transformer_blocks."))

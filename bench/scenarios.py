@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..decode import TokenLayout
+from graph_runtime.decode import TokenLayout
 
 TEXT_TOKENS = 128
 NEGATIVE_TEXT_TOKENS = 96  # a shorter negative prompt: CFG branches then have different prefix lengths

@@ -110,7 +110,7 @@ def run_diffusers(pipe, scenario, prompt: str, image=None, seed: int = 0, device
 
 def _pipeline_sigmas(scenario):
     if scenario.sigma_preset == "turbo":
-        from ..sampling.schedule import TURBO_SIGMAS
+        from graph_runtime.sampling.schedule import TURBO_SIGMAS
 
         return list(TURBO_SIGMAS)
     return None

@@ -7,7 +7,7 @@ import copy
 import torch
 from diffusers import QwenImage21Transformer2DModel
 
-from ..tiny import TINY_TRANSFORMER
+from graph_runtime.tiny import TINY_TRANSFORMER
 
 
 def build_transformer(tiny: bool = False, layers: int = 32, device="cuda", dtype=torch.bfloat16, seed: int = 0):

@@ -63,7 +63,7 @@ def _timed(build_s: dict, name: str, fn):
 def build_text_encoder(device, dtype, tiny: bool = False):
     from transformers import Qwen3VLConfig, Qwen3VLForConditionalGeneration
 
-    from ..tiny import tiny_text_encoder_config
+    from graph_runtime.tiny import tiny_text_encoder_config
 
     config = tiny_text_encoder_config() if tiny else Qwen3VLConfig(**QWEN3VL_8B)
     torch.manual_seed(1)
@@ -80,7 +80,7 @@ def build_text_encoder(device, dtype, tiny: bool = False):
 def build_vae(device, dtype, tiny: bool = False):
     from diffusers import AutoencoderKLQwenImage21
 
-    from ..tiny import TINY_VAE
+    from graph_runtime.tiny import TINY_VAE
 
     torch.manual_seed(2)
     with torch.device(device):
@@ -89,8 +89,8 @@ def build_vae(device, dtype, tiny: bool = False):
 
 
 def build_models(device="cuda", dtype=torch.bfloat16, tiny: bool = False) -> E2EModels:
-    from ..loading import default_scheduler_config
-    from ..tiny import build_processor
+    from graph_runtime.loading import default_scheduler_config
+    from graph_runtime.tiny import build_processor
     from .model import build_transformer
 
     build_s: dict = {}

@@ -29,8 +29,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-from ..decode import CudaGraphBackend
-from ..kernels import norm_modulate, qk_norm_rope, silu_mul
+from graph_runtime.decode import CudaGraphBackend
+from graph_runtime.kernels import norm_modulate, qk_norm_rope, silu_mul
 
 TOP_ITEMS = 25
 
@@ -42,7 +42,7 @@ def _op_targets():
                (qk_norm_rope, "_triton_qk_norm_rope_write", "Triton (ours)"),
                (silu_mul, "_triton_silu_mul", "Triton (ours)")]
     try:
-        from ..kernels import fp8_quant
+        from graph_runtime.kernels import fp8_quant
     except ImportError:  # the FP8 kernels are optional
         return targets
     return targets + [(fp8_quant, name, "Triton (ours)") for name in fp8_quant.TRITON_LAUNCHERS]

@@ -1,4 +1,4 @@
-"""`python -m graph_runtime.bench.lora`: what merging a LoRA costs at full size, and that a merged LoRA decodes at
+"""`python -m bench.lora`: what merging a LoRA costs at full size, and that a merged LoRA decodes at
 the same speed through the same captured graph.
 
 The LoRA is rank 64 on every Linear of the 32 blocks (to_q, to_k, to_v, to_out.0, gate_layer, proj, out: 224
@@ -30,7 +30,8 @@ from pathlib import Path
 
 import torch
 
-from ..lora import LoraChoice, LoraFile, WeightPatch, merge_state
+from graph_runtime.lora import LoraChoice, LoraFile, WeightPatch, merge_state
+
 from .model import build_transformer
 from .paths import OursPath, PathSpec
 from .runner import _prefixes, _select_scenarios
@@ -124,7 +125,7 @@ def markdown(meta: dict, merges: list[dict], steps: list[dict]) -> str:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m graph_runtime.bench.lora", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.lora", description=__doc__.split("\n")[0])
     parser.add_argument("--rank", type=int, default=64)
     parser.add_argument("--layers", type=int, default=32, help="transformer blocks (32 = the real model)")
     parser.add_argument("--scenarios", default="t2i-512,t2i-1024", help="comma list of benchmark scenario names")
@@ -138,7 +139,7 @@ def main(argv=None) -> int:
         return 2
     started = time.perf_counter()
     argv_used = sys.argv[1:] if argv is None else argv
-    command = "python -m graph_runtime.bench.lora " + " ".join(shlex.quote(a) for a in argv_used)
+    command = "python -m bench.lora " + " ".join(shlex.quote(a) for a in argv_used)
     dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
     transformer = build_transformer(tiny=args.tiny, layers=args.layers, device=args.device, dtype=dtype)
     loras = [random_lora(transformer, args.rank, seed) for seed in (1, 2)]

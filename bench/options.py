@@ -1,4 +1,4 @@
-"""Command-line options of `python -m graph_runtime bench`."""
+"""Command-line options of `python -m bench`."""
 
 
 def add_bench_arguments(parser) -> None:
@@ -11,7 +11,7 @@ def add_bench_arguments(parser) -> None:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny 2-block model (a CPU smoke run of the bench)")
     parser.add_argument("--profile", action="store_true", help="also print a kernel table of the fastest path")
-    # The prompt-to-image benchmark (graph_runtime/bench/e2e_runner.py).
+    # The prompt-to-image benchmark (e2e_runner.py).
     parser.add_argument("--e2e", action="store_true",
                         help="prompt to PNG instead of the decode step: ours vs diffusers' pipeline, full-size random "
                              "DiT + Qwen3-VL-8B + VAE, first prompt of a fresh process and warm")

@@ -1,6 +1,6 @@
 """One process of the end-to-end benchmark: build the models, run the prompts a task names, write the records.
 
-`python -m graph_runtime.bench.e2e_worker TASK.json OUT.json`. The benchmark starts one per first-prompt figure, so
+`python -m bench.e2e_worker TASK.json OUT.json`. The benchmark starts one per first-prompt figure, so
 "first prompt" is the first in a fresh process whose kernels, plans and graphs nothing has set up yet, and one for
 the warm runs of both paths in one process. Tasks:
 
@@ -24,7 +24,8 @@ _STARTED = time.time()
 
 import torch  # noqa: E402
 
-from ..kernels.preload import preload_result, start_preload  # noqa: E402
+from graph_runtime.kernels.preload import preload_result, start_preload  # noqa: E402
+
 from .e2e_models import E2EModels, build_models, diffusers_pipeline, parameter_count  # noqa: E402
 from .e2e_paths import run_diffusers, run_ours  # noqa: E402
 from .e2e_scenarios import SCENARIOS, prompt_of_tokens, reference_image  # noqa: E402
@@ -61,7 +62,7 @@ class Worker:
         self.imported = time.time()  # the imports above are done: what a restart pays before loading models
 
     def build(self):
-        from ..generate import QwenImageGenerator
+        from graph_runtime.generate import QwenImageGenerator
 
         start = time.perf_counter()
         paths = self.task["paths"]
@@ -88,7 +89,7 @@ class Worker:
     def _fp8_models(self, alone: bool):
         """The models with an FP8 transformer (precision `task["fp8_precision"]`, its bf16 weights freed): the loaded
         one converted when no bf16 path runs in this process, else a second one with the same weights."""
-        from ..fp8 import apply_precision
+        from graph_runtime.fp8 import apply_precision
         from .model import build_transformer
 
         transformer = self.models.transformer if alone else build_transformer(device=self.device, dtype=self.dtype,
