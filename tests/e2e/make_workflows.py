@@ -1,21 +1,26 @@
-"""Writes example_workflows/*.json (ComfyUI UI format) and example_workflows/api/*.json (API format) from one graph
-description each, so the two stay the same graph. Run from the repository root:
+"""Writes the example workflows from one graph description each, so their two formats stay the same graph:
+example_workflows/<title>.json (ComfyUI UI format, named by the title its template card shows), its thumbnail
+example_workflows/<title>.jpg, and example_workflows/api/<name>.json (API format). Run from the repository root:
 
     python tests/e2e/make_workflows.py
 
-Node positions, sizes and the view each workflow opens with come from workflow_layout.py. tests/test_workflows.py
-checks the written files against the node schemas and the layout rules, independently of this script.
+Node positions, sizes and the view each workflow opens with come from workflow_layout.py, the thumbnails from
+workflow_cards.py. tests/test_workflows.py checks the written files against the node schemas and the layout rules,
+independently of this script.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import workflow_cards  # noqa: E402
 import workflow_layout  # noqa: E402
+from workflow_cards import Card  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "example_workflows"
@@ -26,14 +31,16 @@ TRANSFORMER_FILE = "qwen_image_2.1_int8_convrot.safetensors"
 TURBO_TRANSFORMER_FILE = "qwen_image_2.1_turbo_int8_convrot.safetensors"
 TEXT_ENCODER_FILE = "qwen3vl_8b_int8_convrot.safetensors"
 VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
-# The LoRA workflow's file in models/loras (users pick their own; the end-to-end test writes a tiny one there).
+# The LoRA workflow's file in models/loras: a stand-in for the user's own LoRA (`make-tiny --comfyui-models` writes a
+# tiny one under this name, so the example runs as shipped on the tiny files).
 LORA_FILE = "qwen_image_2.1_lora.safetensors"
 BF16_ALTERNATIVES = {TRANSFORMER_FILE: "qwen_image_2.1_bf16.safetensors",
                      TURBO_TRANSFORMER_FILE: "qwen_image_2.1_turbo_bf16.safetensors",
                      TEXT_ENCODER_FILE: "qwen3vl_8b_bf16.safetensors"}
 # The edit workflows load these from ComfyUI's input folder. They ship in example_workflows/inputs/ (drawn by
 # draw_reference_images below), and the pack copies them into the input folder at start-up where they are missing.
-REFERENCE_IMAGES = ("kvgraph_example_reference_1.png", "kvgraph_example_reference_2.png")
+# Short names: two Load Image nodes showing them side by side fit the loaders' column.
+REFERENCE_IMAGES = ("kvgraph_edit_1.png", "kvgraph_edit_2.png")
 INPUTS = OUT / "inputs"
 
 # Per node type: (widget name, value) in the order the frontend lays the widgets out, the socket inputs
@@ -85,6 +92,15 @@ def files_note(transformer: str) -> str:
     )
 
 
+LORA_NOTE = (
+    "\n\n## LoRA\n\n"
+    "Put a Qwen-Image-2.1 LoRA (`.safetensors`) in ComfyUI's `models/loras` folder and pick it in **Load LoRA**: "
+    f"`{LORA_FILE}` stands for yours. Read: PEFT / diffusers, kohya / ComfyUI (`lora_down`/`lora_up`/`alpha`, "
+    "`img_mlp.gate_up`), DiffSynth-Studio, LyCORIS LoRA names and full-weight `.diff` files; not DoRA, LoHa, LoKr "
+    "or OFT, nor LoRAs for Qwen-Image 1.x or other models (docs/lora.md)."
+)
+
+
 def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="auto", references=0, seed=42,
           transformer=TRANSFORMER_FILE, sampler_title=TITLES["KVGraphSampler"],
           transformer_title=TITLES["KVGraphLoadTransformer"]):
@@ -120,8 +136,8 @@ def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="auto", reference
     nodes.append((7, "SaveImage", [("filename_prefix", f"KVGraph/{name}")], {"images": (6, 0)},
                   TITLES["SaveImage"]))
     columns = [
-        [[1], [2], [3], [20]],  # the loaders, and the note saying which files they load
-        ([[10 + i for i in range(references)]] if references else []) + [[4]],  # references above the prompt
+        [[1], [2], [3]] + ([[10 + i for i in range(references)]] if references else []),  # what the prompt reads
+        [[4], [20]],  # the prompt, and the note saying which files the loaders load
         [[5], [6], [7]],  # the sampler and its output
     ]
     return nodes, columns
@@ -129,7 +145,7 @@ def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="auto", reference
 
 def with_lora(workflow, lora_name=LORA_FILE, strength=1.0):
     """`workflow` with a KV-Graph Load LoRA between the transformer loader and the sampler (placed above the prompt,
-    on the way from the one to the other)."""
+    on the way from the one to the other), and the note saying where LoRAs go and which files are read."""
     nodes, columns = workflow
     lora = (8, "KVGraphLoadLoRA", [("lora_name", lora_name), ("strength", strength)], {"model": (1, 0)},
             TITLES["KVGraphLoadLoRA"])
@@ -137,6 +153,8 @@ def with_lora(workflow, lora_name=LORA_FILE, strength=1.0):
     for node_id, node_type, widgets, links, title in nodes:
         if node_type == "KVGraphSampler":
             links = {**links, "model": (lora[0], 0)}
+        if node_type == "MarkdownNote":
+            widgets = [(name, value + LORA_NOTE) for name, value in widgets]
         out.append((node_id, node_type, widgets, links, title))
         if node_id == 3:
             out.append(lora)
@@ -166,9 +184,63 @@ WORKFLOWS = {
 }
 
 
+# Each example's template card: ComfyUI's template browser titles a pack's example by its file name, so the UI-format
+# file is named by the card's title (workflow_cards.py says why); its API-format twin keeps the key as its name.
+CARDS = {
+    "qwen_image_2.1_text_to_image": Card(
+        "Qwen-Image-2.1 text to image", "Text to image", "A prompt becomes a 1024x1024 picture"),
+    "qwen_image_2.1_turbo_8_steps": Card(
+        "Qwen-Image-2.1 Turbo, 8 steps", "Turbo, 8 steps", "The Turbo checkpoint on its fixed 8-step grid"),
+    "qwen_image_2.1_edit_one_reference": Card(
+        "Qwen-Image-2.1 edit an image", "Edit an image", "A prompt says what to change in image 1"),
+    "qwen_image_2.1_edit_two_references": Card(
+        "Qwen-Image-2.1 combine two images", "Combine images", "Put the object of image 2 into image 1"),
+    "qwen_image_2.1_cfg_negative_prompt": Card(
+        "Qwen-Image-2.1 negative prompt", "Negative prompt", "True CFG steers away from what you list"),
+    "qwen_image_2.1_lora": Card(
+        "Qwen-Image-2.1 with a LoRA", "With a LoRA", "A LoRA from models/loras, merged once"),
+}
+
+
+def card(name: str) -> Card:
+    if name not in CARDS:
+        raise KeyError(f"example {name!r} has no template card: give it a title, headline and description in CARDS "
+                       "(tests/e2e/make_workflows.py)")
+    return CARDS[name]
+
+
+def ui_path(name: str) -> Path:
+    """The UI-format file of example `name` (its template card's title); its thumbnail is beside it as .jpg."""
+    return OUT / f"{card(name).title}.json"
+
+
+def api_path(name: str) -> Path:
+    return OUT / "api" / f"{name}.json"
+
+
+def note_height(text: str, width: int) -> int:
+    """The height a MarkdownNote `width` wide needs to show `text` without scrolling, as the frontend renders its
+    markdown (measured in 1.35 to 1.58: 10 px text in 12 px lines, 15 px headings 19 px high, 10 px between blocks,
+    about 6 px a character in code spans, list items indented 25 px, 22 px of the node around the text), rounded
+    up to whole lines per paragraph and list item."""
+    text_width = width - 20
+    blocks = []
+    for block in text.split("\n\n"):
+        if block.startswith("## "):
+            blocks.append(19)
+        elif block.startswith("- "):
+            per_line = (text_width - 25) // 6.2
+            blocks.append(sum(12 * math.ceil(len(item) / per_line) for item in block.split("\n")))
+        else:
+            blocks.append(12 * math.ceil(len(block) / (text_width // 6.2)))
+    return sum(blocks) + 10 * (len(blocks) - 1) + 22 + 10  # and 10 to spare
+
+
 def ui_workflow(workflow) -> dict:
     nodes, columns = workflow
-    placed = workflow_layout.place(columns, {node_id: node_type for node_id, node_type, *_ in nodes})
+    notes = {node_id: dict(widgets)["text"] for node_id, node_type, widgets, *_ in nodes if node_type == "MarkdownNote"}
+    placed = workflow_layout.place(columns, {node_id: node_type for node_id, node_type, *_ in nodes},
+                                   lambda node_id, width: note_height(notes[node_id], width) if node_id in notes else 0)
     links, ui_nodes, link_id = [], [], 0
     outgoing = {}
     for node_id, node_type, _, node_links, _ in nodes:
@@ -251,16 +323,22 @@ def draw_reference_images():
     return dict(zip(REFERENCE_IMAGES, (scene, teapot)))
 
 
+def thumbnail(name: str):
+    """The template card's thumbnail of example `name` (a PIL image), drawn from its graph and the shipped inputs."""
+    return workflow_cards.draw_thumbnail(card(name), WORKFLOWS[name][0], INPUTS)
+
+
 def main() -> None:
     (OUT / "api").mkdir(parents=True, exist_ok=True)
-    for name, workflow in WORKFLOWS.items():
-        (OUT / f"{name}.json").write_text(json.dumps(ui_workflow(workflow), indent=1) + "\n")
-        (OUT / "api" / f"{name}.json").write_text(json.dumps(api_workflow(workflow), indent=1) + "\n")
-        print(f"wrote {name}")
     INPUTS.mkdir(exist_ok=True)
     for name, image in draw_reference_images().items():
         image.save(INPUTS / name, optimize=True)
         print(f"wrote inputs/{name}")
+    for name, workflow in WORKFLOWS.items():
+        ui_path(name).write_text(json.dumps(ui_workflow(workflow), indent=1) + "\n")
+        workflow_cards.save_thumbnail(thumbnail(name), ui_path(name).with_suffix(".jpg"))
+        api_path(name).write_text(json.dumps(api_workflow(workflow), indent=1) + "\n")
+        print(f"wrote {ui_path(name).name} (and its .jpg), api/{api_path(name).name}")
 
 
 if __name__ == "__main__":

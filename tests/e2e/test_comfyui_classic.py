@@ -52,7 +52,7 @@ def test_real_server_schema_matches_the_examples(server):
     """The widget order ComfyUI reports (required, then optional) maps each UI example onto its API twin."""
     import json
 
-    from comfy_server import REPO
+    from comfy_server import REPO, ui_workflow_path
 
     info = server.get("/object_info")
     ours = {k for k, v in info.items() if v["category"].startswith("KV-Graph")}
@@ -62,7 +62,7 @@ def test_real_server_schema_matches_the_examples(server):
     sampler = info["KVGraphSampler"]["input"]
     assert sampler["required"]["steps"][1]["default"] == 40 and sampler["required"]["cfg"][1]["default"] == 1.0
     for name in EXAMPLES:
-        ui = json.loads((REPO / "example_workflows" / f"{name}.json").read_text())
+        ui = json.loads(ui_workflow_path(name).read_text())
         api = json.loads((REPO / "example_workflows" / "api" / f"{name}.json").read_text())
         for node in ui["nodes"]:
             if node["type"] not in info:  # a frontend-only note: not in the API twin either

@@ -23,7 +23,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).parent))
 
 from comfy_server import (  # noqa: E402
-    REPO, SMALL, load_api_workflow, node_of, prepare_base, start_server, with_diffusers_loader,
+    REPO, SMALL, load_api_workflow, node_of, prepare_base, start_server, ui_workflow_path, with_diffusers_loader,
 )
 
 pytestmark = pytest.mark.comfyui
@@ -296,10 +296,10 @@ def test_frontend_loads_the_extension_and_templates_under_the_folder_with_a_spac
     assert "kvgraph.panel" in page.evaluate("window.app.extensions.map(e => e.name)")
     page.evaluate("window.app.extensionManager.command.execute('Comfy.BrowseTemplates')")
     page.get_by_text(SPACE_FOLDER, exact=True).click()  # the pack's category in the template browser
-    page.locator(f"[data-testid='template-workflow-{T2I}']").click()
+    page.locator(f"[data-testid='template-workflow-{ui_workflow_path(T2I).stem}']").click()
     page.wait_for_function("window.app.graph.nodes.some(n => n.type === 'KVGraphSampler')", timeout=30_000)
     types = sorted(page.evaluate("window.app.graph.nodes.map(n => n.type)"))
-    expected = json.loads((REPO / "example_workflows" / f"{T2I}.json").read_text())
+    expected = json.loads(ui_workflow_path(T2I).read_text())
     assert types == sorted(n["type"] for n in expected["nodes"])
     assert page.errors == []
 
