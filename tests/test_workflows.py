@@ -287,16 +287,42 @@ def test_the_view_keeps_every_node_clear_of_the_panel_and_the_minimap(name):
             assert apart, f"{title} ({left:.0f}, {top:.0f})-({right:.0f}, {bottom:.0f}) is under the minimap at {window}"
 
 
+def fitted_boxes(workflow, width, height):
+    """drawn_boxes for the view 1.58's template browser gives a template instead of its extra.ds (LiteGraph's
+    fitView): the nodes' bounds (title bars included) grown by 10 on every side, centred in the window at
+    min(0.75 * width / their width, 0.75 * height / their height)."""
+    boxes = [node_box(n) for n in workflow["nodes"]]
+    x0, y0 = min(b[0] for b in boxes) - 10, min(b[1] for b in boxes) - 10
+    w, h = max(b[2] for b in boxes) + 10 - x0, max(b[3] for b in boxes) + 10 - y0
+    scale = min(0.75 * width / max(w, 300), 0.75 * height / max(h, 300))
+    offset_x, offset_y = width / 2 / scale - x0 - w / 2, height / 2 / scale - y0 - h / 2
+    return {n["title"]: ((b[0] + offset_x) * scale, (b[1] - BADGE_HEIGHT + offset_y) * scale,
+                         (b[2] + offset_x) * scale, (b[3] + offset_y) * scale)
+            for n, b in zip(workflow["nodes"], boxes)}
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_the_minimap_stays_clear_where_the_frontend_fits_the_graph_to_the_window(name):
+    """1.58 opens a template fitted to the window, not at its extra.ds: the layout leaves the graph's bottom-right
+    corner, where the minimap sits, free, so there too no node (the Save Image preview above all) is under it."""
+    for window, (x0, y0, x1, y1) in MINIMAPS.items():
+        width, height = map(int, window.split("x"))
+        for title, (left, top, right, bottom) in fitted_boxes(load(ui_file(name)), width, height).items():
+            apart = right <= x0 or left >= x1 or bottom <= y0 or top >= y1
+            assert apart, f"{title} ({left:.0f}, {top:.0f})-({right:.0f}, {bottom:.0f}) is under the minimap at {window}"
+
+
 # -- template cards: titles and thumbnails ---------------------------------------------------------------------------
 
 
 def test_each_card_has_a_title_a_person_reads_as_one():
-    """The frontend titles a card by the UI file's name: each is short enough for the card's one line, says what the
-    example does (not its internal name), names the model, and differs from every other."""
+    """The frontend titles a card by the UI file's name: each is short enough for the card's one line (30 characters
+    fit 1.35's cards in a 1600 px window), says what the example does (not its internal name), names the model, and
+    differs from every other."""
     titles = [ui_file(name).stem for name in EXAMPLES]
     assert len(set(titles)) == len(titles)
     for name, title in zip(EXAMPLES, titles):
-        assert title.startswith("Qwen-Image-2.1 ") and "_" not in title and len(title) <= 34, title
+        assert title.startswith("Qwen-Image-2.1 ") and "_" not in title and len(title) <= 30, title
         assert title != name
 
 

@@ -135,10 +135,13 @@ def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="auto", reference
     nodes.append((6, "KVGraphVAEDecode", [], {"vae": (3, 0), "latent": (5, 0)}, TITLES["KVGraphVAEDecode"]))
     nodes.append((7, "SaveImage", [("filename_prefix", f"KVGraph/{name}")], {"images": (6, 0)},
                   TITLES["SaveImage"]))
+    # The sampler's column is the shortest: a frontend that centres the graph in the window (1.58's template browser)
+    # then leaves the graph's bottom-right corner, where its minimap sits, free of the Save Image preview.
+    reference_row = [10 + i for i in range(references)]
     columns = [
-        [[1], [2], [3]] + ([[10 + i for i in range(references)]] if references else []),  # what the prompt reads
-        [[4], [20]],  # the prompt, and the note saying which files the loaders load
-        [[5], [6], [7]],  # the sampler and its output
+        [[1], [2], [3], reference_row if references else [20]],  # what the prompt reads (or the note on the files)
+        [[4], [6]] + ([[20]] if references else []),  # the prompt, and the decode of the sampler's latent
+        [[5], [7]],  # the sampler and the image
     ]
     return nodes, columns
 
@@ -194,7 +197,7 @@ CARDS = {
     "qwen_image_2.1_edit_one_reference": Card(
         "Qwen-Image-2.1 edit an image", "Edit an image", "A prompt says what to change in image 1"),
     "qwen_image_2.1_edit_two_references": Card(
-        "Qwen-Image-2.1 combine two images", "Combine images", "Put the object of image 2 into image 1"),
+        "Qwen-Image-2.1 combine images", "Combine images", "Put the object of image 2 into image 1"),
     "qwen_image_2.1_cfg_negative_prompt": Card(
         "Qwen-Image-2.1 negative prompt", "Negative prompt", "True CFG steers away from what you list"),
     "qwen_image_2.1_lora": Card(

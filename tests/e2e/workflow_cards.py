@@ -23,10 +23,10 @@ SIDE = 512
 QUALITY = 85
 # Characters a title may use: it is a file name on every OS and part of a URL path the frontend builds unquoted.
 TITLE_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9 .,()-]*[A-Za-z0-9)]")
-TITLE_MAX = 34  # what fits the card's one title line in the 1.58 template browser of a 1600 px wide window
+TITLE_MAX = 30  # what fits a card's one title line in the template browser of a 1600 px wide window (1.35's)
 
 BACKGROUND_TOP, BACKGROUND_BOTTOM = (38, 40, 52), (20, 21, 27)
-LABEL, TEXT, MUTED = (150, 158, 182), (255, 255, 255), (208, 212, 226)
+TEXT, MUTED = (255, 255, 255), (208, 212, 226)
 ACCENT = (244, 184, 76)
 BOX, BOX_EDGE = (46, 49, 64), (98, 140, 255)
 NEGATIVE_BOX, NEGATIVE_EDGE = (64, 40, 44), (232, 96, 96)
@@ -150,14 +150,14 @@ def draw_thumbnail(card: Card, nodes, inputs: Path):
     facts = workflow_facts(nodes)
     image = _background()
     draw = ImageDraw.Draw(image)
-    draw.text((MARGIN, 26), "QWEN-IMAGE-2.1 · KV-GRAPH", font=font(24), fill=LABEL)
-    draw.text((MARGIN, 60), card.headline, font=font(58), fill=TEXT, stroke_width=1, stroke_fill=TEXT)
+    # The top-left corner stays free: the 1.58 template browser puts a "Node graph" badge there.
+    draw.text((MARGIN, 72), card.headline, font=font(58), fill=TEXT, stroke_width=1, stroke_fill=TEXT)
     description = font(30)
-    y = 138
+    y = 146
     for line in wrap(draw, card.description, description, SIDE - 2 * MARGIN, 2):
         draw.text((MARGIN, y), line, font=description, fill=MUTED)
         y += 38
-    area = (MARGIN, 222, SIDE - MARGIN, 438)
+    area = (MARGIN, 230, SIDE - MARGIN, 442)
     if facts["references"]:
         _pictures(image, draw, [inputs / name for name in facts["references"]], area)
     elif facts["negative"]:
@@ -168,7 +168,7 @@ def draw_thumbnail(card: Card, nodes, inputs: Path):
                   NEGATIVE_BOX, NEGATIVE_EDGE, TEXT, 2)
     elif facts["prompt"]:
         _text_box(draw, area, f"“{facts['prompt']}”", font(30), BOX, BOX_EDGE, TEXT, 4)
-    draw.text((MARGIN, 456), settings_line(facts), font=font(32), fill=ACCENT)
+    draw.text((MARGIN, 458), settings_line(facts), font=font(32), fill=ACCENT)
     return image
 
 
