@@ -172,11 +172,11 @@ def output_paths(out: str, count: int) -> list[str]:
 def resolve_cli_precision(args, device: str):
     """`--precision` for the transformer the arguments name, `auto` resolved as the loader nodes resolve it (before the
     load, from the file's header: an INT8 file is dequantized only for an FP8 precision picked by hand)."""
-    from .fp8 import AUTO, resolve_precision
+    from .fp8 import resolve_precision
     from .loading.transformer import transformer_is_quantized
 
     source = args.transformer or args.model
-    int8_file = args.precision == AUTO and source is not None and transformer_is_quantized(source)
+    int8_file = source is not None and transformer_is_quantized(source)
     return resolve_precision(args.precision, device, dtype=_model_dtype(args, device), int8_file=int8_file)
 
 
@@ -187,8 +187,9 @@ def apply_cli_precision(transformer, resolved) -> None:
     if not resolved.converts:
         print(f"precision: {resolved.precision} ({resolved.reason})")
         return
-    done = apply_precision(transformer, resolved.precision)
-    print(f"precision: {resolved.precision} ({resolved.reason}): {done['linears']} block Linears in FP8, "
+    done = apply_precision(transformer, resolved.precision, device=next(transformer.parameters()).device)
+    kind = "INT8" if resolved.precision == "int8" else "FP8"
+    print(f"precision: {resolved.precision} ({resolved.reason}): {done['linears']} block Linears in {kind}, "
           f"{done['block_linear_bytes_after'] / 2**30:.2f} GiB instead of "
           f"{done['block_linear_bytes_before'] / 2**30:.2f} GiB ({done['seconds']} s)")
 

@@ -4,6 +4,19 @@ from __future__ import annotations
 
 import os
 
+# Values and paths echoed in a message are cut to about this many characters: a linked input or a file name can be
+# any length, and a message that repeats 5,000 characters hides what it says.
+ECHO_LIMIT = 200
+
+
+def shorten(text: str, limit: int = ECHO_LIMIT) -> str:
+    """`text` as is when short; else its start and end around an ellipsis, with the full length, so that both a
+    value's beginning and a path's file name stay readable."""
+    if len(text) <= limit:
+        return text
+    head = limit * 2 // 3
+    return f"{text[:head]}...{text[-(limit - head):]} ({len(text)} characters)"
+
 
 class KVGraphError(ValueError):
     """Base class for every error the runtime raises about its inputs."""
@@ -19,7 +32,7 @@ class CheckpointError(KVGraphError):
         self.path = os.fspath(path)
         self.problem = problem
         self.expected = expected
-        message = f"{self.path}: {problem}"
+        message = f"{shorten(self.path)}: {problem}"
         if expected:
             message += f" Expected {expected}."
         super().__init__(message)
@@ -30,7 +43,7 @@ class InputError(KVGraphError):
 
     def __init__(self, name: str, value, expected: str):
         self.name, self.value, self.expected = name, value, expected
-        super().__init__(f"{name}={value!r} is invalid: expected {expected}.")
+        super().__init__(f"{name}={shorten(repr(value))} is invalid: expected {expected}.")
 
 
 class NonFiniteError(KVGraphError):
@@ -40,3 +53,12 @@ class NonFiniteError(KVGraphError):
     def __init__(self, what: str, cause: str):
         self.what, self.cause = what, cause
         super().__init__(f"{what} holds NaN or infinite values: {cause}.")
+
+
+class FlatOutputError(KVGraphError):
+    """A decode produced an image of one flat colour from a latent that was checked: the message names the likely
+    cause, so a grey or black square is never reported as a success."""
+
+    def __init__(self, what: str, cause: str):
+        self.what, self.cause = what, cause
+        super().__init__(f"{what} is one flat colour: {cause}.")

@@ -12,11 +12,11 @@ import torch
 
 from .encoding.images import decode_latents, encode_pixels, prepare_references, reference_size, to_pil
 from .encoding.prompt import PromptEncoder
-from .errors import NonFiniteError
 from .budget import check_runtime_request
 from .registry import engine_for
-from .sampling.sampler import SamplingRequest, sample
+from .sampling.sampler import SamplingRequest, check_schedule, sample
 from .validation import check_cfg, check_count, check_reference_resolution, check_seed, check_size
+from .vae_decode import check_decoded
 
 __all__ = ["DEFAULT_SIZE", "GenerationResult", "QwenImageGenerator", "check_size"]
 
@@ -84,6 +84,7 @@ class QwenImageGenerator:
             sigma_preset=sigma_preset, decode_mode=decode_mode, compile=compile,
             scheduler_config=self.models.scheduler_config,
         )
+        check_schedule(request)
         # Refused here, before anything is allocated, when the request cannot fit on the GPU.
         check_runtime_request(self.models.transformer, request, self.models.vae, self.models.text_encoder)
         start = time.perf_counter()
@@ -93,10 +94,8 @@ class QwenImageGenerator:
 
         start = time.perf_counter()
         pixels = decode_latents(self.models.vae, result.latents)
-        if not bool(torch.isfinite(pixels).all()):
-            # The latents were finite after every step (the sampler checks), so the VAE produced these.
-            raise NonFiniteError("the decoded image", "the sampled latents were finite, so the VAE's weights are the "
-                                                      "likely cause (a damaged or wrongly converted checkpoint)")
+        # The latents were finite after every step (the sampler checks), so a bad image comes from the VAE.
+        check_decoded(pixels, (getattr(self.models, "sources", None) or {}).get("vae"))
         pil = to_pil(pixels, keep_alpha=keep_alpha)
         timings["vae_decode_ms"] = (time.perf_counter() - start) * 1e3
         return GenerationResult(images=pil, latents=result.latents, timings=timings, stats=result.stats,

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from . import memory
+from .errors import FlatOutputError, NonFiniteError
 
 logger = logging.getLogger("kvgraph")
 _logged: set[str] = set()
@@ -83,3 +84,22 @@ def plan_decode(vae, latent_height: int, latent_width: int, free_bytes: int | No
         free_bytes -= dims.weight_bytes
     tiled = should_tile(vae, height, width, free_bytes)
     return DecodePlan(width, height, tiled, memory.vae_decode_bytes(dims, width, height, tiled))
+
+
+def check_decoded(images: torch.Tensor, vae_name: str | None = None) -> None:
+    """Refuse a decode whose output cannot be an image: NaN/inf (NaN weights decode to a black image once saved), or
+    an image of one flat colour (an all-zero VAE decodes everything to grey). Call it on the VAE's output
+    `[B, C, H, W]` in [-1, 1], decoded from latents already checked finite, so the VAE's weights are the cause; a
+    flat image of the clamp bounds (pure white or black) can be real and passes. One host sync."""
+    lo, hi = images.amin(dim=(-2, -1)), images.amax(dim=(-2, -1))  # [B, C]
+    flat = ((lo == hi).all(dim=1) & (hi.abs() < 1).any(dim=1)).nonzero().flatten()
+    finite, flat = torch.isfinite(images).all().item(), flat.tolist()
+    weights = f"the VAE's weights ({vae_name})" if vae_name else "the VAE's weights"
+    damaged = "a damaged or wrongly converted file: replace the VAE file"
+    if not finite:
+        raise NonFiniteError("the decoded image", f"the latent was finite, so {weights} are the likely cause, "
+                                                  f"{damaged}")
+    if flat:
+        which = "the decoded image" if images.shape[0] == 1 else f"decoded image {flat[0] + 1} of {images.shape[0]}"
+        raise FlatOutputError(which, f"a working VAE decodes no latent to one flat colour, so {weights} are the "
+                                     f"likely cause (all zero?), {damaged}")

@@ -51,11 +51,14 @@ def _integer(name: str, value, expected: str) -> int:
         raise InputError(name, value, expected) from None
 
 
-def check_size(name: str, value) -> int:
-    """An output width or height in pixels: a multiple of 16 (the VAE's grid) within the rotary table's reach."""
-    expected = f"a multiple of {VAE_SCALE} pixels from {VAE_SCALE} to {MAX_IMAGE_SIDE} (the VAE compresses 16x)"
+def check_size(name: str, value, maximum: int = MAX_IMAGE_SIDE) -> int:
+    """An output width or height in pixels: a multiple of 16 (the VAE's grid) within the rotary table's reach, or
+    within `maximum` where the input has a lower bound of its own (a node's widget range), so the message states
+    the limit that applies where the value came from."""
+    maximum = min(maximum, MAX_IMAGE_SIDE)
+    expected = f"a multiple of {VAE_SCALE} pixels from {VAE_SCALE} to {maximum} (the VAE compresses 16x)"
     value = _integer(name, value, expected)
-    if value < VAE_SCALE or value % VAE_SCALE or value > MAX_IMAGE_SIDE:
+    if value < VAE_SCALE or value % VAE_SCALE or value > maximum:
         raise InputError(name, value, expected)
     return value
 
@@ -70,7 +73,9 @@ def check_count(name: str, value, minimum: int = 1) -> int:
 
 def check_seed(value, name: str = "seed") -> int:
     """A noise seed: torch's CPU generator takes any value in [0, 2**64); a negative one would be silently mapped to
-    another seed, so it is refused rather than reinterpreted."""
+    another seed, so it is refused rather than reinterpreted. The generator (a Mersenne Twister) keeps the seed's low
+    32 bits, so seeds that differ by a multiple of 2**32 give the same noise, in diffusers and core ComfyUI alike;
+    the runtime keeps that, so every seed gives the pipeline's image (docs/robustness.md)."""
     expected = f"an integer in [0, {MAX_SEED}]"
     value = _integer(name, value, expected)
     if not 0 <= value <= MAX_SEED:
@@ -126,6 +131,20 @@ def check_reference_size(name: str, original: tuple[int, int], resized: tuple[in
         raise InputError(name, value, expected)
     if max(width, height) / min(width, height) > MAX_REFERENCE_ASPECT:
         raise InputError(name, value, expected)
+
+
+def check_prompt_text(name: str, prompt) -> str:
+    """A prompt is a string of whole Unicode characters. A lone UTF-16 surrogate (`"\\ud800"` in JSON: half of a
+    character such as an emoji, cut in two) cannot be encoded as UTF-8, so no tokenizer can read it."""
+    if not isinstance(prompt, str):
+        raise InputError(name, type(prompt).__name__, "a string")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InputError(name, f"text with a lone surrogate U+{ord(prompt[exc.start]):04X} at character {exc.start}",
+                         "whole Unicode characters (a lone UTF-16 surrogate is half of a character, e.g. of an "
+                         "emoji cut in two)") from None
+    return prompt
 
 
 def check_prompt_tokens(name: str, characters: int, tokens: int) -> None:

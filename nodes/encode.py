@@ -78,10 +78,8 @@ class KVGraphTextEncode(io.ComfyNode):
         for name, value in (("width", width), ("height", height)):
             if value is None:
                 continue
-            if isinstance(value, int) and value > MAX_SIZE:
-                return f"{name}={value!r} is invalid: expected at most {MAX_SIZE} pixels."
             try:
-                check_size(name, value)
+                check_size(name, value, MAX_SIZE)
             except InputError as exc:
                 return str(exc)
         return True
@@ -89,7 +87,7 @@ class KVGraphTextEncode(io.ComfyNode):
     @classmethod
     def execute(cls, text_encoder, prompt, negative_prompt, width, height, size_from_reference, reference_resolution,
                 vae=None, image1=None, image2=None, image3=None) -> io.NodeOutput:
-        width, height = check_size("width", width), check_size("height", height)
+        width, height = check_size("width", width, MAX_SIZE), check_size("height", height, MAX_SIZE)
         if not isinstance(reference_resolution, int) or reference_resolution < 32:
             raise InputError("reference_resolution", reference_resolution, "an integer of at least 32 pixels")
         images = [img for img in (image1, image2, image3) if img is not None]
@@ -99,11 +97,15 @@ class KVGraphTextEncode(io.ComfyNode):
         references = prepare_references([comfy_image_to_pil(img) for img in images], reference_resolution)
         vision_images = [r.vision_image for r in references]
 
+        encoder = text_encoder.encoder
+        # Both texts are checked before the text encoder is loaded onto the device.
+        encoder.check_prompt(prompt, len(images), "prompt")
+        encoder.check_prompt(negative_prompt or "", len(images), "negative_prompt")
         text_encoder.before_encode()
         try:
-            encoder = text_encoder.encoder
             positive = encoder.encode(prompt, vision_images, device=encoder.device)
-            negative = encoder.encode(negative_prompt or "", vision_images, device=encoder.device)
+            negative = encoder.encode(negative_prompt or "", vision_images, device=encoder.device,
+                                      name="negative_prompt")
         finally:
             text_encoder.after_encode()
 

@@ -13,7 +13,7 @@ import comfy.model_management as mm
 from comfy_api.latest import io
 
 from ..graph_runtime.fp8 import (
-    AUTO, DEFAULT_PRECISION, PRECISION_CHOICES, apply_precision, check_precision, resolve_precision,
+    DEFAULT_PRECISION, PRECISION_CHOICES, apply_precision, check_precision, resolve_precision,
 )
 from ..graph_runtime.kernels.preload import start_preload
 from ..graph_runtime.loading import (
@@ -63,12 +63,12 @@ VAE_OUT = "The Qwen-Image-2.1 VAE, for the KV-Graph VAE nodes and the text encod
 
 PRECISION_TOOLTIP = (
     "The block Linears' precision. 'auto' (default): the fastest one within ComfyUI's INT8 ConvRot error on the same "
-    "weights (docs/fp8.md): 'fp8-attn' for a bf16 load of a float file on an Ada, Hopper or Blackwell GPU (~10% "
-    "faster steps, 2 GB less), else 'bf16'; an INT8 file keeps its own int8 weights. 'bf16' runs the Linears as "
-    "loaded. 'fp8' quantizes them all once at load to e4m3 with per-channel scales (7 GB instead of 14; the bf16 "
-    "weights are freed) and runs FP8 GEMMs: ~1.5x faster steps, but about 2.5x INT8's error; 'fp8-attn' keeps the "
-    "MLP in bf16, 'fp8-no-out' the attention output projection. An explicit FP8 choice on an INT8 ConvRot file "
-    "dequantizes it first whatever int8_weights says.")
+    "weights: 'int8' where the pack's INT8 GEMM runs (NVIDIA, compute capability 8.0+), else 'fp8-attn' on an FP8 "
+    "GPU, else 'bf16'; an INT8 file keeps its own int8 weights. 'int8' quantizes a float file's block Linears once "
+    "at load to INT8 ConvRot, as ComfyUI's INT8 files are made (half the memory of bf16). 'bf16' runs the Linears "
+    "as loaded. 'fp8' quantizes them all to e4m3 with per-channel scales, but has about 2.5x INT8's error; "
+    "'fp8-attn' keeps the MLP in bf16, 'fp8-no-out' the attention output projection. An explicit FP8 choice on an "
+    "INT8 ConvRot file dequantizes it first whatever int8_weights says.")
 
 
 def _precision_input():
@@ -110,9 +110,12 @@ def transformer_handle(path: str, dtype_name: str, scheduler_config: dict | None
                        int8_weights: str = KEEP_INT8, precision: str = DEFAULT_PRECISION) -> TransformerHandle:
     check_mode(int8_weights, "int8_weights")
     check_precision(precision)
+    int8_file = transformer_is_quantized(path)
     resolved = resolve_precision(precision, mm.get_torch_device(), dtype=DTYPES[dtype_name],
-                                 int8_file=precision == AUTO and transformer_is_quantized(path))
-    # FP8 is quantized from float weights: an INT8 file is dequantized first whatever `int8_weights` says.
+                                 int8_file=int8_file and int8_weights == KEEP_INT8,
+                                 dequantized=int8_file and int8_weights != KEEP_INT8)
+    # A conversion quantizes from float weights: an INT8 file is dequantized first whatever `int8_weights` says
+    # (`int8` on an INT8 file converts nothing: the file's own int8 weights run).
     quantized = "dequantize" if resolved.converts else int8_weights
 
     def load():
@@ -120,7 +123,7 @@ def transformer_handle(path: str, dtype_name: str, scheduler_config: dict | None
         module = load_transformer(path, dtype=DTYPES[dtype_name], device=mm.unet_offload_device(),
                                   quantized=quantized, dequantize_device=mm.get_torch_device())
         if resolved.converts:
-            apply_precision(module, resolved.precision)
+            apply_precision(module, resolved.precision, device=mm.get_torch_device())
         logger.info("KV-Graph: transformer precision %s (%s)", resolved.precision, resolved.reason)
         info = {"variant": transformer_variant(path), **weights_info(module, quantized),
                 "precision": resolved.precision}

@@ -20,7 +20,7 @@ from ..graph_runtime.errors import InputError
 from ..graph_runtime.loading.variant import AUTO, TURBO, sigma_preset_for
 from ..graph_runtime.lora import loras_in_use
 from ..graph_runtime.report import run_summary
-from ..graph_runtime.sampling.sampler import Cancelled, SamplingRequest, sample
+from ..graph_runtime.sampling.sampler import Cancelled, SamplingRequest, check_schedule, sample
 from ..graph_runtime.sampling.schedule import SIGMA_PRESETS, TURBO_SIGMAS
 from ..graph_runtime.validation import MAX_SEED, VAE_SCALE, check_seed
 from . import events, in_flight, memory_budget
@@ -67,7 +67,10 @@ class KVGraphSampler(io.ComfyNode):
                 io.Latent.Input("latent", tooltip="Sets the output size and batch; with denoise below 1 it is also "
                                                   "the image to start from."),
                 io.Int.Input("seed", default=0, min=0, max=MAX_SEED, control_after_generate=True,
-                             tooltip="Noise seed; the same seed gives the same image as the diffusers pipeline."),
+                             tooltip="Noise seed; the same seed gives the same image as the diffusers pipeline. "
+                                     "Only its low 32 bits reach the noise (torch's CPU generator, as in diffusers "
+                                     "and core ComfyUI's samplers): seeds that differ by a multiple of 2^32 give "
+                                     "the same image."),
                 io.Int.Input("steps", default=40, min=1, max=1000,
                              tooltip="Denoising steps for the dynamic schedule (40 is the model's default). The "
                                      "turbo preset (auto with a Turbo checkpoint) always runs its fixed 8 steps."),
@@ -167,4 +170,5 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
         init_latents=raw_to_normalized(samples, stats) if denoise < 1.0 else None,
         decode_mode=decode_mode, compile=compile == "blocks", scheduler_config=model.scheduler_config,
     )
+    check_schedule(request)  # before the memory budget: a size the schedule cannot take is refused as such
     return request, stats

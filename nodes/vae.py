@@ -11,7 +11,8 @@ from ..graph_runtime import memory
 from ..graph_runtime.comfy_interop.latents import latent_samples
 from ..graph_runtime.comfy_interop.pixels import comfy_image_to_vae_pixels, crop_to_multiple, vae_pixels_to_comfy_image
 from ..graph_runtime.encoding.images import decode_each, encode_each
-from ..graph_runtime.vae_decode import plan_decode
+from ..graph_runtime.validation import check_finite
+from ..graph_runtime.vae_decode import check_decoded, plan_decode
 from .memory_budget import free_bytes
 from .model_handles import same_device
 from .types import LATENT, Vae
@@ -57,7 +58,12 @@ class KVGraphVAEDecode(io.ComfyNode):
     @classmethod
     def execute(cls, vae, latent) -> io.NodeOutput:
         raw = latent_samples(latent, "latent", vae.module.config.z_dim)
-        return io.NodeOutput(vae_pixels_to_comfy_image(decode_raw(vae, raw)))
+        # Checked before decoding, so that a bad image afterwards can only come from the VAE.
+        check_finite("latent", raw, "NaN/inf in a latent come from where it was made: a file read by Load Latent, "
+                                    "or the node that produced it")
+        pixels = decode_raw(vae, raw)
+        check_decoded(pixels, vae.source)
+        return io.NodeOutput(vae_pixels_to_comfy_image(pixels))
 
 
 class KVGraphVAEEncode(io.ComfyNode):

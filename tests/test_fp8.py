@@ -200,22 +200,33 @@ def test_rotation_leaves_the_product_unchanged_before_quantization():
     torch.testing.assert_close(rotate(x) @ rotate(w).t(), x @ w.t(), atol=1e-5, rtol=1e-5)
 
 
-def test_auto_is_fp8_attn_only_for_bf16_float_weights_where_fp8_gemms_run(monkeypatch):
-    """`auto` picks the fastest precision within the INT8 bound (fp8-attn) only where FP8 GEMMs run, for bf16 weights
-    of a float file; an INT8 file, fp16/fp32 weights or a device without FP8 GEMMs convert nothing, with the reason
-    said; an explicit precision is taken as it is."""
+def test_auto_picks_int8_where_our_int8_gemm_runs_else_fp8_attn_else_bf16(monkeypatch):
+    """`auto` picks the fastest precision within the INT8 bound: int8 where our INT8 GEMM runs (int8 tensor cores),
+    else fp8-attn where FP8 GEMMs run, for bf16 weights of a float file; an INT8 file runs its own int8 weights
+    (never rounded twice) and is dequantized only when the user asked; fp16/fp32 weights or a device with neither
+    convert nothing, with the reason said; an explicit precision is taken as it is."""
     from graph_runtime.fp8 import auto
 
     bf16 = torch.bfloat16
     assert auto.resolve_precision("auto", "cpu", dtype=bf16, int8_file=False) == auto.ResolvedPrecision(
         "bf16", "auto: FP8 GEMMs need a CUDA device (this one is cpu)")
+    cpu_int8 = auto.resolve_precision("auto", "cpu", dtype=bf16, int8_file=True)
+    assert cpu_int8.precision == "int8" and "through comfy-kitchen" in cpu_int8.reason and not cpu_int8.converts
     monkeypatch.setattr(auto, "fp8_gemm_reason", lambda device: None)  # a device with FP8 tensor cores
+    monkeypatch.setattr(auto, "int8_tensor_core_reason", lambda device: "no int8 tensor cores here")
     assert auto.resolve_precision("auto", "cuda", dtype=bf16, int8_file=False).precision == "fp8-attn"
+    monkeypatch.setattr(auto, "int8_tensor_core_reason", lambda device: None)  # ... and int8 ones
+    float_file = auto.resolve_precision("auto", "cuda", dtype=bf16, int8_file=False)
+    assert float_file.precision == "int8" and float_file.converts and "quantized at load" in float_file.reason
     int8 = auto.resolve_precision("auto", "cuda", dtype=bf16, int8_file=True)
-    assert int8.precision == "bf16" and "INT8 ConvRot file" in int8.reason
+    assert int8.precision == "int8" and "INT8 ConvRot file" in int8.reason and not int8.converts
+    dequantized = auto.resolve_precision("auto", "cuda", dtype=bf16, int8_file=False, dequantized=True)
+    assert dequantized.precision == "bf16" and "dequantize" in dequantized.reason
     fp32 = auto.resolve_precision("auto", "cuda", dtype=torch.float32, int8_file=False)
     assert fp32.precision == "bf16" and "float32 weights were asked for" in fp32.reason
     assert auto.resolve_precision("fp8", "cpu", dtype=torch.float32, int8_file=True).precision == "fp8"
+    assert auto.resolve_precision("int8", "cpu", dtype=bf16, int8_file=True).converts is False
+    assert auto.resolve_precision("int8", "cpu", dtype=bf16, int8_file=False).converts is True
 
 
 def test_auto_must_be_resolved_before_converting(tiny_parts):

@@ -415,7 +415,7 @@ def test_cli_generates_from_the_int8_files(files, tmp_path, capsys):
                  "--text-encoder", str(models / INT8_FILES["text_encoder"]),
                  "--tokenizer", str(files["tokenizer"])]) == 0
     assert Image.open(out).size == (64, 64)
-    assert "precision: bf16 (auto: an INT8 ConvRot file" in capsys.readouterr().out
+    assert "precision: int8 (auto: an INT8 ConvRot file runs its own int8 weights" in capsys.readouterr().out
     assert main(["generate", "--out", str(out), "--width", "64", "--height", "64", "--steps", "1",
                  "--transformer", str(models / INT8_FILES["transformer"]),
                  "--vae", str(models / "vae" / "qwen_image_2.1_vae_bf16.safetensors"),

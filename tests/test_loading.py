@@ -738,3 +738,154 @@ def test_unrecognised_file_lists_its_first_tensor_names(bad_dir):
     with pytest.raises(CheckpointError) as excinfo:
         load_vae(path)
     _assert_error(excinfo, path, "does not look like the Qwen-Image-2.1 VAE", "alpha.weight")
+
+
+# ------------------------------------------------------------------------------ damaged headers, dtypes and configs
+
+
+def _header_and_data(path):
+    raw = path.read_bytes()
+    (length,) = struct.unpack("<Q", raw[:8])
+    return json.loads(raw[8:8 + length]), raw[8 + length:]
+
+
+def _rewrite(path, header, data):
+    encoded = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + data)
+    return path
+
+
+def _damaged_headers(header):
+    """(case, header) pairs, each a copy of a valid VAE header with one thing broken."""
+    names = sorted(k for k in header if k != "__metadata__")
+    first, second = header[names[0]], header[names[1]]
+    overlap = json.loads(json.dumps(header))
+    length = second["data_offsets"][1] - second["data_offsets"][0]
+    overlap[names[1]]["data_offsets"] = [first["data_offsets"][0], first["data_offsets"][0] + length]
+    unknown = json.loads(json.dumps(header))
+    unknown[names[0]]["dtype"] = "X9"
+    listed = dict(header, __metadata__=["format", "pt"])
+    numbers = dict(header, __metadata__={"format": 1})
+    return [("overlap", overlap), ("unknown dtype", unknown), ("metadata list", listed), ("metadata number", numbers)]
+
+
+@pytest.mark.parametrize("case, needle", [
+    ("overlap", "data_offsets for tensor"), ("unknown dtype", "as 'X9', a dtype KV-Graph does not read"),
+    ("metadata list", "__metadata__ entry that is not a JSON object of strings"),
+    ("metadata number", "__metadata__ entry that is not a JSON object of strings"),
+])
+def test_damaged_headers_are_checkpoint_errors_naming_the_file(comfy, bad_dir, case, needle):
+    """Before: safetensors' own "invalid offset"/"unknown variant" errors, or a ValueError from dict() for a list
+    __metadata__, none naming the file. Each is now a CheckpointError that does."""
+    header, data = _header_and_data(comfy["vae"])
+    path = _rewrite(bad_dir / f"damaged-{case.replace(' ', '-')}.safetensors", dict(_damaged_headers(header))[case],
+                    data)
+    with pytest.raises(CheckpointError) as excinfo:
+        load_vae(path)
+    _assert_error(excinfo, path, needle)
+
+
+def test_bytes_after_the_tensor_data_are_a_damaged_file(comfy, bad_dir):
+    """safetensors refuses a file its header does not cover to the end ("incomplete metadata"); so does the
+    header check, by name."""
+    path = bad_dir / "trailing.safetensors"
+    path.write_bytes(comfy["vae"].read_bytes() + b"\0" * 16)
+    with pytest.raises(CheckpointError) as excinfo:
+        load_vae(path)
+    _assert_error(excinfo, path, "has 16 bytes after the")
+
+
+@pytest.mark.parametrize("dtype, name", [(torch.int64, "I64"), (torch.bool, "BOOL")])
+@pytest.mark.parametrize("component, loader", [("vae", load_vae), ("transformer", load_transformer)])
+def test_integer_or_bool_weights_are_refused_by_name(comfy, bad_dir, dtype, name, component, loader):
+    """Before: a 27-line `load_state_dict` RuntimeError. Now one line naming the file, the tensor and its dtype."""
+    tensors = load_file(comfy[component])
+    key = sorted(k for k, v in tensors.items() if v.dim() >= 2)[0]
+    tensors[key] = tensors[key].to(dtype)
+    path = _write(bad_dir / f"{component}-{name}.safetensors", tensors)
+    with pytest.raises(CheckpointError) as excinfo:
+        loader(path)
+    _assert_error(excinfo, path, f"{key} ({name})", "floating-point weights")
+    assert "\n" not in str(excinfo.value)
+
+
+@pytest.fixture(scope="module")
+def int8_file(tmp_path_factory):
+    from graph_runtime.tiny import write_comfyui_int8_files
+
+    return write_comfyui_int8_files(tmp_path_factory.mktemp("int8") / "models")["transformer"]
+
+
+def test_a_deeply_nested_quantization_record_is_a_checkpoint_error(int8_file, bad_dir):
+    """Before: RecursionError from Python's JSON parser."""
+    tensors = load_file(int8_file)
+    key = sorted(k for k in tensors if k.endswith(".comfy_quant"))[0]
+    tensors[key] = torch.tensor(list(b"[" * 100_000 + b"]" * 100_000), dtype=torch.uint8)
+    path = _write(bad_dir / "nested-record.safetensors", tensors)
+    with pytest.raises(CheckpointError) as excinfo:
+        load_transformer(path)
+    _assert_error(excinfo, path, f"{key} that is not a JSON quantization record")
+
+
+@pytest.mark.parametrize("fill, needle", [(0.0, "all-zero scales in"), (float("nan"), "NaN or infinite values in")])
+def test_int8_scales_that_zero_or_poison_a_layer_are_refused(int8_file, bad_dir, fill, needle):
+    """Before: all-zero scales loaded (every weight of the layer 0) and NaN scales loaded (NaN output). Both are
+    refused naming the file and the scale's key, in either int8 mode."""
+    tensors = load_file(int8_file)
+    key = sorted(k for k in tensors if k.endswith(".weight_scale"))[-1]
+    tensors[key] = torch.full_like(tensors[key], fill)
+    path = _write(bad_dir / f"scales-{fill}.safetensors", tensors)
+    for mode in ("int8", "dequantize"):
+        with pytest.raises(CheckpointError) as excinfo:
+            load_transformer(path, dtype=F32, quantized=mode)
+        _assert_error(excinfo, path, needle, key)
+    assert load_transformer(int8_file, dtype=F32) is not None  # the intact file still loads
+
+
+def _folder_with(pipe_dir, dest, component, file, **changes):
+    if dest.exists():
+        shutil.rmtree(dest)
+    shutil.copytree(pipe_dir, dest)
+    config_path = dest / component / file
+    config = json.loads(config_path.read_text())
+    config.update(changes)
+    config_path.write_text(json.dumps(config))
+    return dest, config_path
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"base_image_seq_len": 8192}, "base_image_seq_len=8192, which must be fewer tokens than max_image_seq_len"),
+    ({"num_train_timesteps": 0}, "num_train_timesteps=0, which must be an integer of at least 1"),
+    ({"max_shift": "abc"}, "max_shift='abc', which must be a finite number"),
+    ({"time_shift_type": "cubic"}, "time_shift_type='cubic', which must be 'exponential' or 'linear'"),
+    ({"shift_terminal": 1.0}, "shift_terminal=1.0, which must be null or a number in [0, 1)"),
+    ({"use_karras_sigmas": True, "use_beta_sigmas": True}, "use_beta_sigmas=True, which must be false while"),
+])
+def test_bad_scheduler_configs_are_refused_when_the_folder_is_read(pipe_dir, bad_dir, changes, needle):
+    """Before: ZeroDivisionError, IndexError, TypeError or diffusers' ValueError at the first prompt (or a silent
+    NaN). Now the folder's load names scheduler_config.json and the key."""
+    folder, config_path = _folder_with(pipe_dir, bad_dir / "scheduler-config", "scheduler", "scheduler_config.json",
+                                       **changes)
+    with pytest.raises(CheckpointError) as excinfo:
+        load_pipeline_folder(folder, components=())
+    _assert_error(excinfo, config_path, needle)
+
+
+@pytest.mark.parametrize("changes, needle", [
+    ({"attention_head_dim": -16}, "attention_head_dim=-16, but the weights beside it are of a model with "
+                                  "attention_head_dim=16"),
+    ({"num_attention_heads": 2_000_000}, "num_attention_heads=2000000, but"),  # would allocate 32 GB per Linear
+    ({"num_layers": 100_000}, "num_layers=100000, but"),
+    ({"axes_dims_rope": [4, 6]}, "axes_dims_rope=[4, 6]: expected three positive even numbers adding up to"),
+    ({"axes_dims_rope": [4, 6, 8]}, "axes_dims_rope=[4, 6, 8]"),
+    ({"axes_dims_rope": "abc"}, "axes_dims_rope='abc'"),
+])
+def test_transformer_config_json_must_describe_its_weights(pipe_dir, bad_dir, changes, needle):
+    """Before: a negative-dimension RuntimeError, a 32 GB allocation failure, or (axes) a load that succeeded and
+    failed at the first step. The config is now compared with the weights' shapes before anything is built."""
+    folder, config_path = _folder_with(pipe_dir, bad_dir / "transformer-config", "transformer", "config.json",
+                                       **changes)
+    with pytest.raises(CheckpointError) as excinfo:
+        load_transformer(folder, dtype=F32)
+    _assert_error(excinfo, config_path, needle)
+    assert load_transformer(pipe_dir, dtype=F32) is not None  # the intact folder still loads

@@ -223,6 +223,72 @@ def test_malformed_files_name_the_key_and_the_problem(model, tmp_path, keys, wor
     assert words in _refused(write_keys(tmp_path / "bad.safetensors", keys), model)
 
 
+Q = "diffusion_model.transformer_blocks.0.attn.to_q"
+
+
+def _kohya_pair(rank=4, alpha=torch.tensor(2.0), up=None, down=None, rows=32, cols=32):
+    generator = torch.Generator().manual_seed(3)
+    tensors = {f"{Q}.lora_up.weight": torch.randn(rows, rank, generator=generator) if up is None else up,
+               f"{Q}.lora_down.weight": torch.randn(rank, cols, generator=generator) if down is None else down}
+    if alpha is not None:
+        tensors[f"{Q}.alpha"] = alpha
+    return tensors
+
+
+def _peft_pair(config):
+    import json
+
+    generator = torch.Generator().manual_seed(4)
+    return ({"transformer.transformer_blocks.0.attn.to_q.lora_B.weight": torch.randn(32, 4, generator=generator),
+             "transformer.transformer_blocks.0.attn.to_q.lora_A.weight": torch.randn(4, 32, generator=generator)},
+            {"lora_adapter_metadata": json.dumps(config)})
+
+
+NAN, INF = float("nan"), float("inf")
+
+
+@pytest.mark.parametrize("case, words", [
+    ("alpha of shape [2]", f"'{Q}.alpha' has shape [2], where an alpha is one number"),
+    ("rank 0 with alpha", f"'{Q}.lora_down.weight' is a rank-0 factor"),
+    ("rank 0 without alpha", f"'{Q}.lora_down.weight' is a rank-0 factor"),
+    ("peft lora_alpha 'abc'", "lora_alpha='abc' in its lora_adapter_metadata metadata, which must be a finite number"),
+    ("peft alpha_pattern list", "alpha_pattern=['attn.to_q'] in its lora_adapter_metadata metadata, which must be an "
+                                "object"),
+    ("peft alpha_pattern value", "alpha_pattern['attn.to_q']='2' in its lora_adapter_metadata metadata, which must "
+                                 "be a finite number"),
+    ("nan alpha", f"NaN or infinite values in '{Q}.alpha'"),
+    ("inf up", f"NaN or infinite values in '{Q}.lora_up.weight'"),
+    ("nan down", f"NaN or infinite values in '{Q}.lora_down.weight'"),
+    ("nan diff", f"NaN or infinite values in '{Q}.diff'"),
+])
+def test_bad_alphas_ranks_and_non_finite_values_are_refused_when_read(model, tmp_path, case, words):
+    """Before: RuntimeError (an alpha of two numbers), ZeroDivisionError (rank 0 with alpha), ValueError ('abc'),
+    AttributeError (a pattern list) from inside the reader, and NaN/inf passed the node, so the sampler blamed the
+    transformer's weights. Each is refused when the file is read, naming the file and the key."""
+    from safetensors.torch import save_file
+
+    metadata = None
+    tensors = {
+        "alpha of shape [2]": lambda: _kohya_pair(alpha=torch.tensor([2.0, 3.0])),
+        "rank 0 with alpha": lambda: _kohya_pair(rank=0),
+        "rank 0 without alpha": lambda: _kohya_pair(rank=0, alpha=None),
+        "nan alpha": lambda: _kohya_pair(alpha=torch.tensor(NAN)),
+        "inf up": lambda: _kohya_pair(up=torch.full((32, 4), INF)),
+        "nan down": lambda: _kohya_pair(down=torch.full((4, 32), NAN).to(torch.bfloat16)),
+        "nan diff": lambda: {f"{Q}.diff": torch.full((32, 32), NAN)},
+    }.get(case)
+    if tensors is not None:
+        tensors = tensors()
+    else:
+        config = {"peft lora_alpha 'abc'": {"lora_alpha": "abc", "r": 4},
+                  "peft alpha_pattern list": {"lora_alpha": 8, "alpha_pattern": ["attn.to_q"]},
+                  "peft alpha_pattern value": {"lora_alpha": 8, "alpha_pattern": {"attn.to_q": "2"}}}[case]
+        tensors, metadata = _peft_pair(config)
+    path = tmp_path / "bad.safetensors"
+    save_file(tensors, str(path), metadata=metadata)
+    assert words in _refused(path, model)
+
+
 def test_files_other_than_safetensors_are_refused(model, tmp_path):
     pickled = tmp_path / "lora.ckpt"
     torch.save({"transformer_blocks.0.attn.to_q.lora_A.weight": torch.zeros(4, 32)}, pickled)

@@ -41,14 +41,15 @@ def test_precision_is_optional_cached_apart_and_converts_at_load(comfy_env):  # 
 
 
 def _fp8_capable(comfy_env, monkeypatch):
-    """Make the pack's own copy of fp8/auto.py see a device with FP8 GEMMs (the fake ComfyUI computes on the CPU,
-    where the FP8 Linears then run their dequantized fallback)."""
+    """Make the pack's own copy of fp8/auto.py see a device with FP8 GEMMs and no INT8 path of ours (the fake ComfyUI
+    computes on the CPU, where the FP8 Linears then run their dequantized fallback)."""
     auto = sys.modules[comfy_env.pack.__name__ + ".graph_runtime.fp8.auto"]
     monkeypatch.setattr(auto, "fp8_gemm_reason", lambda device: None)
+    monkeypatch.setattr(auto, "int8_tensor_core_reason", lambda device: "no int8 tensor cores")
 
 
 def test_auto_on_an_fp8_device_loads_fp8_attn_for_a_bf16_file_and_keeps_an_int8_file_int8(comfy_env, monkeypatch):  # noqa: F811,E501
-    """Where FP8 GEMMs run, `auto` on a bf16 file is the fp8-attn model (the same cache entry as picking fp8-attn);
+    """Where FP8 GEMMs run but no INT8 path of ours, `auto` on a bf16 file is the fp8-attn model (the same cache entry as picking fp8-attn);
     on an INT8 ConvRot file it keeps the file's int8 layers (no dequantize, no second rounding); fp32 weights stay
     fp32."""
     _fp8_capable(comfy_env, monkeypatch)
@@ -57,6 +58,6 @@ def test_auto_on_an_fp8_device_loads_fp8_attn_for_a_bf16_file_and_keeps_an_int8_
     assert _load(comfy_env, precision="fp8-attn") is auto
     int8 = comfy_env.nodes["KVGraphLoadTransformer"].execute(
         transformer_name="qwen_image_2.1_int8_convrot.safetensors", dtype="bf16").args[0]
-    assert int8.info["weights"] == "int8" and precision_of(int8.module) == "bf16"
+    assert int8.info["weights"] == "int8" and precision_of(int8.module) == "int8" and int8.info["precision"] == "int8"
     fp32 = comfy_env.nodes["KVGraphLoadTransformer"].execute(transformer_name=T_FILE, dtype="fp32").args[0]
     assert precision_of(fp32.module) == "bf16" and next(fp32.module.parameters()).dtype == torch.float32

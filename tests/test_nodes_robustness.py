@@ -140,11 +140,13 @@ def test_release_route_accepts_an_empty_or_plain_body(comfy_env, body):
     ({"width": 100, "height": 96}, "width", "width=100 is invalid"),
     ({"width": 128, "height": 8}, "height", "height=8 is invalid"),
     ({"width": 0, "height": 96}, "width", "width=0 is invalid"),
-    ({"width": 128, "height": 8208}, "height", "at most 8192"),
+    ({"width": 128, "height": 8208}, "height", "height=8208 is invalid"),
 ])
 def test_encode_validates_the_size_when_queued(comfy_env, inputs, name, fragment):
+    """Every refusal states the node's own range, 16 to 8192 (before: "16 to 32768", the runtime's)."""
     result = comfy_env.nodes["KVGraphTextEncode"].validate_inputs(**inputs)
     assert isinstance(result, str) and fragment in result and result.startswith(f"{name}=")
+    assert "from 16 to 8192" in result and "32768" not in result
 
 
 def test_encode_accepts_good_and_linked_sizes_when_queued(comfy_env):
@@ -152,6 +154,151 @@ def test_encode_accepts_good_and_linked_sizes_when_queued(comfy_env):
     assert validate(width=128, height=96) is True
     assert validate(width=8192, height=16) is True
     assert validate() is True  # both linked from other nodes: checked when the node runs
+
+
+# -- issue 29: the decode's output, sizes and prompts the nodes refuse by name ------------------------------------
+
+
+OFFLOAD = "gpu while encoding, then offload"
+
+
+@pytest.fixture(scope="module")
+def text_encoder(comfy_env):
+    handle, = run(comfy_env, "KVGraphLoadTextEncoder", text_encoder_name="qwen3vl_8b_bf16.safetensors", dtype="fp32",
+                  text_encoder_placement=OFFLOAD)
+    return handle
+
+
+def encode(env, text_encoder, **overrides):
+    inputs = dict(text_encoder=text_encoder, prompt="a red cube", negative_prompt="", width=64, height=48,
+                  size_from_reference=True, reference_resolution=64)
+    return run(env, "KVGraphTextEncode", **dict(inputs, **overrides))
+
+
+def damaged_vae(env, tmp_path, monkeypatch, name, damage):
+    """A VAE handle loaded by the node from a copy of the tiny VAE file whose tensors went through `damage`, in a
+    models/vae folder of its own (the shared one stays as other tests list it)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / "vae"
+    folder.mkdir(exist_ok=True)
+    tensors = load_file(env.models / "vae" / VAE_FILE)
+    save_file({k: damage(v) for k, v in tensors.items()}, str(folder / name))
+    folder_paths = env.fake.modules["folder_paths"]
+    monkeypatch.setattr(folder_paths, "get_folder_paths",
+                        lambda kind: [str(folder)] if kind == "vae" else [str(env.models / kind)])
+    vae, = run(env, "KVGraphLoadVAE", vae_name=name, dtype="fp32")
+    return vae
+
+
+@pytest.fixture(scope="module")
+def good_vae(comfy_env):
+    vae, = run(comfy_env, "KVGraphLoadVAE", vae_name=VAE_FILE, dtype="fp32")
+    return vae
+
+
+LATENT = {"samples": torch.randn(1, 64, 3, 4, generator=torch.Generator().manual_seed(0))}
+
+
+def test_vae_decode_refuses_a_nan_latent_naming_its_origin(comfy_env, good_vae):
+    """Before: a latent holding NaN/inf (core Load Latent) decoded to an all-zero image and the prompt succeeded."""
+    first, = run(comfy_env, "KVGraphVAEDecode", vae=good_vae, latent=LATENT)
+    for bad in (float("nan"), float("inf")):
+        samples = LATENT["samples"].clone()
+        samples[0, 3, 1, 2] = bad
+        with pytest.raises(from_pack(comfy_env, "errors").InputError,
+                           match="latent='a tensor with NaN or infinite values' is invalid: .*Load Latent"):
+            run(comfy_env, "KVGraphVAEDecode", vae=good_vae, latent={"samples": samples})
+    again, = run(comfy_env, "KVGraphVAEDecode", vae=good_vae, latent=LATENT)
+    assert torch.equal(again, first)
+
+
+@pytest.mark.parametrize("name, damage, error, words", [
+    ("kvgraph_nan_vae.safetensors", lambda t: torch.full_like(t, float("nan")), "NonFiniteError", "holds NaN"),
+    ("kvgraph_zero_vae.safetensors", torch.zeros_like, "FlatOutputError", "is one flat colour"),
+])
+def test_vae_decode_with_damaged_vae_weights_fails_naming_the_vae_file(comfy_env, good_vae, tmp_path, monkeypatch,
+                                                                       name, damage, error, words):
+    """Before: NaN weights gave an all-zero image and all-zero weights a flat grey one, both "success". The check
+    is the command line's (graph_runtime.vae_decode.check_decoded), and names the file."""
+    first, = run(comfy_env, "KVGraphVAEDecode", vae=good_vae, latent=LATENT)
+    vae = damaged_vae(comfy_env, tmp_path, monkeypatch, name, damage)
+    with pytest.raises(getattr(from_pack(comfy_env, "errors"), error)) as info:
+        run(comfy_env, "KVGraphVAEDecode", vae=vae, latent=LATENT)
+    assert words in str(info.value) and f"VAE's weights ({tmp_path / 'vae' / name})" in str(info.value)
+    again, = run(comfy_env, "KVGraphVAEDecode", vae=good_vae, latent=LATENT)
+    assert torch.equal(again, first)
+
+
+@pytest.mark.parametrize("shape", [(1, 64, 0, 4), (1, 64, 4, 0), (0, 64, 4, 4)])
+def test_vae_decode_refuses_an_empty_latent_by_name(comfy_env, good_vae, shape):
+    """Before: a [1, 64, 0, 4] latent failed inside a convolution ("Calculated padded input size ...")."""
+    with pytest.raises(from_pack(comfy_env, "errors").InputError,
+                       match=rf"latent='samples of shape \[{', '.join(map(str, shape))}\]' is invalid"):
+        run(comfy_env, "KVGraphVAEDecode", vae=good_vae, latent={"samples": torch.zeros(shape)})
+
+
+def test_encode_refuses_a_linked_size_with_the_nodes_own_limit(comfy_env, text_encoder):
+    """A size linked from another node is checked when the node runs: 16384 was accepted there (the runtime's limit
+    is 32768) and the message said "16 to 32768"; the node's range is 16 to 8192."""
+    with pytest.raises(from_pack(comfy_env, "errors").InputError,
+                       match=r"width=16384 is invalid: expected a multiple of 16 pixels from 16 to 8192"):
+        encode(comfy_env, text_encoder, width=16384)
+
+
+def test_sampler_names_a_size_too_large_for_the_schedule_before_anything_loads(comfy_env, text_encoder,
+                                                                               monkeypatch):
+    """Before: a 16384x16384 latent from core nodes was refused as `sigmas=[1.0, ...] is invalid`. It is refused
+    naming its size, before the memory budget is worked out and before the transformer is loaded."""
+    transformer, = run(comfy_env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32")
+    positive, _, _ = encode(comfy_env, text_encoder)
+    budget = comfy_env.pack.nodes.memory_budget
+    monkeypatch.setattr(budget, "check_request", lambda *a: pytest.fail("the budget was worked out first"))
+    with pytest.raises(from_pack(comfy_env, "errors").InputError,
+                       match=r"^image size='16384x16384 px \(1048576 latent tokens\)' is invalid: expected at most"):
+        run(comfy_env, "KVGraphSampler", model=transformer, positive=positive,
+            latent={"samples": torch.zeros(1, 64, 1024, 1024)}, seed=0, steps=4, cfg=1.0, sigma_preset="dynamic",
+            denoise=1.0, decode_mode="auto", compile="off")
+
+
+def test_encode_names_the_negative_prompt_when_it_is_too_long(comfy_env, text_encoder):
+    """Before: a too-long negative prompt was reported as `prompt=`. Both texts are checked before the text encoder
+    is loaded onto its device."""
+    with pytest.raises(from_pack(comfy_env, "errors").InputError, match=r"^negative_prompt='\d+ characters"):
+        encode(comfy_env, text_encoder, negative_prompt="blurry " * 10_000)
+
+
+@pytest.mark.parametrize("field", ["prompt", "negative_prompt"])
+def test_encode_refuses_a_lone_surrogate_by_name(comfy_env, text_encoder, field):
+    with pytest.raises(from_pack(comfy_env, "errors").InputError,
+                       match=rf"^{field}='text with a lone surrogate U\+DC00 at character 1'"):
+        encode(comfy_env, text_encoder, **{field: "a\udc00"})
+
+
+def test_encode_reads_control_token_text_in_a_prompt_as_text(comfy_env, text_encoder):
+    """Before: transformers' ValueError ("Found 1 <|image_pad|> tokens in the text but no images were passed")."""
+    positive, negative, latent = encode(comfy_env, text_encoder, prompt="a <|image_pad|> and a <|video_pad|>",
+                                        negative_prompt="<|im_end|>")
+    plain, _, _ = encode(comfy_env, text_encoder, prompt="a cat")
+    assert positive[0][0].shape[1] > plain[0][0].shape[1]  # the control-token text became several text tokens
+    assert torch.isfinite(positive[0][0]).all() and torch.isfinite(negative[0][0]).all()
+
+
+def test_a_very_long_model_name_is_not_echoed_whole(comfy_env):
+    """Before: a 5,000-character model name came back whole in the error."""
+    name = "x" * 4990 + ".safetensors"
+    with pytest.raises(from_pack(comfy_env, "errors").CheckpointError) as info:
+        run(comfy_env, "KVGraphLoadVAE", vae_name=name, dtype="fp32")
+    message = str(info.value)
+    assert "was not found" in message and "(5002 characters)" in message and len(message) < 600
+
+
+def test_the_seed_tooltip_states_the_range_that_reaches_the_noise(comfy_env):
+    """Seeds above 2**32 repeat lower ones (torch's CPU generator keeps 32 bits, as in diffusers and core
+    ComfyUI); the sampler says so where the seed is set (tests/test_robustness_runtime.py shows the behaviour)."""
+    schema = comfy_env.nodes["KVGraphSampler"].define_schema()
+    seed = next(i for i in schema.inputs if i.id == "seed")
+    assert "2^32" in seed.tooltip and "low 32 bits" in seed.tooltip
 
 
 # -- cache nodes: pass-through and text on the node ---------------------------------------------------------------

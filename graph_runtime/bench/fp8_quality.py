@@ -33,7 +33,7 @@ from .model import fp32_copy
 INT8 = "int8-convrot"
 ROTATED = "fp8+rotation"
 FP8_PRESETS = ["fp8", "fp8-attn", "fp8-no-out"]
-DEFAULT_VARIANTS = ["bf16", INT8, *FP8_PRESETS, *(f"fp8:{g}" for g in GROUPS), ROTATED]
+DEFAULT_VARIANTS = ["bf16", INT8, "int8", *FP8_PRESETS, *(f"fp8:{g}" for g in GROUPS), ROTATED]
 
 
 def hadamard(n: int, device=None) -> torch.Tensor:
@@ -119,7 +119,10 @@ class QualityRun:
         """The Linears to swap in for `variant` (built once per group and shared between presets)."""
         if variant == "bf16":
             return {}
-        factories = {INT8: KitchenInt8Linear, ROTATED: RotatedFp8Linear}
+        from ..fp8.convert import int8_factory
+
+        # "int8" is our INT8 W8A8 (the same ConvRot weights as the bound, through our kernels).
+        factories = {INT8: KitchenInt8Linear, ROTATED: RotatedFp8Linear, "int8": int8_factory()}
         if variant in factories:
             if variant not in self._modules:
                 self._modules[variant] = quantized_linears(self.transformer, "fp8", factory=factories[variant])

@@ -18,7 +18,7 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
 from ..decode import DecodeEngine
-from ..fp8.convert import quantized_linears, swapped
+from ..fp8.convert import int8_factory, quantized_linears, swapped
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,9 @@ ALL_PATHS = [
     PathSpec("fp8-attn", precision="fp8-attn"),
     PathSpec("fp8-no-out", precision="fp8-no-out"),
     PathSpec("fp8-eager", mode="eager", precision="fp8"),
+    # Not in the default set: `precision: int8`, a float file's block Linears quantized at load to INT8 ConvRot and
+    # run on our INT8 GEMM (the same int8 weights as graph-int8, swapped in beside the bf16 ones).
+    PathSpec("int8", precision="int8"),
 ]
 CONVROT_GROUP = 256  # ComfyUI's default group size, the one comfy-kitchen's fused CUDA quantizer runs
 DEFAULT_PATHS = ["diffusers", "eager", "graph", "compile+graph"]
@@ -121,7 +124,9 @@ class OursPath:
         if spec.compile:
             self.engine.enable_compile()
         # FP8 paths keep their quantized Linears (7 GB for the full model) and swap them in while they run.
-        self.modules = {} if spec.precision == "bf16" else quantized_linears(transformer, spec.precision)
+        factory = int8_factory() if spec.precision == "int8" else None
+        self.modules = ({} if spec.precision == "bf16" else
+                        quantized_linears(transformer, spec.precision, **({"factory": factory} if factory else {})))
 
     def installed(self):
         """This path's Linears in the model while inside (nothing to do for bf16 paths)."""

@@ -27,7 +27,7 @@ from . import quality
 from .model import build_transformer, fp32_copy
 from .paths import ALL_PATHS, DEFAULT_PATHS, OursPath, reference_caches, reference_prefill, reference_step
 from .report import write_reports
-from .scenarios import (DEFAULT_SCENARIOS, QUICK_SCENARIOS, TINY_SCENARIOS, build_inputs, decode_flops,
+from .scenarios import (DEFAULT_SCENARIOS, LARGE_SCENARIOS, QUICK_SCENARIOS, TINY_SCENARIOS, build_inputs, decode_flops,
                         describe, prefill_flops)
 from .clocks import ClockSampler
 from .timing import after_idle_ms, device_ms, host_ms, wall_s
@@ -38,7 +38,7 @@ PEAK_TFLOPS = float(os.environ.get("PEAK_TFLOPS", "790"))
 def _select_scenarios(spec: str, tiny: bool):
     if tiny:
         return TINY_SCENARIOS
-    pool = {s.name: s for s in DEFAULT_SCENARIOS + QUICK_SCENARIOS}
+    pool = {s.name: s for s in DEFAULT_SCENARIOS + QUICK_SCENARIOS + LARGE_SCENARIOS}
     if spec == "default":
         return DEFAULT_SCENARIOS
     if spec == "quick":

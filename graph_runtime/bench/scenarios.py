@@ -42,6 +42,8 @@ DEFAULT_SCENARIOS = [
     Scenario("t2i-1024-cfg", 1024, cfg=True),
 ]
 QUICK_SCENARIOS = [Scenario("t2i-512", 512, quality=True), Scenario("t2i-1024", 1024, quality=True)]
+# Named only: 16384 target tokens, where a step's attention and GEMMs are four times the 1024x1024 ones.
+LARGE_SCENARIOS = [Scenario("t2i-2048", 2048)]
 TINY_SCENARIOS = [Scenario("tiny-t2i", 128, quality=True), Scenario("tiny-edit1-cfg", 128, references=1, cfg=True,
                                                                      quality=True)]
 

@@ -58,13 +58,15 @@ def normalized_to_raw(normalized: torch.Tensor, stats: LatentStats) -> torch.Ten
 
 def latent_samples(latent, name: str = "latent", channels: int = LATENT_CHANNELS) -> torch.Tensor:
     """The `[B, C, h, w]` samples of a ComfyUI LATENT dict (a video-style `[B, C, 1, h, w]` is accepted)."""
-    expected = f"a LATENT dict whose 'samples' is [batch, {channels}, height/16, width/16] (Qwen-Image-2.1)"
+    expected = (f"a LATENT dict whose 'samples' is [batch, {channels}, height/16, width/16] (Qwen-Image-2.1), each "
+                "at least 1")
     if not isinstance(latent, dict) or not isinstance(latent.get("samples"), torch.Tensor):
         raise InputError(name, type(latent).__name__, expected)
     samples = latent["samples"]
     if samples.dim() == 5 and samples.shape[2] == 1:
         samples = samples[:, :, 0]
-    if samples.dim() != 4 or samples.shape[1] != channels or samples.shape[0] < 1:
+    # A zero-sized side (a [1, 64, 0, 4] latent) has no image to decode or sample.
+    if samples.dim() != 4 or samples.shape[1] != channels or min(samples.shape[0], *samples.shape[2:]) < 1:
         raise InputError(name, f"samples of shape {list(samples.shape)}", expected)
     return samples
 

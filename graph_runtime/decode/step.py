@@ -34,7 +34,9 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21Swi
 
 from ..fp8.convert import precision_of
 from ..fp8.linear import is_fp8_linear
+from ..quantized.int8_convrot import is_int8_linear
 from ..kernels.fp8_quant import norm_modulate_fp8, residual_norm_modulate_fp8, silu_mul_fp8
+from ..kernels.int8_quant import norm_modulate_int8, residual_norm_modulate_int8, silu_mul_int8
 from ..kernels.norm_modulate import norm_modulate, residual_norm_modulate
 from ..kernels.qk_norm_rope import qk_norm_rope_write, rotate_pairs
 from ..kernels.silu_mul import silu_mul
@@ -115,20 +117,43 @@ class TargetDecodeBlock(torch.nn.Module):
         """Whether our kernel should hand `linears` their input as FP8 rows (they are all ours, FP8, and fused)."""
         return self.fuse_norms and all(map(is_fp8_linear, linears))
 
+    def _int8_inputs(self, device, *linears) -> bool | None:
+        """None, or whether the int8 rows our kernel hands `linears` are rotated: when they are all int8 layers
+        that run on our INT8 GEMM on `device` and agree on the rotation."""
+        if not (self.fuse_norms and all(map(is_int8_linear, linears))):
+            return None
+        if any(linear.our_kernel_reason(device) is not None for linear in linears):
+            return None
+        rotations = {linear.convrot for linear in linears}
+        return rotations.pop() if len(rotations) == 1 else None
+
+    def _eight_bit(self, device, *linears) -> str | bool:
+        """What the norm feeding `linears` writes: "fp8", "int8", "int8-rotated", or False (the model's dtype)."""
+        if self._fp8_inputs(*linears):
+            return "fp8"
+        rotate = self._int8_inputs(device, *linears)
+        if rotate is None:
+            return False
+        return "int8-rotated" if rotate else "int8"
+
     def mlp(self, h) -> torch.Tensor:
         """The block's SwiGLU MLP; with our kernels, its product runs as one pass (its projections still run as the
-        module's own Linear layers, so adapters on them are seen). `h` is FP8 rows only when `_fused_fp8_mlp`."""
+        module's own Linear layers, so adapters on them are seen). `h` is 8-bit rows only when `_mlp_input` says."""
         mlp = self.block.img_mlp
         if self._can_fuse_mlp():
             # One expression, so the gate and up projections are freed before `out` runs (named locals would keep
             # them alive through it, and a captured graph's pool would hold them too).
-            product = silu_mul_fp8 if self._fp8_inputs(mlp.out) else silu_mul
-            return mlp.out(product(mlp.gate_layer(h), mlp.proj(h)))
+            kind = self._eight_bit((h.data if isinstance(h, tuple) else h).device, mlp.out)
+            if kind == "fp8":
+                return mlp.out(silu_mul_fp8(mlp.gate_layer(h), mlp.proj(h)))
+            if kind:
+                return mlp.out(silu_mul_int8(mlp.gate_layer(h), mlp.proj(h), kind == "int8-rotated"))
+            return mlp.out(silu_mul(mlp.gate_layer(h), mlp.proj(h)))
         return mlp(h)
 
-    def _fused_fp8_mlp(self) -> bool:
+    def _mlp_input(self, device) -> str | bool:
         mlp = self.block.img_mlp
-        return self._can_fuse_mlp() and self._fp8_inputs(mlp.gate_layer, mlp.proj)
+        return self._can_fuse_mlp() and self._eight_bit(device, mlp.gate_layer, mlp.proj)
 
     def forward(self, x, pending, modulation, cos, sin, k_cache, v_cache, prefix_len: int, static_kv: bool,
                 attn_mask, kv_only: bool = False):
@@ -142,7 +167,7 @@ class TargetDecodeBlock(torch.nn.Module):
         scale1, gate1, scale2, gate2 = modulation[:, None].chunk(4, dim=-1)
 
         x, h = self.add_pending_and_norm(x, pending, block.img_norm1, scale1, fuse_norms,
-                                         fp8=self._fp8_inputs(attn.to_q, attn.to_k, attn.to_v))
+                                         eight_bit=self._eight_bit(x.device, attn.to_q, attn.to_k, attn.to_v))
         head_dim = attn.inner_dim // attn.heads
         q = attn.to_q(h).unflatten(-1, (-1, head_dim))
         k = attn.to_k(h).unflatten(-1, (-1, head_dim))
@@ -168,26 +193,32 @@ class TargetDecodeBlock(torch.nn.Module):
         )
         out = attn.to_out[0](out.transpose(1, 2).flatten(2).type_as(q))
         x, h = self.add_pending_and_norm(x, (out, gate1), block.img_norm2, scale2, fuse_norms, mlp_residual=False,
-                                         fp8=self._fused_fp8_mlp())
+                                         eight_bit=self._mlp_input(x.device))
         return x, (self.mlp(h), gate2)
 
     @staticmethod
-    def add_pending_and_norm(x, pending, norm, scale, fuse: bool, mlp_residual: bool = True, fp8: bool = False):
+    def add_pending_and_norm(x, pending, norm, scale, fuse: bool, mlp_residual: bool = True,
+                             eight_bit: str | bool = False):
         """`x + tanh(gate) * delta` for a pending `(delta, gate)`, then `norm(x) * (1 + scale)`.
 
-        Fused, both are one pass of our kernel (its norm reads the sum before rounding); with `fp8` the normed rows
-        come out as per-token e4m3 + scales for the FP8 Linears that read them. An fp16 MLP residual is left
-        unfused: the reference clips the residual stream to fp16's range at the end of each block, before the next
-        norm reads it.
+        Fused, both are one pass of our kernel (its norm reads the sum before rounding); with `eight_bit` the normed
+        rows come out as per-token 8-bit values + scales for the FP8 or INT8 Linears that read them ("fp8", "int8",
+        or "int8-rotated" for ConvRot weights). An fp16 MLP residual is left unfused: the reference clips the
+        residual stream to fp16's range at the end of each block, before the next norm reads it.
         """
         if fuse and not (mlp_residual and x.dtype == torch.float16):
+            rotate = eight_bit == "int8-rotated"
             if pending is None:
-                if fp8:
+                if eight_bit == "fp8":
                     return x, norm_modulate_fp8(x, scale[:, 0], norm.eps)
+                if eight_bit:
+                    return x, norm_modulate_int8(x, scale[:, 0], norm.eps, rotate)
                 return x, norm_modulate(x, scale[:, 0], norm.eps)
             delta, gate = pending
-            if fp8:
+            if eight_bit == "fp8":
                 return residual_norm_modulate_fp8(x, delta, gate[:, 0], scale[:, 0], norm.eps)
+            if eight_bit:
+                return residual_norm_modulate_int8(x, delta, gate[:, 0], scale[:, 0], norm.eps, rotate)
             return residual_norm_modulate(x, delta, gate[:, 0], scale[:, 0], norm.eps)
         if pending is not None:
             delta, gate = pending

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import InputError
-from ..validation import check_prompt_tokens
+from ..validation import check_prompt_text, check_prompt_tokens
+from .prompt_tokens import TemplateTokenizer
 
 SYSTEM_PROMPT = "Comprehend and analyze the provided prompt."
 TEMPLATE = (
@@ -58,13 +58,17 @@ class PromptEmbeds:
         return embeds, mask
 
 
-def prompt_text(prompt: str, num_images: int) -> str:
-    """The pipeline's template; reference images go first in the user turn, as `<imageN>` + a vision block."""
+def prompt_template(prompt: str, num_images: int) -> tuple[str, str, str]:
+    """The pipeline's template as (before, prompt, after); reference images go first in the user turn, as
+    `<imageN>` + a vision block."""
     prompt = prompt or " "  # Qwen has no BOS token: an empty prompt would leave the encoder nothing to read.
-    if num_images == 0:
-        return TEMPLATE.format(prompt)
-    refs = " ".join(f"<image{i + 1}>{VISION_BLOCK}" for i in range(num_images))
-    return TEMPLATE.replace("<|im_start|>user\n", "<|im_start|>user\n" + refs, 1).format(prompt)
+    before, after = TEMPLATE.split("{}")
+    return before + " ".join(f"<image{i + 1}>{VISION_BLOCK}" for i in range(num_images)), prompt, after
+
+
+def prompt_text(prompt: str, num_images: int) -> str:
+    """The pipeline's template string, as its processor reads it."""
+    return "".join(prompt_template(prompt, num_images))
 
 
 def _flatten_alpha(image):
@@ -84,7 +88,8 @@ class PromptEncoder:
     def __init__(self, text_encoder, processor):
         self.text_encoder = text_encoder
         self.processor = processor
-        self.image_token_id = processor.tokenizer.convert_tokens_to_ids("<|image_pad|>")
+        self.tokens = TemplateTokenizer(processor)
+        self.image_token_id = self.tokens.image_token_id
         # Leading system-turn tokens to drop, counted on the tokenized system turn itself.
         system_turn = f"<|im_start|>system\n{SYSTEM_PROMPT}<|im_end|>\n"
         self.drop_idx = len(processor.tokenizer(system_turn, add_special_tokens=False).input_ids)
@@ -94,11 +99,11 @@ class PromptEncoder:
         return next(self.text_encoder.parameters()).device
 
     def check_prompt(self, prompt, num_images: int = 0, name: str = "prompt") -> None:
-        """Refuse a prompt that is not a string or is longer than `MAX_PROMPT_TOKENS`, by tokenizing it alone (no
-        image processing, no model): the count is of the tokens the transformer will read, template included."""
-        if not isinstance(prompt, str):
-            raise InputError(name, type(prompt).__name__, "a string")
-        ids = self.processor.tokenizer(prompt_text(prompt, num_images), add_special_tokens=False).input_ids
+        """Refuse a prompt that is not a string of whole characters or is longer than `MAX_PROMPT_TOKENS`, by
+        tokenizing it alone (no image processing, no model): the count is of the tokens the transformer will read,
+        template included."""
+        check_prompt_text(name, prompt)
+        ids = self.tokens.ids(*prompt_template(prompt, num_images))
         text_tokens = sum(1 for i in ids[self.drop_idx:] if i != self.image_token_id)
         check_prompt_tokens(name, len(prompt), text_tokens)
 
@@ -114,16 +119,12 @@ class PromptEncoder:
         for prompt in prompts:
             self.check_prompt(prompt, len(images), name)
         device = device or self.device
-        texts = [prompt_text(p, len(images)) for p in prompts]
-        kwargs = {"text": texts, "padding": True, "padding_side": "left", "return_tensors": "pt"}
-        if images:
-            kwargs["images"] = [_flatten_alpha(img) for _ in prompts for img in images]
-        inputs = self.processor(**kwargs).to(device)
-        forward = {"input_ids": inputs.input_ids, "attention_mask": inputs.attention_mask, "use_cache": False}
-        if images and "pixel_values" in inputs:
-            forward.update(pixel_values=inputs.pixel_values, image_grid_thw=inputs.image_grid_thw)
-        if "mm_token_type_ids" in inputs:
-            forward["mm_token_type_ids"] = inputs.mm_token_type_ids
+        # What the processor gives for the template strings, except that a prompt's text never becomes a control
+        # token (prompt_tokens.py).
+        forward = self.tokens.batch([prompt_template(p, len(images)) for p in prompts],
+                                    [_flatten_alpha(img) for img in images], device)
+        forward["use_cache"] = False
+        input_ids, attention_mask = forward["input_ids"], forward["attention_mask"]
 
         # The transformer was trained on the last decoder layer's output *before* the final RMSNorm. A forward hook
         # returning the norm's input makes the base model's `last_hidden_state` exactly that, for this call: the
@@ -137,9 +138,9 @@ class PromptEncoder:
         finally:
             handle.remove()
 
-        valid = inputs.attention_mask.bool()
+        valid = attention_mask.bool()
         per_sample = [h[m][self.drop_idx:] for h, m in zip(hidden, valid)]
-        slots = [(ids[m] == self.image_token_id)[self.drop_idx:] for ids, m in zip(inputs.input_ids, valid)]
+        slots = [(ids[m] == self.image_token_id)[self.drop_idx:] for ids, m in zip(input_ids, valid)]
         longest = max(e.shape[0] for e in per_sample)
         embeds = torch.stack([torch.cat([e, e.new_zeros(longest - e.shape[0], e.shape[1])]) for e in per_sample])
         text_mask = torch.stack([

@@ -1,14 +1,15 @@
-"""`precision: auto`, the loaders' default: the fastest block precision that stays within the FP8 quality bound, for
+"""`precision: auto`, the loaders' default: the fastest block precision that stays within the quality bound, for
 these weights on this device.
 
 The bound (docs/fp8.md) is ComfyUI's INT8 ConvRot W8A8 error on the same weights, per block and over the whole step.
-On the H200 `fp8-attn` passes it (0.43x that error) and steps 9-10% faster than bf16, while every precision with an
-FP8 MLP fails it (2.5x), so `auto` means:
+`int8` *is* that quantization (run on our INT8 GEMM at the 8-bit tensor-core rate), `fp8-attn` stays within it and
+every precision with an FP8 MLP fails it, so `auto` means:
 
-- `fp8-attn` for bf16 weights from a float checkpoint on a CUDA GPU with FP8 GEMMs (compute capability 8.9+);
-- `bf16` (nothing converted) everywhere else: a device without FP8 GEMMs (their fallback runs slower than bf16);
-  weights asked for in fp16 or fp32 (the user picked a precision); and an INT8 ConvRot file, whose own int8 path is
-  the bound itself and which FP8 would round a second time.
+- `int8` for an INT8 ConvRot file kept int8 (its own weights, never rounded a second time), and for bf16 weights of a
+  float file on a CUDA GPU where our INT8 GEMM runs (int8 tensor cores: compute capability 8.0+, and Triton);
+- `fp8-attn` for bf16 weights of a float file on a CUDA GPU with FP8 GEMMs but no INT8 path;
+- `bf16` (nothing converted) everywhere else: a device without either (their fallbacks run slower than bf16), weights
+  asked for in fp16 or fp32 (the user picked a precision), and an INT8 file the user asked to dequantize.
 """
 
 from __future__ import annotations
@@ -17,39 +18,54 @@ from dataclasses import dataclass
 
 import torch
 
+from ..kernels.int8_gemm import int8_tensor_core_reason
 from .linear import fp8_gemm_reason
 
 AUTO = "auto"
 AUTO_FP8 = "fp8-attn"
+INT8 = "int8"
 
 
 @dataclass(frozen=True)
 class ResolvedPrecision:
-    """The precision a load applies, and why (the load's log line and the handle's info say it)."""
+    """The precision a load applies, and why (the load's log line and the handle's info say it); `int8_file`: the
+    weights come from an INT8 ConvRot file kept int8."""
 
     precision: str
     reason: str
+    int8_file: bool = False
 
     @property
     def converts(self) -> bool:
-        """Whether the load converts block Linears to FP8, which quantizes from float weights (so an INT8 file is
-        dequantized first)."""
+        """Whether the load converts block Linears (to FP8, or to int8 from float weights). A conversion quantizes
+        from float weights, so an INT8 file is dequantized first, except for `int8`, which keeps the file's own."""
         from .convert import groups_of  # here, not at the top: convert.py imports this module
 
+        if self.precision == INT8 and self.int8_file:
+            return False
         return bool(groups_of(self.precision))
 
 
-def resolve_precision(precision: str, device, *, dtype: torch.dtype, int8_file: bool) -> ResolvedPrecision:
-    """`precision` itself unless it is `auto`; see the module docstring for what `auto` picks."""
+def resolve_precision(precision: str, device, *, dtype: torch.dtype, int8_file: bool,
+                      dequantized: bool = False) -> ResolvedPrecision:
+    """`precision` itself unless it is `auto`; see the module docstring for what `auto` picks. `int8_file`: an INT8
+    ConvRot file kept int8; `dequantized`: an INT8 file the user asked to expand to float weights at load."""
     if precision != AUTO:
-        return ResolvedPrecision(precision, "chosen")
+        return ResolvedPrecision(precision, "chosen", int8_file)
+    if dequantized:
+        return ResolvedPrecision("bf16", "auto: int8_weights dequantize asks for the INT8 file's weights in float")
+    device = torch.device(device)
+    int8_reason = int8_tensor_core_reason(device)
     if int8_file:
-        return ResolvedPrecision("bf16", "auto: an INT8 ConvRot file runs its own int8 weights (FP8 would round them "
-                                         "twice)")
-    reason = fp8_gemm_reason(torch.device(device))
-    if reason is not None:
-        return ResolvedPrecision("bf16", f"auto: {reason}")
+        how = "on our INT8 GEMM" if int8_reason is None else f"through comfy-kitchen ({int8_reason})"
+        return ResolvedPrecision(INT8, f"auto: an INT8 ConvRot file runs its own int8 weights, {how}", True)
+    fp8_reason = fp8_gemm_reason(device)
+    if int8_reason is not None and fp8_reason is not None:
+        return ResolvedPrecision("bf16", f"auto: {fp8_reason}")
     if dtype != torch.bfloat16:
         return ResolvedPrecision("bf16", f"auto: {str(dtype).removeprefix('torch.')} weights were asked for")
+    if int8_reason is None:
+        return ResolvedPrecision(INT8, "auto: INT8 ConvRot W8A8 on our INT8 GEMM, quantized at load (the quality "
+                                       "bound itself, at the 8-bit tensor-core rate)")
     return ResolvedPrecision(AUTO_FP8, "auto: FP8 attention Linears, within the INT8 ConvRot error bound; the MLP "
                                        "stays bf16")

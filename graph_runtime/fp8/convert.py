@@ -11,6 +11,8 @@ projection stay in the model's dtype. Precisions:
 - `fp8-no-out`: every group but `to_out`, whose input is the attention output that none of our kernels produce
   (FP8 there costs one small quantization pass; this measures it).
 - `fp8:<groups>`: the listed groups, e.g. `fp8:qkv,mlp_down` (to find which groups tolerate FP8).
+- `int8`: every group as INT8 ConvRot W8A8 (group 256, per-channel weight scales), quantized at load as ComfyUI's
+  INT8 files are made, run on our INT8 GEMM; an INT8 file keeps its own int8 weights.
 
 `apply_precision` converts in place and frees the float weights (the product's switch, at load); the benchmark
 builds the FP8 modules beside the bf16 ones (`quantized_linears`) and swaps them in (`swapped`) to compare paths on
@@ -25,8 +27,11 @@ import time
 import torch
 
 from ..errors import InputError
-from .auto import AUTO
+from ..quantized.int8_convrot import ConvRotInt8Linear, is_int8_linear
+from .auto import AUTO, INT8
 from .linear import Fp8Linear, is_fp8_linear
+
+INT8_GROUP = 256  # the ConvRot group ComfyUI's INT8 files use, and the one our fused kernels rotate
 
 GROUPS = {
     "qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
@@ -39,6 +44,7 @@ PRECISIONS = {
     "fp8": ("qkv", "out", "mlp_in", "mlp_down"),
     "fp8-attn": ("qkv", "out"),
     "fp8-no-out": ("qkv", "mlp_in", "mlp_down"),
+    INT8: ("qkv", "out", "mlp_in", "mlp_down"),
 }
 # What the loaders and the command line apply when no precision is given (see auto.py).
 DEFAULT_PRECISION = AUTO
@@ -85,6 +91,11 @@ def module_at(block: torch.nn.Module, dotted: str) -> torch.nn.Module:
 def quantized_linears(transformer, precision: str, factory=Fp8Linear.from_linear) -> dict[tuple[int, str], object]:
     """`factory(linear)` (an FP8 copy by default) of each Linear `precision` converts, by (block index, dotted
     name); the model is not changed."""
+    return {key: factory(linear) for key, linear in _block_linears(transformer, precision).items()}
+
+
+def _block_linears(transformer, precision: str) -> dict[tuple[int, str], torch.nn.Linear]:
+    """The float Linears `precision` converts, by (block index, dotted name); each checked convertible."""
     modules = {}
     for i, block in enumerate(transformer.transformer_blocks):
         for name in linear_names(precision):
@@ -95,7 +106,7 @@ def quantized_linears(transformer, precision: str, factory=Fp8Linear.from_linear
             if linear.in_features % 16 or linear.out_features % 16:
                 raise InputError(f"transformer_blocks.{i}.{name}", (linear.out_features, linear.in_features),
                                  "FP8 GEMM dimensions that are multiples of 16")
-            modules[(i, name)] = factory(linear)
+            modules[(i, name)] = linear
     return modules
 
 
@@ -120,26 +131,56 @@ def swapped(transformer, modules: dict):
         install(transformer, replaced)
 
 
-def apply_precision(transformer, precision: str) -> dict:
-    """Convert the block Linears to `precision` in place; their float weights are freed. Returns what was done."""
+def int8_group(in_features: int) -> int:
+    """ComfyUI's ConvRot group (256) where it divides the layer's input, else the largest power of 4 that does (small
+    test models); those layers run through comfy-kitchen, since our kernels rotate groups of 256 only."""
+    group = INT8_GROUP
+    while group > 4 and in_features % group:
+        group //= 4
+    return group
+
+
+def int8_factory(device=None):
+    """Quantizes a float Linear to INT8 ConvRot on `device` (a GPU rotates a 7 B model's weights in seconds where the
+    CPU takes minutes) and leaves the int8 weight where the Linear was."""
+    def factory(linear):
+        home = linear.weight.device
+        work = torch.nn.Linear(linear.in_features, linear.out_features, bias=False, device="meta")
+        work.weight = torch.nn.Parameter(linear.weight.detach().to(device or home), requires_grad=False)
+        layer = ConvRotInt8Linear.from_linear(work, int8_group(linear.in_features))
+        layer.bias = linear.bias
+        return layer.to(home)
+
+    return factory
+
+
+def apply_precision(transformer, precision: str, device=None) -> dict:
+    """Convert the block Linears to `precision` in place; their float weights are freed. Returns what was done.
+    `device`: where `int8` quantizes (default: where the weights are)."""
     if precision == AUTO:
         raise InputError("precision", precision, "a precision resolved for the device and weights first "
                                                  "(resolve_precision)")
     start = time.perf_counter()
     before = _block_linear_bytes(transformer)
-    modules = quantized_linears(transformer, precision) if groups_of(precision) else {}
-    install(transformer, modules)
+    factory = int8_factory(device) if precision == INT8 else Fp8Linear.from_linear
+    modules = {}
+    for (i, name), linear in _block_linears(transformer, precision).items():
+        modules[(i, name)] = factory(linear)
+        install(transformer, {(i, name): modules[(i, name)]})  # one at a time: the float weight is freed as we go
     return {"precision": precision, "linears": len(modules), "block_linear_bytes_before": before,
             "block_linear_bytes_after": _block_linear_bytes(transformer),
             "seconds": round(time.perf_counter() - start, 2)}
 
 
 def precision_of(transformer) -> str:
-    """The precision whose groups are exactly the FP8 ones (read off the first block), else `fp8:<groups>`."""
+    """`int8` when every block Linear is int8 (an INT8 file kept int8, or a float file quantized at load), else the
+    precision whose groups are exactly the FP8 ones (read off the first block), else `fp8:<groups>`."""
     block = transformer.transformer_blocks[0]
+    if all(is_int8_linear(module_at(block, n)) for names in GROUPS.values() for n in names):
+        return INT8
     converted = {group for group, names in GROUPS.items() if all(is_fp8_linear(module_at(block, n)) for n in names)}
     for name, groups in PRECISIONS.items():
-        if converted == set(groups):
+        if name != INT8 and converted == set(groups):
             return name
     return "fp8:" + ",".join(g for g in GROUPS if g in converted)
 

@@ -66,8 +66,9 @@ norm_modulate = define_once("norm_modulate", _define_norm_modulate)
 residual_norm_modulate = define_once("residual_norm_modulate", _define_residual_norm_modulate)
 
 
-def _triton_norm_modulate(x, delta, gate, scale, eps, fp8: bool = False):
-    """Returns `(x_new or None, h)`, or with `fp8` `(x_new or None, h_fp8, h_scale [B, T, 1])`."""
+def _triton_norm_modulate(x, delta, gate, scale, eps, fp8: bool = False, int8: bool = False, rotate: bool = False):
+    """Returns `(x_new or None, h)`, or with `fp8` / `int8` `(x_new or None, h_8bit, h_scale [B, T, 1])` (`rotate`:
+    the int8 rows rotated group-wise first, for ConvRot weights)."""
     wait_for_preload()
     import triton
 
@@ -75,13 +76,18 @@ def _triton_norm_modulate(x, delta, gate, scale, eps, fp8: bool = False):
 
     batch, tokens, dim = x.shape
     has_delta = delta is not None
+    quantized = fp8 or int8
     x_new = torch.empty_like(x) if has_delta else None
-    h = torch.empty_like(x, dtype=torch.float8_e4m3fn if fp8 else x.dtype)
-    h_scale = torch.empty((batch, tokens, 1), dtype=torch.float32, device=x.device) if fp8 else None
-    # Without a residual the kernel never reads delta/gate or writes x_out, and without FP8 it never writes h_scale
-    # (HAS_DELTA and FP8_OUT are compile-time constants); any valid pointers fill those slots.
+    h_dtype = torch.float8_e4m3fn if fp8 else torch.int8 if int8 else x.dtype
+    h = torch.empty_like(x, dtype=h_dtype)
+    h_scale = torch.empty((batch, tokens, 1), dtype=torch.float32, device=x.device) if quantized else None
+    block = triton.next_power_of_2(dim)
+    if int8 and rotate:
+        block = max(block, 256)
+    # Without a residual the kernel never reads delta/gate or writes x_out, and without an 8-bit output it never
+    # writes h_scale (HAS_DELTA, FP8_OUT and INT8_OUT are compile-time constants); any valid pointers fill those slots.
     norm_modulate_kernel[(batch * tokens,)](
         x, delta if has_delta else x, gate if has_delta else scale, scale, x_new if has_delta else x, h,
-        h_scale if fp8 else scale, tokens, dim, gate.stride(0) if has_delta else 0, scale.stride(0), eps,
-        HAS_DELTA=has_delta, FP8_OUT=fp8, BLOCK=triton.next_power_of_2(dim), num_warps=8)
-    return (x_new, h, h_scale) if fp8 else (x_new, h)
+        h_scale if quantized else scale, tokens, dim, gate.stride(0) if has_delta else 0, scale.stride(0), eps,
+        HAS_DELTA=has_delta, FP8_OUT=fp8, INT8_OUT=int8, ROTATE=int8 and rotate, BLOCK=block, num_warps=8)
+    return (x_new, h, h_scale) if quantized else (x_new, h)

@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from . import fp8_quant
+from .int8_quant_triton import quantize_row, rotate_row
 
 # Kernels read module globals only as constexprs; the values are fp8_quant's.
 FP8_MAX = tl.constexpr(fp8_quant.FP8_MAX)
@@ -15,9 +16,10 @@ MIN_SCALE = tl.constexpr(fp8_quant.MIN_SCALE)
 @triton.jit(do_not_specialize=["tokens"])
 def norm_modulate_kernel(x_ptr, delta_ptr, gate_ptr, scale_ptr, x_out_ptr, h_ptr, h_scale_ptr, tokens, dim,
                          gate_sb, scale_sb, eps, HAS_DELTA: tl.constexpr, FP8_OUT: tl.constexpr,
-                         BLOCK: tl.constexpr):
+                         INT8_OUT: tl.constexpr, ROTATE: tl.constexpr, BLOCK: tl.constexpr):
     """`FP8_OUT`: `h` is stored as e4m3 scaled per row (token) by `h_scale = amax(|h|) / 448`, straight from the fp32
-    values (the row is in registers already, so the FP8 GEMM that reads it needs no pass of its own)."""
+    values (the row is in registers already, so the FP8 GEMM that reads it needs no pass of its own). `INT8_OUT`:
+    likewise as int8 with `h_scale = amax(|h|) / 127`, rotated group-wise first with `ROTATE` (ConvRot weights)."""
     row = tl.program_id(0)
     b = row // tokens
     cols = tl.arange(0, BLOCK)
@@ -38,4 +40,9 @@ def norm_modulate_kernel(x_ptr, delta_ptr, gate_ptr, scale_ptr, x_out_ptr, h_ptr
         h_scale = tl.maximum(tl.max(tl.abs(h), axis=0) / FP8_MAX, MIN_SCALE)
         tl.store(h_scale_ptr + row, h_scale)
         h = h / h_scale
+    if INT8_OUT:
+        if ROTATE:
+            h = rotate_row(h, BLOCK)
+        h, h_scale = quantize_row(h)
+        tl.store(h_scale_ptr + row, h_scale)
     tl.store(h_ptr + row * dim + cols, h.to(h_ptr.dtype.element_ty), mask=mask)

@@ -11,7 +11,8 @@ import torch
 
 from ..errors import CheckpointError
 from .processor import tokenizer_folder
-from .sources import pipeline_component_dir, read_json
+from .scheduler_config import read_scheduler_config
+from .sources import pipeline_component_dir
 
 COMPONENTS = ("transformer", "vae", "text_encoder")
 EXPECTED = "a diffusers Qwen-Image-2.1 pipeline folder (model_index.json, transformer/, vae/, text_encoder/, processor/)"
@@ -47,13 +48,6 @@ class QwenImageModels:
     sources: dict[str, str] = field(default_factory=dict)
 
 
-def read_scheduler_config(folder: str | os.PathLike) -> dict[str, Any] | None:
-    path = Path(folder) / "scheduler" / "scheduler_config.json"
-    if not path.is_file():
-        return None
-    return read_json(path, "a diffusers scheduler_config.json")
-
-
 def load_pipeline_folder(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
                          device: str | torch.device = "cpu",
                          components: Iterable[str] = COMPONENTS) -> QwenImageModels:
@@ -67,8 +61,8 @@ def load_pipeline_folder(path: str | os.PathLike, dtype: torch.dtype = torch.bfl
     unknown = [c for c in components if c not in COMPONENTS]
     if unknown:
         raise ValueError(f"components={unknown!r}: expected some of {COMPONENTS}")
-    if not root.is_dir():
-        raise CheckpointError(root, "does not exist." if not root.exists() else "is a file, not a folder.", EXPECTED)
+    if not os.path.isdir(root):  # os.path: False, not an OSError, for a name too long for the file system
+        raise CheckpointError(root, "does not exist." if not os.path.exists(root) else "is a file, not a folder.", EXPECTED)
     if not (root / "model_index.json").is_file():
         raise CheckpointError(root, "has no model_index.json: not a diffusers pipeline folder.", EXPECTED)
 

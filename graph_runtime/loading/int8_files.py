@@ -23,7 +23,7 @@ from ..errors import CheckpointError
 from ..quantized import (
     DEQUANTIZE, ConvRotInt8Embedding, ConvRotInt8Linear, LayerQuant, dequantize_weight, read_layers,
 )
-from ..quantized.comfy_quant import RECORD, SCALE, WEIGHT
+from ..quantized.comfy_quant import RECORD, SCALE, WEIGHT, check_scale
 from ..quantized.int8_convrot import per_row_scale
 from .safetensors_file import iter_tensors
 
@@ -47,13 +47,16 @@ def unquantized_shapes(shapes: Mapping[str, tuple], layers: Mapping[str, LayerQu
 
 def read_weights(source, layers: Mapping[str, LayerQuant], key_map: KeyMap, dtype: torch.dtype, device,
                  mode: str, keep_int8: Callable[[str], bool] = lambda name: True,
-                 dequantize_device=None) -> LoadedWeights:
+                 dequantize_device=None, expected: str | None = None) -> LoadedWeights:
     """Stream `source`'s tensors into model keys. Float tensors are cast to `dtype`; quantized layers stay int8 or
     are dequantized as the module docstring says. `dequantize_device`: where comfy-kitchen dequantizes (a GPU
-    does it in a fraction of the CPU's time); the result goes to `device`."""
+    does it in a fraction of the CPU's time); the result goes to `device`. Scales that are all zero or not finite
+    raise a CheckpointError naming the file and the key (with `expected`)."""
     loaded = LoadedWeights()
-    scales = {name[: -len(SCALE)]: tensor for name, tensor in
-              iter_tensors(source.files, device=device, names=[p + SCALE for p in layers])}
+    scales = {}
+    for name, tensor in iter_tensors(source.files, device=device, names=[p + SCALE for p in layers]):
+        check_scale(tensor, source.path, name, expected)
+        scales[name[: -len(SCALE)]] = tensor
     wanted = [k for k in source.header.tensors if not k.endswith((RECORD, SCALE))]
     for name, tensor in iter_tensors(source.files, device=device, names=wanted):
         layer = layers.get(name[: -len(WEIGHT)]) if name.endswith(WEIGHT) else None

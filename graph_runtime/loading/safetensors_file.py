@@ -9,6 +9,7 @@ becomes a `CheckpointError` that says which file and what went wrong.
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass, field
@@ -17,7 +18,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, shorten
 
 # The reference implementation refuses headers above 100 MB; a "length" beyond that means the first 8 bytes are not a
 # safetensors length at all.
@@ -78,7 +79,7 @@ def read_header(path: str | os.PathLike, expected: str | None = None) -> Safeten
     """Parse and validate the header of `path`; raise CheckpointError for anything that is not a whole safetensors
     file. `expected` is the component-specific sentence added to every error."""
     path = Path(path)
-    if not path.exists():
+    if not os.path.exists(path):  # False, not an OSError, for a name too long for the file system
         raise CheckpointError(path, "does not exist.", expected)
     if path.is_dir():
         raise CheckpointError(path, "is a folder, not a .safetensors file.", expected)
@@ -114,27 +115,44 @@ def read_header(path: str | os.PathLike, expected: str | None = None) -> Safeten
         raise CheckpointError(path, "has a header that is not a JSON object: not a safetensors file.", expected)
 
     metadata = parsed.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CheckpointError(path, "has a __metadata__ entry that is not a JSON object of strings: a damaged file.",
+                              expected)
     tensors: dict[str, TensorInfo] = {}
-    data_end = 0
+    ranges = []
     for name, entry in parsed.items():
+        shown = shorten(repr(name))
         try:
             dtype, shape, (begin, end) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
             begin, end = int(begin), int(end)
         except (KeyError, TypeError, ValueError):
-            raise CheckpointError(path, f"has a malformed header entry for tensor {name!r}: not a valid safetensors "
+            raise CheckpointError(path, f"has a malformed header entry for tensor {shown}: not a valid safetensors "
                                         "file.", expected) from None
-        numel = 1
-        for s in shape:
-            numel *= s
-        if end < begin or (dtype in DTYPE_SIZES and end - begin != numel * DTYPE_SIZES[dtype]):
-            raise CheckpointError(path, f"has an inconsistent header entry for tensor {name!r} (its byte range does "
+        if dtype not in DTYPE_SIZES:
+            raise CheckpointError(path, f"stores tensor {shown} as {shorten(repr(dtype))}, a dtype KV-Graph does not "
+                                        f"read (one of {', '.join(DTYPE_SIZES)}): a damaged or foreign file.",
+                                  expected)
+        if min(shape, default=0) < 0 or end < begin or end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
+            raise CheckpointError(path, f"has an inconsistent header entry for tensor {shown} (its byte range does "
                                         f"not fit shape {list(shape)} of {dtype}): a damaged file.", expected)
         tensors[name] = TensorInfo(dtype, shape)
-        data_end = max(data_end, end)
+        ranges.append((begin, end, shown))
+    # The tensors' byte ranges must tile the data exactly, in some order, as the safetensors format requires: two
+    # tensors sharing bytes, or bytes belonging to none, is a damaged header.
+    data_end = 0
+    for begin, end, shown in sorted(ranges):
+        if begin != data_end:
+            what = "overlaps the tensor before it" if begin < data_end else "leaves a gap before it"
+            raise CheckpointError(path, f"has data_offsets for tensor {shown} that {what} in the file: a damaged "
+                                        "header.", expected)
+        data_end = end
     available = size - 8 - header_len
     if available < data_end:
         raise CheckpointError(path, f"is truncated: its header describes {data_end} bytes of tensor data but only "
                                     f"{available} bytes follow it (an interrupted download or copy?).", expected)
+    if available > data_end:
+        raise CheckpointError(path, f"has {available - data_end} bytes after the {data_end} bytes of tensor data its "
+                                    "header describes: a damaged file.", expected)
     return SafetensorsHeader(path=path, tensors=tensors, metadata=dict(metadata))
 
 

@@ -109,7 +109,7 @@ def _weight_files(folder: Path, expected: str) -> list[Path]:
 def resolve(path: str | os.PathLike, component: str, expected: str) -> WeightSource:
     """Resolve `path` for `component` ("transformer", "vae" or "text_encoder") and validate its headers."""
     path = Path(path).expanduser()
-    if not path.exists():
+    if not os.path.exists(path):  # False, not an OSError, for a name too long for the file system
         raise CheckpointError(path, "does not exist.", expected)
     if path.is_file():
         header = read_headers([path], expected)

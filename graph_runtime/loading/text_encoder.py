@@ -100,7 +100,7 @@ def load_text_encoder(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat
     check_against_model(model, mapped_shapes, source.path, EXPECTED, may_be_absent=[LM_HEAD] if tied else [])
 
     loaded = read_weights(source, layers, text_encoder_from_comfy_state_dict, dtype, device, quantized,
-                          dequantize_device=dequantize_device)
+                          dequantize_device=dequantize_device, expected=EXPECTED)
     if tied:
         loaded.tensors.pop(LM_HEAD, None)
         loaded.int8_layers.pop(LM_HEAD[: -len(".weight")], None)

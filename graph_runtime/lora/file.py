@@ -9,13 +9,15 @@ which model it looks like.
 from __future__ import annotations
 
 import json
+import math
 import os
+import re
 from dataclasses import dataclass, field
 
 import torch
 
 from ..comfy_interop.files import file_identity
-from ..errors import CheckpointError
+from ..errors import CheckpointError, shorten
 from ..loading.safetensors_file import iter_tensors, read_header
 from .formats import (ALPHA, DIFF, DIFF_BIAS, DOWN, UP, Target, foreign_model, peft_scale, split_key,
                       unsupported_kind, weight_aliases)
@@ -76,6 +78,11 @@ def read_lora(path: str | os.PathLike, transformer: torch.nn.Module) -> LoraFile
     names = [key for kinds in groups.values() for key in kinds.values()]
     # Copies, not views of the file's memory map: the user may replace the file while the LoRA stays in use.
     tensors = {name: t.clone() for name, t in iter_tensors([path], names=names)}
+    for name, tensor in tensors.items():
+        # Merged, a NaN would turn the model's output NaN, and the sampler could only blame the weights.
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            raise CheckpointError(path, f"has NaN or infinite values in {shorten(repr(name))}: a damaged file.",
+                                  EXPECTED)
     config = _peft_config(path, header.metadata)
     lora = LoraFile(path=path, identity=file_identity(path), patches={})
     for stem, kinds in groups.items():
@@ -135,7 +142,34 @@ def _peft_config(path: str, metadata: dict) -> dict:
     # A pipeline's save prefixes each entry with its component; the transformer's are ours.
     if any(k.startswith("transformer.") for k in config):
         config = {k.removeprefix("transformer."): v for k, v in config.items() if k.startswith("transformer.")}
+    _check_peft_alphas(path, config)
     return config
+
+
+def _finite_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _check_peft_alphas(path: str, config: dict) -> None:
+    """The adapter config's alphas are numbers, per-module patterns an object of numbers (as PEFT writes them)."""
+    def refuse(what: str, value, needed: str):
+        raise CheckpointError(path, f"has {what}={shorten(repr(value))} in its {PEFT_METADATA} metadata, which must "
+                                    f"be {needed}.", EXPECTED)
+
+    if "lora_alpha" in config and config["lora_alpha"] is not None and not _finite_number(config["lora_alpha"]):
+        refuse("lora_alpha", config["lora_alpha"], "a finite number")
+    patterns = config.get("alpha_pattern")
+    if patterns is not None and not isinstance(patterns, dict):
+        refuse("alpha_pattern", patterns, "an object of module patterns and their alphas")
+    for pattern, value in (patterns or {}).items():
+        if not _finite_number(value):
+            refuse(f"alpha_pattern[{pattern!r}]", value, "a finite number")
+        try:
+            re.compile(pattern)
+        except re.error:
+            refuse("alpha_pattern", pattern, "regular expressions (as PEFT matches them against module names)")
+    if not isinstance(config.get("use_rslora", False), bool):
+        refuse("use_rslora", config["use_rslora"], "true or false")
 
 
 def _add_patches(lora: LoraFile, stem: str, kinds: dict[str, str], tensors: dict, targets: tuple[Target, ...],
@@ -153,7 +187,11 @@ def _add_patches(lora: LoraFile, stem: str, kinds: dict[str, str], tensors: dict
             raise CheckpointError(path, f"{kinds[UP]!r} {list(up.shape)} @ {kinds[DOWN]!r} {list(down.shape)} does "
                                         f"not make a {list(full_shape)} weight: a LoRA for a model of another size?",
                                   EXPECTED)
-        scale = _scale(tensors.get(kinds.get(ALPHA)), config, targets[0], down.shape[0])
+        if down.shape[0] == 0:
+            raise CheckpointError(path, f"{kinds[DOWN]!r} is a rank-0 factor: a pair of rank 0 changes nothing (and "
+                                        "an alpha / rank scale divides by 0), so the file is damaged or empty.",
+                                  EXPECTED)
+        scale = _scale(path, kinds.get(ALPHA), tensors.get(kinds.get(ALPHA)), config, targets[0], down.shape[0])
         for target in targets:
             part = up if target.rows is None else up[target.rows].contiguous()
             lora.patches.setdefault(target.param, []).append(WeightPatch(up=part, down=down, scale=scale))
@@ -174,10 +212,14 @@ def _add_patches(lora: LoraFile, stem: str, kinds: dict[str, str], tensors: dict
         raise CheckpointError(path, f"has {kinds[ALPHA]!r} but no LoRA weights for that layer.", EXPECTED)
 
 
-def _scale(alpha: torch.Tensor | None, config: dict, target: Target, rank: int) -> float:
-    """alpha / rank from the key's own alpha, else from PEFT's config, else 1 (diffusers' convention: no alpha
-    means the pair is stored already scaled)."""
+def _scale(path: str, alpha_key: str | None, alpha: torch.Tensor | None, config: dict, target: Target,
+           rank: int) -> float:
+    """alpha / rank from the key's own alpha (one number), else from PEFT's config, else 1 (diffusers' convention:
+    no alpha means the pair is stored already scaled)."""
     if alpha is not None:
+        if alpha.numel() != 1:
+            raise CheckpointError(path, f"{alpha_key!r} has shape {list(alpha.shape)}, where an alpha is one number.",
+                                  EXPECTED)
         return float(alpha.float().item()) / rank
     scale = peft_scale(config, target.param.removesuffix(".weight"), rank)
     return 1.0 if scale is None else scale

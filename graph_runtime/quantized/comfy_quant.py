@@ -56,7 +56,7 @@ def record_tensor(group_size: int | None, convrot: bool = True, **extra) -> torc
 def parse_record(blob: torch.Tensor, path, key: str, expected: str | None = None) -> dict:
     try:
         record = json.loads(bytes(blob.flatten().to(torch.uint8).tolist()).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):  # RecursionError: nested deeper than the parser goes
         raise CheckpointError(path, f"has a {key} that is not a JSON quantization record.", expected) from None
     if not isinstance(record, dict):
         raise CheckpointError(path, f"has a {key} that is not a JSON object.", expected)
@@ -120,6 +120,17 @@ def read_layers(files: list[Path], header, expected: str | None = None) -> dict[
             raise CheckpointError(path, f"has the {info.dtype} tensor {key} without a quantization record "
                                         f"({key.rsplit('.', 1)[0] + RECORD}).", expected)
     return layers
+
+
+def check_scale(scale: torch.Tensor, path, key: str, expected: str | None = None) -> None:
+    """A layer's scales must be finite and not all zero: all-zero scales dequantize the whole layer to zero (and
+    NaN/inf ones to NaN), which no quantizer writes for a trained layer, so the file is damaged."""
+    if not bool(torch.isfinite(scale).all()):
+        raise CheckpointError(path, f"has NaN or infinite values in {key}: a damaged file.", expected)
+    if not bool(scale.any()):
+        raise CheckpointError(path, f"has all-zero scales in {key}: every weight of that layer would be 0, which no "
+                                    "quantizer writes for a trained layer (a damaged or wrongly converted file).",
+                              expected)
 
 
 def first_record_format(files: list[Path], header) -> str | None:

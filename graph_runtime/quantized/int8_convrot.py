@@ -12,8 +12,17 @@ Parameter itself and `weight_scale` an fp32 buffer `[out, 1]`.
 
 from __future__ import annotations
 
+import functools
+import logging
+import os
+
 import torch
 from comfy_kitchen.tensor import TensorWiseINT8Layout
+
+from ..kernels.int8_gemm import int8_scaled_mm, int8_tensor_core_reason
+from ..kernels.int8_quant import CONVROT_GROUP, is_int8_rows, quantize_rows_int8
+
+logger = logging.getLogger("kvgraph")
 
 # comfy-kitchen builds *regular* Hadamard matrices (Kronecker powers of a 4x4 one), so a ConvRot group is a power
 # of 4; its fused CUDA quantizer is specialised for 256, the other sizes run its generic rotation.
@@ -77,7 +86,13 @@ class _KeepsScaleFp32:
 class ConvRotInt8Linear(_KeepsScaleFp32, torch.nn.Linear):
     """`y = x W^T + b` with W stored as ComfyUI's int8 ConvRot: `weight` int8 `[out, in]` (no gradient),
     `weight_scale` fp32 `[out, 1]`, `group_size` the rotation's group (ignored when `convrot` is False: plain row-wise
-    int8). The bias, if any, stays a float Parameter."""
+    int8). The bias, if any, stays a float Parameter.
+
+    `forward` takes a float tensor or `Int8Rows` (made by our kernels, see kernels/int8_quant.py). On a GPU with
+    int8 tensor cores the product is our INT8 GEMM (kernels/int8_gemm.py) on the same int8 weights and scales;
+    elsewhere comfy-kitchen's `int8_linear` (the reason logged once)."""
+
+    kvgraph_int8_linear = True
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, group_size: int = 256,
                  convrot: bool = True, device=None, dtype=None):
@@ -130,7 +145,22 @@ class ConvRotInt8Linear(_KeepsScaleFp32, torch.nn.Linear):
     def reset_parameters(self) -> None:
         """Nothing to initialise: the weights come from a checkpoint or `requantize_`."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def our_kernel_reason(self, device: torch.device) -> str | None:
+        """Why this layer's product does not run on our INT8 GEMM on `device` (None when it does)."""
+        return _our_kernel_reason(device, self.in_features, self.out_features, self.group_size, self.convrot)
+
+    def forward(self, x) -> torch.Tensor:
+        if is_int8_rows(x):
+            # Rows our kernels quantized (and rotated, for a ConvRot layer) where they were made.
+            if x.rotated != self.convrot:
+                raise ValueError(f"int8 rows {'rotated' if x.rotated else 'not rotated'} for a "
+                                 f"{'ConvRot' if self.convrot else 'row-wise'} int8 layer")
+            return int8_scaled_mm(x.data, x.scale, self.weight, self.weight_scale, self.bias, x.dtype)
+        reason = self.our_kernel_reason(x.device)
+        if reason is None:
+            rows = quantize_rows_int8(x, self.convrot)
+            return int8_scaled_mm(rows.data, rows.scale, self.weight, self.weight_scale, self.bias, x.dtype)
+        _log_fallback_once(reason)
         # The custom op (what ComfyUI's int8 layout calls) dispatches to comfy-kitchen's CUDA, Triton or eager
         # backend and is opaque to torch.compile, so compiled blocks keep it as one call.
         return torch.ops.comfy_kitchen.int8_linear(x, self.weight, self.weight_scale, self.bias, _DTYPE_CODES[x.dtype],
@@ -203,6 +233,34 @@ class ConvRotInt8Embedding(_KeepsScaleFp32, torch.nn.Embedding):
     def extra_repr(self) -> str:
         rotation = f"convrot group {self.group_size}" if self.convrot else "row-wise"
         return f"{self.num_embeddings}, {self.embedding_dim}, int8 {rotation}"
+
+
+@functools.cache
+def _our_kernel_reason(device: torch.device, in_features: int, out_features: int, group_size: int,
+                       convrot: bool) -> str | None:
+    # Triton's interpreter runs our kernels on the CPU (the CPU tests' way to check them).
+    reason = None if os.environ.get("TRITON_INTERPRET") == "1" else int8_tensor_core_reason(device)
+    if reason is not None:
+        return reason
+    if convrot and group_size != CONVROT_GROUP:
+        return f"ConvRot group {group_size} (our kernels rotate groups of {CONVROT_GROUP})"
+    if in_features % 16 or out_features % 16:
+        return f"a {out_features}x{in_features} weight (our GEMM takes multiples of 16)"
+    return None
+
+
+_logged_fallbacks: set[str] = set()
+
+
+def _log_fallback_once(reason: str) -> None:
+    if reason not in _logged_fallbacks:
+        _logged_fallbacks.add(reason)
+        logger.info("KV-Graph: INT8 Linears run through comfy-kitchen's int8_linear: %s.", reason)
+
+
+def is_int8_linear(module) -> bool:
+    """Whether `module` is an int8 Linear of any copy of the pack (the pack may be imported twice in a process)."""
+    return getattr(type(module), "kvgraph_int8_linear", False)
 
 
 def per_row_scale(scale: torch.Tensor, rows: int) -> torch.Tensor:

@@ -124,12 +124,24 @@ class _Prepared:
     dtype: torch.dtype  # the model's
 
 
-def _prepare(req: SamplingRequest, sigmas_in, channels: int, device, dtype) -> _Prepared:
-    height, width, batch = req.latent_height, req.latent_width, req.batch_size
-    noise = initial_noise(req.seed, batch, channels, height, width, dtype).to(device)
+def _schedule(req: SamplingRequest, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
     config = req.scheduler_config if req.sigmas is not None else scheduler_config_for(req.sigma_preset,
                                                                                    req.scheduler_config)
-    timesteps, sigmas = build_schedule(config, req.steps, height * width, sigmas_in, req.denoise, device)
+    height, width = req.latent_height, req.latent_width
+    return build_schedule(config, req.steps, height * width, resolve_sigmas(req.sigma_preset, req.steps, req.sigmas),
+                          req.denoise, device, latent_size=(height, width))
+
+
+def check_schedule(req: SamplingRequest) -> None:
+    """Refuse a request whose schedule cannot be computed (an image too large for the resolution-dependent shift)
+    before anything is loaded or allocated for it, so that refusal comes before any about memory."""
+    _schedule(req)
+
+
+def _prepare(req: SamplingRequest, channels: int, device, dtype) -> _Prepared:
+    height, width, batch = req.latent_height, req.latent_width, req.batch_size
+    timesteps, sigmas = _schedule(req, device)
+    noise = initial_noise(req.seed, batch, channels, height, width, dtype).to(device)
     latents = pack(noise)
     if req.init_latents is not None:
         init = pack(req.init_latents.to(device, dtype).expand(batch, -1, -1, -1))
@@ -201,13 +213,12 @@ def sample(
     channels = transformer.config.in_channels
     _validate(req, channels)
     reporter = SampleReporter(on_event, on_step)
-    sigmas_in = resolve_sigmas(req.sigma_preset, req.steps, req.sigmas)
     height, width = req.latent_height, req.latent_width
 
     # Everything below runs outside inference mode so tensors handed to the static graph buffers and compiled
     # blocks are normal tensors (ComfyUI calls nodes under `torch.inference_mode()`).
     with torch.inference_mode(False), torch.no_grad():
-        run = _prepare(req, sigmas_in, channels, device, dtype)
+        run = _prepare(req, channels, device, dtype)
         compile_started = req.compile and engine.enable_compile()
         stats_before = engine.stats.snapshot()
         total = len(run.timesteps)

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from ..errors import InputError
-from ..validation import check_count, check_denoise
+from ..validation import VAE_SCALE, check_count, check_denoise
 
 # Qwen-Image-2.1 Turbo's fixed 8-step grid.
 TURBO_SIGMAS = (1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568)
@@ -59,8 +61,51 @@ def scheduler_config_for(preset: str | None, scheduler_config: dict | None) -> d
     return fixed_grid_scheduler_config(scheduler_config) if preset == "turbo" else scheduler_config
 
 
+def _set_timesteps(config: dict, sigmas, image_seq_len: int, device="cpu") -> FlowMatchEulerDiscreteScheduler:
+    """A scheduler set to `sigmas`, shifted for `image_seq_len` target tokens as the pipeline shifts them."""
+    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
+    # Imported here: the pipeline module takes seconds to import, and the pack imports this module at start-up.
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+
+    mu = calculate_shift(
+        image_seq_len,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", 1.15),
+    )
+    scheduler.set_timesteps(sigmas=sigmas, device=device, mu=mu)
+    return scheduler
+
+
+def _finite(config: dict, sigmas, image_seq_len: int) -> bool:
+    with np.errstate(all="ignore"):  # the overflow is the answer here, not a warning
+        return bool(torch.isfinite(_set_timesteps(config, sigmas, image_seq_len).sigmas).all())
+
+
+def _refusal(config: dict, sigmas, image_seq_len: int, latent_size, explicit: bool) -> InputError:
+    """Why a schedule came out non-finite. The resolution-dependent shift grows with the image: past some size it
+    rounds every sigma to 1 in float32 and the terminal stretch then divides by zero. When a smaller image gets a
+    finite schedule from the same sigmas, the size is named with the largest size that works; else the sigmas."""
+    if not _finite(config, sigmas, 1):
+        return InputError("sigmas", [float(s) for s in sigmas], "a schedule the flow-match scheduler maps to finite "
+                                                                  "sigmas")
+    good, bad = 1, image_seq_len
+    while bad - good > 1:
+        middle = (good + bad) // 2
+        good, bad = (middle, bad) if _finite(config, sigmas, middle) else (good, middle)
+    side = math.isqrt(good) * VAE_SCALE
+    value = f"{image_seq_len} latent tokens"
+    if latent_size is not None:
+        value = f"{latent_size[1] * VAE_SCALE}x{latent_size[0] * VAE_SCALE} px ({value})"
+    grid = "these sigmas" if explicit else f"{len(sigmas)} steps"
+    return InputError("image size", value, f"at most {good} latent tokens (about {side}x{side} px) with {grid}: beyond "
+                                           "that the scheduler's resolution-dependent shift rounds the sigmas to 1, "
+                                           "leaving nothing to denoise")
+
+
 def build_schedule(scheduler_config: dict | None, steps: int, image_seq_len: int, sigmas=None, denoise: float = 1.0,
-                   device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
+                   device="cpu", latent_size: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Return `(timesteps [N], sigmas [N + 1])` exactly as `QwenImage21Pipeline` computes them.
 
     `denoise < 1` keeps the last `steps` steps of a `round(steps / denoise)`-step schedule, as ComfyUI's samplers
@@ -76,6 +121,7 @@ def build_schedule(scheduler_config: dict | None, steps: int, image_seq_len: int
     denoise = check_denoise(denoise)
     config = dict(DEFAULT_SCHEDULER_CONFIG)
     config.update(scheduler_config or {})
+    explicit = sigmas is not None
     if sigmas is None:
         total = steps if denoise >= 1.0 else max(steps, int(round(steps / denoise)))
         sigmas = np.linspace(1.0, 1 / total, total)
@@ -84,22 +130,11 @@ def build_schedule(scheduler_config: dict | None, steps: int, image_seq_len: int
         steps = total if denoise >= 1.0 else max(1, int(round(total * denoise)))
     if float(sigmas[-1]) >= 1.0:
         config["shift_terminal"] = None
-    scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
-    # Imported here: the pipeline module takes seconds to import, and the pack imports this module at start-up.
-    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
-
-    mu = calculate_shift(
-        image_seq_len,
-        config.get("base_image_seq_len", 256),
-        config.get("max_image_seq_len", 4096),
-        config.get("base_shift", 0.5),
-        config.get("max_shift", 1.15),
-    )
-    scheduler.set_timesteps(sigmas=sigmas, device=device, mu=mu)
+    with np.errstate(all="ignore"):  # a schedule that overflows is refused below, with its cause
+        scheduler = _set_timesteps(config, sigmas, image_seq_len, device)
     timesteps, all_sigmas = scheduler.timesteps, scheduler.sigmas
     if not bool(torch.isfinite(all_sigmas).all()):
-        raise InputError("sigmas", [float(s) for s in sigmas], "a schedule the flow-match scheduler maps to finite "
-                                                               "sigmas")
+        raise _refusal(config, sigmas, image_seq_len, latent_size, explicit)
     if len(timesteps) > steps:
         timesteps, all_sigmas = timesteps[-steps:], all_sigmas[-(steps + 1):]
     return timesteps, all_sigmas

@@ -2,8 +2,9 @@
 
 One server (CPU, tiny models) with the pack linked in as custom_nodes/"kv graph e2e", started with `--cache-none` so
 every node of every prompt runs. Each refused input (a model name outside the model folders, a size off the 16 px
-grid at queue time, a release body the JSON parser chokes on) is followed by the same good prompt, whose image must
-equal, pixel for pixel, the one that prompt gave first: a refusal leaves nothing behind.
+grid at queue time, a release body the JSON parser chokes on, a NaN latent or a damaged VAE at the decode, a size too
+large for the schedule, a lone surrogate in a prompt) is followed by the same good prompt, whose image must equal,
+pixel for pixel, the one that prompt gave first: a refusal leaves nothing behind.
 """
 
 from __future__ import annotations
@@ -181,8 +182,8 @@ def nothing_loaded(server):
 
 
 @pytest.mark.parametrize("side, value, fragment", [
-    ("width", 100, "multiple of 16"), ("height", 8, "multiple of 16"), ("width", 0, "multiple of 16"),
-    ("height", 8208, "at most 8192"),
+    ("width", 100, "from 16 to 8192"), ("height", 8, "from 16 to 8192"), ("width", 0, "multiple of 16"),
+    ("height", 8208, "from 16 to 8192"),
 ])
 def test_a_size_off_the_grid_is_refused_when_queued(server, nothing_loaded, side, value, fragment):
     response = server.queue(load_api_workflow(T2I, seed=3, **{side: value}))
@@ -202,6 +203,114 @@ def test_after_refused_sizes_the_good_prompt_loads_and_matches(server, nothing_l
         assert server.queue(load_api_workflow(T2I, seed=3, **{side: value})).status_code == 400
     assert_next_good_prompt_matches(server, reference)
     assert {item["kind"] for item in server.status()["loaded"]} == {"transformer", "text_encoder", "vae"}
+
+
+# -- issue 29: decoded images, sizes and prompts refused by name ----------------------------------------------------
+
+LOAD_LATENT, RESIZE = "80", "81"
+
+
+def save_latent(base, name: str, samples) -> str:
+    """A `.latent` file in ComfyUI's input folder, in the layout core's Load Latent reads (version 0: as stored)."""
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"latent_tensor": samples, "latent_format_version_0": torch.tensor([])}, str(base / "input" / name))
+    return name
+
+
+def damaged_vae_file(base, name: str, damage) -> str:
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(base / "models" / "vae" / VAE_FILE)
+    save_file({k: damage(v) for k, v in tensors.items()}, str(base / "models" / "vae" / name))
+    return name
+
+
+def decode_only(prompt: dict, latent_file: str | None = None, vae_file: str | None = None) -> dict:
+    """The good prompt with its decode fed by core's Load Latent and/or another VAE file."""
+    if latent_file is not None:
+        prompt[LOAD_LATENT] = {"class_type": "LoadLatent", "inputs": {"latent": latent_file}}
+        prompt[DECODE]["inputs"]["latent"] = [LOAD_LATENT, 0]
+    if vae_file is not None:
+        node_of(prompt, "KVGraphLoadVAE")["inputs"]["vae_name"] = vae_file
+    return prompt
+
+
+def test_a_nan_latent_or_a_damaged_vae_fails_the_decode_by_name(server, base, reference):
+    """Before: a latent holding NaN (core Load Latent) or a VAE file of NaN weights saved an all-black image, and an
+    all-zero VAE a flat grey one, each prompt reported as a success. Each now fails at KV-Graph VAE Decode with the
+    cause named; the good prompt after them gives the first image again."""
+    import torch
+
+    samples = torch.randn(1, 64, 6, 8, generator=torch.Generator().manual_seed(0))
+    samples[0, 0, 1, 1] = float("nan")
+    cases = [
+        (decode_only(good_prompt(), latent_file=save_latent(base, "kvgraph_nan.latent", samples)),
+         "latent='a tensor with NaN or infinite values' is invalid", "Load Latent"),
+        (decode_only(good_prompt(), vae_file=damaged_vae_file(base, "kvgraph_e2e_nan_vae.safetensors",
+                                                              lambda t: torch.full_like(t, float("nan")))),
+         "the decoded image holds NaN", "kvgraph_e2e_nan_vae.safetensors"),
+        (decode_only(good_prompt(), vae_file=damaged_vae_file(base, "kvgraph_e2e_zero_vae.safetensors",
+                                                              torch.zeros_like)),
+         "the decoded image is one flat colour", "kvgraph_e2e_zero_vae.safetensors"),
+    ]
+    for prompt, words, cause in cases:
+        entry = server.wait(server.queue_ok(prompt))
+        error = execution_error(entry)
+        assert error["node_type"] == "KVGraphVAEDecode", error
+        assert words in error["exception_message"] and cause in error["exception_message"]
+        assert server.output_images(entry) == []  # no image saved
+    assert_next_good_prompt_matches(server, reference)
+
+
+def test_sizes_and_long_values_are_refused_with_the_limit_that_applies(server, reference):
+    """Before: a 16384x16384 latent (core Upscale Latent into the sampler) was refused as `sigmas=[...] is invalid`
+    though no sigmas were given; a width linked from a primitive passed up to 32768 and was refused as "16 to
+    32768"; a too-long negative prompt was reported as `prompt=`; a 5,000-character model name came back whole."""
+    prompt = good_prompt()
+    prompt[RESIZE] = {"class_type": "LatentUpscale", "inputs": {"samples": [ENCODE, 2], "upscale_method":
+                                                                "nearest-exact", "width": 8192, "height": 8192,
+                                                                "crop": "disabled"}}  # core's 8x: 1024x1024 tokens
+    prompt[SAMPLER]["inputs"]["latent"] = [RESIZE, 0]
+    error = execution_error(server.wait(server.queue_ok(prompt)))
+    assert error["node_type"] == "KVGraphSampler"
+    assert error["exception_message"].startswith("image size='16384x16384 px (1048576 latent tokens)' is invalid")
+    assert "sigmas=" not in error["exception_message"]
+
+    prompt = good_prompt()
+    prompt["92"] = {"class_type": "PrimitiveInt", "inputs": {"value": 16384}}
+    prompt[ENCODE]["inputs"]["width"] = ["92", 0]
+    error = execution_error(server.wait(server.queue_ok(prompt)))
+    assert "width=16384 is invalid: expected a multiple of 16 pixels from 16 to 8192" in error["exception_message"]
+
+    prompt = good_prompt()
+    prompt[ENCODE]["inputs"]["negative_prompt"] = "blurry " * 10_000
+    error = execution_error(server.wait(server.queue_ok(prompt)))
+    assert error["exception_message"].startswith("negative_prompt='70000 characters")
+
+    prompt = good_prompt()
+    node_of(prompt, "KVGraphLoadVAE")["inputs"]["vae_name"] = link_string(prompt, "v" * 4988 + ".safetensors")
+    error = execution_error(server.wait(server.queue_ok(prompt)))
+    assert "was not found" in error["exception_message"] and "(5000 characters)" in error["exception_message"]
+    assert len(error["exception_message"]) < 1000
+    assert_next_good_prompt_matches(server, reference)
+
+
+def test_prompt_text_is_text_and_a_lone_surrogate_is_refused(server, reference):
+    """Before: `<|image_pad|>` in a prompt raised transformers' ValueError and `"\\ud800"` in the API JSON a tokenizers
+    TypeError. Control-token text now runs as text; a lone surrogate is refused naming the prompt."""
+    prompt = good_prompt()
+    prompt[ENCODE]["inputs"]["prompt"] = "a <|image_pad|> beside a <|video_pad|>, <|im_end|>"
+    entry = server.run(prompt)
+    assert len(server.output_images(entry)) == 1
+
+    prompt = good_prompt()
+    prompt[ENCODE]["inputs"]["prompt"] = "a cat \ud800 on a mat"  # sent as the JSON escape "\\ud800"
+    error = execution_error(server.wait(server.queue_ok(prompt)))
+    assert error["node_type"] == "KVGraphTextEncode"
+    assert error["exception_message"].startswith("prompt='text with a lone surrogate U+D800 at character 6'")
+    assert_next_good_prompt_matches(server, reference)
 
 
 # -- POST /kvgraph/release bodies -----------------------------------------------------------------------------------
