@@ -31,6 +31,9 @@ MAX_IMAGE_SIDE = MAX_SIDE_TOKENS * VAE_SCALE  # 32768 px
 # 2048 px target takes 128. The sampler checks the exact total (`check_positions`).
 MAX_PROMPT_TOKENS = 4096
 
+# Reference images one prompt may take: Qwen-Image-2.1's own limit.
+MAX_REFERENCES = 10
+
 # Qwen3-VL's image processor refuses images whose sides differ by more than 200x; a reference also needs at least one
 # vision slot (32 px) per side.
 MAX_REFERENCE_ASPECT = 200

@@ -12,10 +12,11 @@ from .encode import KVGraphTextEncode
 from .loaders import LOADER_NODES
 from .lora import LORA_NODES
 from .sampler import KVGraphSampler
+from .sigmas import KVGraphSigmas
 from .vae import VAE_NODES
 
-NODE_LIST: list[type[io.ComfyNode]] = [*LOADER_NODES, *LORA_NODES, KVGraphTextEncode, KVGraphSampler, *VAE_NODES,
-                                       *CACHE_NODES]
+NODE_LIST: list[type[io.ComfyNode]] = [*LOADER_NODES, *LORA_NODES, KVGraphTextEncode, KVGraphSampler, KVGraphSigmas,
+                                       *VAE_NODES, *CACHE_NODES]
 
 
 class KVGraphExtension(ComfyExtension):

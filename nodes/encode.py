@@ -1,4 +1,4 @@
-"""KVGraphTextEncode: prompt (+ up to three reference images) -> positive / negative CONDITIONING and an empty LATENT.
+"""KVGraphTextEncode: prompt (+ up to 10 reference images) -> positive / negative CONDITIONING and an empty LATENT.
 
 The CONDITIONING is in core ComfyUI's Qwen-Image-2.1 format (vision rows dropped, `image_slots`, raw
 `reference_latents`), so core's sampler can read it too; the KV-Graph sampler reads it back losslessly.
@@ -14,11 +14,25 @@ from ..graph_runtime.comfy_interop.latents import empty_latent
 from ..graph_runtime.comfy_interop.pixels import comfy_image_to_pil
 from ..graph_runtime.encoding.images import prepare_references
 from ..graph_runtime.errors import InputError
-from ..graph_runtime.validation import check_size
+from ..graph_runtime.validation import MAX_REFERENCES, check_size
 from .types import CONDITIONING, TextEncoder, Vae
 from .vae import encode_raw
 
 MAX_SIZE = 8192
+
+
+REFERENCE_SOCKETS = [f"image{i}" for i in range(1, MAX_REFERENCES + 1)]
+
+
+def reference_images(images) -> list:
+    """The connected reference sockets' images in socket order (image1, image2, ...). A socket left empty between
+    connected ones is skipped, so the prompt's image numbers follow the images actually given."""
+    images = images or {}
+    unknown = sorted(set(images) - set(REFERENCE_SOCKETS))
+    if unknown:
+        raise InputError("images", unknown, f"at most {MAX_REFERENCES} reference images, at sockets "
+                                            f"{REFERENCE_SOCKETS[0]} to {REFERENCE_SOCKETS[-1]}")
+    return [images[name] for name in REFERENCE_SOCKETS if images.get(name) is not None]
 
 
 class KVGraphTextEncode(io.ComfyNode):
@@ -55,9 +69,16 @@ class KVGraphTextEncode(io.ComfyNode):
                 Vae.Input("vae", optional=True,
                           tooltip="The KV-Graph VAE; needed when reference images are connected (they enter the "
                                   "transformer as latents)."),
-                io.Image.Input("image1", optional=True, tooltip="First reference image (image 1 in the prompt)."),
-                io.Image.Input("image2", optional=True, tooltip="Second reference image (image 2)."),
-                io.Image.Input("image3", optional=True, tooltip="Third reference image (image 3)."),
+                # min 0: every socket optional (ComfyUI 0.33 requires the first `min`); the template input itself
+                # must not be optional (ComfyUI 0.8 reads only a required one). web/reference_sockets.js gives
+                # frontends that show no socket for min 0 their first one.
+                io.Autogrow.Input("images", optional=True, template=io.Autogrow.TemplateNames(
+                    io.Image.Input("image", tooltip="A reference image: image N in the prompt is the one at socket "
+                                                    "imageN."),
+                    names=REFERENCE_SOCKETS, min=0),
+                    tooltip=f"Up to {MAX_REFERENCES} reference images; connecting one adds the next socket. The "
+                            "prompt calls them image 1, image 2, ... in socket order (the first image of each "
+                            "batch is used)."),
             ],
             outputs=[
                 io.Conditioning.Output(display_name="positive",
@@ -71,10 +92,11 @@ class KVGraphTextEncode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, width=None, height=None):
+    def validate_inputs(cls, width=None, height=None, **_linked):
         """Checked when the prompt is queued, before any loader runs: ComfyUI answers POST /prompt with this node's
         error. ComfyUI skips its own min/max check for inputs validated here, so the bounds are checked too. A side
-        linked from another node is not known yet (None) and is checked by execute."""
+        linked from another node is not known yet (None) and is checked by execute; the other inputs (ComfyUI 0.8 also
+        hands over the linked reference images) are checked by execute."""
         for name, value in (("width", width), ("height", height)):
             if value is None:
                 continue
@@ -86,11 +108,11 @@ class KVGraphTextEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, text_encoder, prompt, negative_prompt, width, height, size_from_reference, reference_resolution,
-                vae=None, image1=None, image2=None, image3=None) -> io.NodeOutput:
+                vae=None, images=None) -> io.NodeOutput:
         width, height = check_size("width", width, MAX_SIZE), check_size("height", height, MAX_SIZE)
         if not isinstance(reference_resolution, int) or reference_resolution < 32:
             raise InputError("reference_resolution", reference_resolution, "an integer of at least 32 pixels")
-        images = [img for img in (image1, image2, image3) if img is not None]
+        images = reference_images(images)
         if images and vae is None:
             raise InputError("vae", None, "a KV-Graph VAE connected: reference images enter the transformer as "
                                           "VAE latents")

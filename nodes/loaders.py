@@ -57,6 +57,8 @@ INT8_TOOLTIP = (
 )
 
 TRANSFORMER_OUT = "The Qwen-Image-2.1 transformer, for the KV-Graph sampler's model input."
+MODEL_OUT = ("The same transformer as a ComfyUI MODEL, for core's samplers (KSampler, SamplerCustomAdvanced with "
+             "KV-Graph Sigmas, ...); its steps replay the same captured graphs.")
 TEXT_ENCODER_OUT = "The Qwen3-VL text encoder with its processor, for the KV-Graph text encode node."
 VAE_OUT = "The Qwen-Image-2.1 VAE, for the KV-Graph VAE nodes and the text encode node's reference images."
 
@@ -188,7 +190,8 @@ class KVGraphLoadTransformer(io.ComfyNode):
                 _int8_input(),
                 _precision_input(),
             ],
-            outputs=[Transformer.Output(display_name="transformer", tooltip=TRANSFORMER_OUT)],
+            outputs=[Transformer.Output(display_name="transformer", tooltip=TRANSFORMER_OUT),
+                     io.Model.Output(display_name="model", tooltip=MODEL_OUT)],
         )
 
     @classmethod
@@ -198,7 +201,8 @@ class KVGraphLoadTransformer(io.ComfyNode):
     @classmethod
     def execute(cls, transformer_name, dtype, int8_weights=KEEP_INT8, precision=DEFAULT_PRECISION) -> io.NodeOutput:
         path = model_files.full_path("diffusion_models", transformer_name, "transformer_name")
-        return io.NodeOutput(transformer_handle(path, dtype, int8_weights=int8_weights, precision=precision))
+        handle = transformer_handle(path, dtype, int8_weights=int8_weights, precision=precision)
+        return io.NodeOutput(handle, handle.model)
 
 
 class KVGraphLoadTextEncoder(io.ComfyNode):
@@ -281,6 +285,7 @@ class KVGraphLoadDiffusers(io.ComfyNode):
                 Transformer.Output(display_name="transformer", tooltip=TRANSFORMER_OUT),
                 TextEncoder.Output(display_name="text_encoder", tooltip=TEXT_ENCODER_OUT),
                 Vae.Output(display_name="vae", tooltip=VAE_OUT),
+                io.Model.Output(display_name="model", tooltip=MODEL_OUT),
             ],
         )
 
@@ -291,7 +296,7 @@ class KVGraphLoadDiffusers(io.ComfyNode):
         transformer = transformer_handle(root, dtype, scheduler, precision=precision)
         text_encoder = text_encoder_handle(root, dtype, text_encoder_placement, tokenizer_dir=None)
         vae = vae_handle(root, dtype)
-        return io.NodeOutput(transformer, text_encoder, vae)
+        return io.NodeOutput(transformer, text_encoder, vae, transformer.model)
 
 
 LOADER_NODES = [KVGraphLoadTransformer, KVGraphLoadTextEncoder, KVGraphLoadVAE, KVGraphLoadDiffusers]

@@ -1,9 +1,10 @@
-"""KVGraphLoadLoRA: chains a LoRA onto a transformer handle; the sampler merges the chain into the weights.
+"""KVGraphLoadLoRA: chains a LoRA onto a KV-Graph transformer handle or MODEL; the sampling run merges the chain into
+the weights.
 
 The node only reads and checks the file (so a wrong file fails here, naming it) and returns the same loaded model
-with its LoRA list extended. Merging waits for the sampler: several workflows can share one loaded model with
-different LoRA sets, and each prompt's sampler merges its own set in place (graphs keep replaying; see
-graph_runtime/lora).
+with its LoRA list extended: a handle for the KV-Graph Sampler, or a clone of the MODEL carrying the chain for core's
+samplers. Merging waits for the run: several workflows can share one loaded model with different LoRA sets, and each
+run merges its own set in place (graphs keep replaying; see graph_runtime/lora).
 """
 
 from __future__ import annotations
@@ -15,7 +16,12 @@ from comfy_api.latest import io
 from ..graph_runtime.errors import InputError
 from ..graph_runtime.lora import LoraChoice, read_lora
 from . import model_files
+from .core_model import kv_model, with_loras
+from .model_handles import TransformerHandle
 from .types import LOADERS, Transformer
+
+# The model socket takes either kind of KV-Graph model and hands on the same kind.
+MODEL_TEMPLATE = io.MatchType.Template("kvgraph_model", allowed_types=[Transformer, io.Model])
 
 LORA_FOLDER = "loras"
 # The name the example workflow uses; offered first so a fresh node shows what a LoRA file looks like.
@@ -37,11 +43,14 @@ class KVGraphLoadLoRA(io.ComfyNode):
             category=LOADERS,
             description=(
                 "Adds a Qwen-Image-2.1 LoRA from models/loras to a KV-Graph transformer; chain several for several "
-                "LoRAs. The sampler merges them into the weights in place at the start of its run (once per change "
-                "of LoRAs or strengths), so decode runs at full speed and captured CUDA graphs keep replaying."
+                "LoRAs; works on the transformer and on the MODEL. The sampler (KV-Graph's, or core's on the MODEL) "
+                "merges them into the weights in place at the start of its run (once per change of LoRAs or "
+                "strengths), so decode runs at full speed and captured CUDA graphs keep replaying."
             ),
             inputs=[
-                Transformer.Input("model", tooltip="A KV-Graph transformer, from a loader or another Load LoRA node."),
+                io.MatchType.Input("model", template=MODEL_TEMPLATE,
+                                   tooltip="A KV-Graph transformer or a KV-Graph MODEL, from a loader or another Load "
+                                           "LoRA node."),
                 io.Combo.Input("lora_name", options=lora_choices(), default=EXAMPLE_LORA,
                                tooltip="A Qwen-Image-2.1 LoRA (.safetensors) in models/loras: PEFT/diffusers, "
                                        "kohya/ComfyUI or DiffSynth key layouts, or full-weight diff files."),
@@ -49,9 +58,10 @@ class KVGraphLoadLoRA(io.ComfyNode):
                                tooltip="How much of the LoRA to merge: 1 as trained, 0 none (the original "
                                        "weights), negative values subtract it."),
             ],
-            outputs=[Transformer.Output(display_name="model",
-                                        tooltip="The same loaded transformer with this LoRA added to its chain; "
-                                                "connect it to the KV-Graph sampler or another Load LoRA node.")],
+            outputs=[io.MatchType.Output(template=MODEL_TEMPLATE, display_name="model",
+                                         tooltip="The same loaded model, of the type connected, with this LoRA added "
+                                                 "to its chain: a transformer for the KV-Graph sampler, a MODEL for "
+                                                 "core's samplers, or another Load LoRA node.")],
         )
 
     @classmethod
@@ -63,8 +73,10 @@ class KVGraphLoadLoRA(io.ComfyNode):
         if not math.isfinite(strength) or abs(strength) > MAX_STRENGTH:
             raise InputError("strength", strength, f"a finite number in [-{MAX_STRENGTH:g}, {MAX_STRENGTH:g}]")
         path = model_files.full_path(LORA_FOLDER, lora_name, "lora_name")
-        lora = read_lora(path, model.module)
-        return io.NodeOutput(model.with_lora(LoraChoice(lora, float(strength))))
+        if isinstance(model, TransformerHandle):
+            return io.NodeOutput(model.with_lora(LoraChoice(read_lora(path, model.module), float(strength))))
+        transformer = kv_model(model).diffusion_model
+        return io.NodeOutput(with_loras(model, [LoraChoice(read_lora(path, transformer), float(strength))]))
 
 
 LORA_NODES = [KVGraphLoadLoRA]

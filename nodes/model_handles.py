@@ -18,13 +18,14 @@ from dataclasses import dataclass, field
 import torch
 
 import comfy.model_management as mm
-import comfy.model_patcher
 
 from ..graph_runtime.encoding.prompt import PromptEncoder
 from ..graph_runtime.lora import merged_loras
 from ..graph_runtime.memory import gib, module_bytes
 from ..graph_runtime.placement import PinnedWeights
 from ..graph_runtime.registry import engine_for
+from .core_model import make_model_patcher, with_loras
+from .patcher import FullLoadPatcher, ModuleHost, same_device  # noqa: F401 - same_device: other nodes import it here
 
 logger = logging.getLogger("kvgraph")
 
@@ -32,74 +33,6 @@ TE_OFFLOAD = "gpu while encoding, then offload"
 TE_GPU = "always gpu"
 TE_CPU = "cpu"
 TE_PLACEMENTS = (TE_OFFLOAD, TE_GPU, TE_CPU)
-
-
-class ModuleHost(torch.nn.Module):
-    """Holds a diffusers / transformers model for a ModelPatcher.
-
-    ModelPatcher keeps its bookkeeping in plain attributes of the module it manages (`device`,
-    `model_loaded_weight_memory`, ...). diffusers and transformers models expose `device` as a read-only property,
-    so they cannot be handed over directly; this host takes the attributes and owns the model as a submodule.
-    """
-
-    def __init__(self, inner: torch.nn.Module, device: torch.device):
-        super().__init__()
-        self.inner = inner
-        self.device = device
-
-    def get_dtype(self):
-        return next(self.inner.parameters()).dtype
-
-
-def same_device(a, b) -> bool:
-    a, b = torch.device(a), torch.device(b)
-    if a.type != b.type:
-        return False
-    return a.type == "cpu" or (a.index or 0) == (b.index or 0)
-
-
-class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
-    """A ModelPatcher that loads the whole model or none of it.
-
-    ComfyUI's lowvram mode streams weights through its own cast-on-use layers; diffusers' layers cannot stream, so a
-    partial load would leave some weights on the CPU while the rest computes on the GPU. When ComfyUI asks for part
-    of the model, it gets all of it; when it frees part, it frees all of it. Moving weights also invalidates captured
-    decode graphs (they read weights at fixed addresses), so unloading tells the owner through `on_unload`.
-    """
-
-    on_unload = None  # callable(patcher), set by the handle
-    placement: PinnedWeights | None = None  # loads copy from its pinned host copy; unloads drop the device copy
-
-    def _resident_on(self, device) -> bool:
-        params = list(self.model.parameters())
-        return bool(params) and all(same_device(p.device, device) for p in params) and self.loaded_size() > 0
-
-    def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
-        if self._resident_on(device_to):
-            return 0
-        before = self.loaded_size()
-        try:
-            if self.placement is not None:
-                self.placement.load(device_to)  # then ComfyUI's own move finds every weight in place
-            self.patch_model(device_to, lowvram_model_memory=0, load_weights=True,
-                             force_patch_weights=force_patch_weights)
-        except BaseException:
-            # An out-of-memory halfway through would leave the model split between devices: put it all back.
-            self.detach(unpatch_all=True)
-            raise
-        return self.loaded_size() - before
-
-    def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
-        freed = self.loaded_size()
-        self.detach(unpatch_all=True)
-        return freed
-
-    def detach(self, unpatch_all=True):
-        if unpatch_all and self.on_unload is not None:
-            self.on_unload(self)
-        if unpatch_all and self.placement is not None:
-            self.placement.offload()  # then ComfyUI's own move to the offload device finds nothing to copy
-        return super().detach(unpatch_all)
 
 
 @dataclass(eq=False)  # handles are compared and hashed by identity, like the models they hold
@@ -118,9 +51,7 @@ class ModelHandle:
     def create(cls, kind: str, module: torch.nn.Module, source: str, dtype_name: str, load_device, offload_device,
                **extra):
         module = module.to(offload_device)
-        host = ModuleHost(module, torch.device(offload_device))
-        patcher = FullLoadPatcher(host, load_device=torch.device(load_device),
-                                  offload_device=torch.device(offload_device), size=module_bytes(module))
+        patcher = cls.make_patcher(module, load_device, offload_device, extra)
         handle = cls(kind=kind, module=module, patcher=patcher, source=source, dtype_name=dtype_name, **extra)
         patcher.on_unload = handle._weights_leaving
         if handle.pinned_host_copy and not same_device(load_device, offload_device):
@@ -130,6 +61,12 @@ class ModelHandle:
 
     # Weights that never change on the GPU get one pinned host copy (placement.py) instead of moves both ways.
     pinned_host_copy = False
+
+    @staticmethod
+    def make_patcher(module, load_device, offload_device, extra: dict) -> FullLoadPatcher:
+        host = ModuleHost(module, torch.device(offload_device))
+        return FullLoadPatcher(host, load_device=torch.device(load_device),
+                               offload_device=torch.device(offload_device), size=module_bytes(module))
 
     @property
     def device(self) -> torch.device:
@@ -194,9 +131,21 @@ class TransformerHandle(ModelHandle):
     base: "TransformerHandle | None" = field(default=None, repr=False)
     last_budget: dict | None = None  # the memory budget of the last request sampled with it (memory_budget.py)
 
+    @staticmethod
+    def make_patcher(module, load_device, offload_device, extra: dict) -> FullLoadPatcher:
+        # The handle's patcher is the core MODEL the loaders output: one patcher, one set of weights for ComfyUI's
+        # model management whichever sampler runs them.
+        return make_model_patcher(module, extra.get("scheduler_config"), extra.get("info", {}).get("variant"),
+                                  load_device, offload_device, size=module_bytes(module))
+
     @property
     def engine(self):
         return engine_for(self.module)
+
+    @property
+    def model(self):
+        """The core MODEL of this loaded transformer (ComfyUI's ModelPatcher), with this handle's LoRA chain."""
+        return with_loras(self.patcher, self.loras) if self.loras else self.patcher
 
     def with_lora(self, choice) -> "TransformerHandle":
         """The same loaded model with `choice` added to its LoRA chain (this handle is left as it is)."""

@@ -13,7 +13,7 @@ from comfy_api.latest import io
 
 from ..graph_runtime.comfy_interop.conditioning import conditioning_to_prompt
 from ..graph_runtime.comfy_interop.latents import (
-    latent_samples, latent_stats, normalized_to_raw, raw_to_normalized,
+    latent_noise_mask, latent_samples, latent_stats, normalized_to_raw, raw_to_normalized,
 )
 from ..graph_runtime.decode import DECODE_MODES
 from ..graph_runtime.errors import InputError
@@ -65,7 +65,9 @@ class KVGraphSampler(io.ComfyNode):
                                       tooltip="Negative conditioning; used only when cfg is above 1 (true CFG, which "
                                               "runs the model twice per step)."),
                 io.Latent.Input("latent", tooltip="Sets the output size and batch; with denoise below 1 it is also "
-                                                  "the image to start from."),
+                                                  "the image to start from. A noise mask on it (Set Latent Noise "
+                                                  "Mask) inpaints as KSampler does: where the mask is 0 the latent "
+                                                  "is kept."),
                 io.Int.Input("seed", default=0, min=0, max=MAX_SEED, control_after_generate=True,
                              tooltip="Noise seed; the same seed gives the same image as the diffusers pipeline. "
                                      "Only its low 32 bits reach the noise (torch's CPU generator, as in diffusers "
@@ -142,18 +144,21 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
     check_seed(int(seed))
     channels = model.module.config.in_channels
     samples = latent_samples(latent, "latent", channels)
-    if latent.get("noise_mask") is not None:
-        logger.warning("KV-Graph: the latent's noise_mask is ignored (masked sampling is not supported); the whole "
-                       "image is sampled.")
     batch, _, height, width = samples.shape
+    mask = latent.get("noise_mask")
+    if mask is not None:  # inpainting, as KSampler does it: the input latent is kept where the mask is 0
+        mask = latent_noise_mask(mask, height, width, "latent noise_mask")
+        if mask.shape[0] not in (1, batch):
+            raise InputError("latent noise_mask", f"{mask.shape[0]} masks", f"1 mask, or one per latent ({batch})")
     stats = latent_stats()
 
-    pos = conditioning_to_prompt(positive, "positive", channels)
+    text_dim = model.module.config.context_in_dim
+    pos = conditioning_to_prompt(positive, "positive", channels, text_dim)
     neg = None
     if cfg > 1.0 and negative is None:
         logger.warning("KV-Graph: cfg %.2f has no effect without a negative conditioning; sampling without CFG.", cfg)
     if cfg > 1.0 and negative is not None:
-        neg = conditioning_to_prompt(negative, "negative", channels)
+        neg = conditioning_to_prompt(negative, "negative", channels, text_dim)
         if not _same_references(pos, neg):
             raise InputError("negative", "conditioning encoded with other reference images",
                              "the same reference images as the positive conditioning")
@@ -167,7 +172,8 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
         reference_latents=[raw_to_normalized(r, stats) for r in pos.reference_latents],
         latent_height=height, latent_width=width, batch_size=batch, seed=int(seed), steps=int(steps),
         sigma_preset=preset, denoise=float(denoise),
-        init_latents=raw_to_normalized(samples, stats) if denoise < 1.0 else None,
+        init_latents=raw_to_normalized(samples, stats) if denoise < 1.0 or mask is not None else None,
+        noise_mask=mask,
         decode_mode=decode_mode, compile=compile == "blocks", scheduler_config=model.scheduler_config,
     )
     check_schedule(request)  # before the memory budget: a size the schedule cannot take is refused as such

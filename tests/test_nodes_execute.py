@@ -29,7 +29,7 @@ def run(env, node_id, **inputs):
 
 
 def load_all(env, dtype="fp32", placement=OFFLOAD):
-    transformer, = run(env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype=dtype)
+    transformer, _ = run(env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype=dtype)
     text_encoder, = run(env, "KVGraphLoadTextEncoder", text_encoder_name=TE_FILE, dtype=dtype,
                         text_encoder_placement=placement)
     vae, = run(env, "KVGraphLoadVAE", vae_name=VAE_FILE, dtype=dtype)
@@ -70,9 +70,9 @@ def test_loaders_return_the_cached_model_for_the_same_file(comfy_env, models):
     assert cache.load_count(transformer.key) == 1 and cache.load_count(vae.key) == 1
     assert transformer.engine is again[0].engine  # the same graph manager answers every workflow
     assert type(transformer.module).__name__ == "QwenImage21Transformer2DModel"
-    assert transformer.patcher.model.inner is transformer.module
+    assert transformer.patcher.model.diffusion_model is transformer.module
     assert text_encoder.processor is not None and vae.module.config.z_dim == 64
-    other, = run(comfy_env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="bf16")
+    other, _ = run(comfy_env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="bf16")
     assert other is not transformer and next(other.module.parameters()).dtype == torch.bfloat16
 
 
@@ -103,7 +103,7 @@ def test_broken_model_file_names_the_file(comfy_env):
 
 
 def test_diffusers_folder_loader(comfy_env):
-    transformer, text_encoder, vae = run(comfy_env, "KVGraphLoadDiffusers", folder="qwen-image-2.1-tiny",
+    transformer, text_encoder, vae, _ = run(comfy_env, "KVGraphLoadDiffusers", folder="qwen-image-2.1-tiny",
                                          dtype="fp32", text_encoder_placement="cpu")
     assert transformer.kind == "transformer" and text_encoder.kind == "text_encoder" and vae.kind == "vae"
     assert transformer.scheduler_config["shift_terminal"] == 0.02
@@ -135,7 +135,7 @@ def test_encode_rejects_sizes_off_the_16px_grid(comfy_env, models, name, value):
 
 def test_reference_images_need_the_vae(comfy_env, models):
     with pytest.raises(ValueError, match="vae"):
-        encode(comfy_env, models[1], image1=image(96, 128))
+        encode(comfy_env, models[1], images={"image1": image(96, 128)})
 
 
 def test_encode_with_references(comfy_env, models):
@@ -143,14 +143,15 @@ def test_encode_with_references(comfy_env, models):
     from graph_runtime.comfy_interop import comfy_image_to_pil
 
     first, second = image(96, 128, 1), image(160, 96, 2, channels=4)
-    positive, negative, latent = encode(comfy_env, models[1], vae=models[2], image1=first, image2=second)
+    positive, negative, latent = encode(comfy_env, models[1], vae=models[2], images={"image1": first, "image2": second})
     extras = positive[0][1]
     assert len(extras["image_slots"]) == 2 and len(extras["reference_latents"]) == 2
     w, h = reference_size(comfy_image_to_pil(second), 128)
     assert extras["reference_latents"][1].shape == (1, 64, h // 16, w // 16)
     assert latent["samples"].shape == (1, 64, h // 16, w // 16)  # sized like the last reference
     assert negative[0][1]["image_slots"] == extras["image_slots"]
-    _, _, fixed = encode(comfy_env, models[1], vae=models[2], image1=first, size_from_reference=False)
+    _, _, fixed = encode(comfy_env, models[1], vae=models[2], images={"image1": first},
+                      size_from_reference=False)
     assert fixed["samples"].shape == (1, 64, 6, 8)
 
 
@@ -241,7 +242,7 @@ def test_sampler_rejects_bad_inputs_by_name(comfy_env, models, case, name):
     elif case == "two_entries":
         positive = positive + positive
     elif case == "negative_refs":
-        with_ref, _, _ = encode(comfy_env, text_encoder, vae=vae, image1=image(96, 128))
+        with_ref, _, _ = encode(comfy_env, text_encoder, vae=vae, images={"image1": image(96, 128)})
         positive, kwargs = with_ref, {"negative": negative, "cfg": 2.0}
     elif case == "preset":
         kwargs = {"sigma_preset": "karras"}
@@ -419,7 +420,7 @@ def test_release_models_then_reload(comfy_env):
         # so the next loader gets it instead of reading the file a third time.
         again.ensure_loaded()
         assert env.pack.nodes.model_cache.handles() == [again]
-        reloaded, = run(env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32")
+        reloaded, _ = run(env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32")
         assert reloaded is again
     finally:
         close_env(env)

@@ -39,7 +39,7 @@ def run(env, node_id, **inputs):
 
 @pytest.fixture(scope="module")
 def prepared(gpu_env):
-    transformer, = run(gpu_env, "KVGraphLoadTransformer", transformer_name="qwen_image_2.1_bf16.safetensors",
+    transformer, _ = run(gpu_env, "KVGraphLoadTransformer", transformer_name="qwen_image_2.1_bf16.safetensors",
                        dtype="fp32")
     text_encoder, = run(gpu_env, "KVGraphLoadTextEncoder", text_encoder_name="qwen3vl_8b_bf16.safetensors",
                         dtype="fp32", text_encoder_placement="gpu while encoding, then offload")

@@ -42,8 +42,10 @@ def test_schema(comfy_env):
     s = comfy_env.nodes["KVGraphLoadLoRA"].define_schema()
     inputs = {i.id: i for i in s.inputs}
     assert list(inputs) == ["model", "lora_name", "strength"] and s.category == "KV-Graph/loaders"
-    assert inputs["model"].io_type == "KVGRAPH_TRANSFORMER"
-    assert [o.io_type for o in s.outputs] == ["KVGRAPH_TRANSFORMER"]
+    # The model socket takes a KV-Graph transformer or a MODEL and hands on the kind it was given.
+    template = inputs["model"].template
+    assert inputs["model"].io_type == "COMFY_MATCHTYPE_V3" and s.outputs[0].template is template
+    assert [t.io_type for t in template.allowed_types] == ["KVGRAPH_TRANSFORMER", "MODEL"]
     assert inputs["strength"].default == 1.0 and inputs["strength"].min < 0 < inputs["strength"].max
     assert all(o.tooltip for o in s.outputs)
     assert all(name.endswith(".safetensors") for name in inputs["lora_name"].options)

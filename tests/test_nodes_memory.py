@@ -31,7 +31,7 @@ def run(env, node_id, **inputs):
 
 @pytest.fixture(scope="module")
 def loaded(comfy_env):
-    transformer, = run(comfy_env, "KVGraphLoadTransformer", transformer_name=FILES[0], dtype="fp32")
+    transformer, _ = run(comfy_env, "KVGraphLoadTransformer", transformer_name=FILES[0], dtype="fp32")
     text_encoder, = run(comfy_env, "KVGraphLoadTextEncoder", text_encoder_name=FILES[1], dtype="fp32",
                         text_encoder_placement="gpu while encoding, then offload")
     vae, = run(comfy_env, "KVGraphLoadVAE", vae_name=FILES[2], dtype="fp32")

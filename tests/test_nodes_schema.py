@@ -17,8 +17,8 @@ from comfy_fake.fixtures import comfy_env  # noqa: E402,F401
 
 EXPECTED_NODES = {
     "KVGraphLoadDiffusers", "KVGraphLoadTransformer", "KVGraphLoadTextEncoder", "KVGraphLoadVAE", "KVGraphLoadLoRA",
-    "KVGraphTextEncode", "KVGraphSampler", "KVGraphVAEDecode", "KVGraphVAEEncode", "KVGraphCacheStatus",
-    "KVGraphReleaseCaches",
+    "KVGraphTextEncode", "KVGraphSampler", "KVGraphSigmas", "KVGraphVAEDecode", "KVGraphVAEEncode",
+    "KVGraphCacheStatus", "KVGraphReleaseCaches",
 }
 # Node ids that core ComfyUI uses for Qwen-Image-2.1 and generic loaders/samplers: ours must never take them.
 CORE_IDS = {"QwenImage21Cache", "TextEncodeQwenImage21", "KSampler", "VAEDecode", "VAEEncode", "UNETLoader",
@@ -102,32 +102,36 @@ def test_encode_schema(comfy_env):
     inputs = {i.id: i for i in s.inputs}
     assert inputs["text_encoder"].io_type == "KVGRAPH_TEXT_ENCODER"
     assert [i.id for i in s.inputs] == ["text_encoder", "prompt", "negative_prompt", "width", "height",
-                                        "size_from_reference", "reference_resolution", "vae", "image1", "image2",
-                                        "image3"]
+                                        "size_from_reference", "reference_resolution", "vae", "images"]
     assert inputs["prompt"].multiline and inputs["negative_prompt"].multiline
     assert inputs["negative_prompt"].default == "" and not inputs["negative_prompt"].optional  # as core's node
     for side in ("width", "height"):
         assert (inputs[side].default, inputs[side].step, inputs[side].min) == (1024, 16, 16)
     assert inputs["vae"].io_type == "KVGRAPH_VAE" and inputs["vae"].optional
-    for name in ("image1", "image2", "image3"):
-        assert inputs[name].io_type == "IMAGE" and inputs[name].optional
+    # Up to 10 reference sockets that grow as they are connected (the model's limit), none of them required: min 0
+    # (ComfyUI 0.33 requires the first `min`), and a template ComfyUI 0.8 can read (it reads only a required one).
+    images = inputs["images"]
+    assert images.io_type == "COMFY_AUTOGROW_V3" and images.optional
+    assert images.template.names == [f"image{i}" for i in range(1, 11)] and images.template.min == 0
+    assert images.template.input.io_type == "IMAGE" and not images.template.input.optional
     assert inputs["reference_resolution"].default == 1024
     assert [o.io_type for o in s.outputs] == ["CONDITIONING", "CONDITIONING", "LATENT"]
     assert [o.display_name for o in s.outputs] == ["positive", "negative", "latent"]
 
 
-@pytest.mark.parametrize("node_id, name_input, folder_default, out_type", [
-    ("KVGraphLoadTransformer", "transformer_name", "qwen_image_2.1_int8_convrot.safetensors", "KVGRAPH_TRANSFORMER"),
-    ("KVGraphLoadTextEncoder", "text_encoder_name", "qwen3vl_8b_int8_convrot.safetensors", "KVGRAPH_TEXT_ENCODER"),
-    ("KVGraphLoadVAE", "vae_name", "qwen_image_2.1_vae_bf16.safetensors", "KVGRAPH_VAE"),
+@pytest.mark.parametrize("node_id, name_input, folder_default, out_types", [
+    ("KVGraphLoadTransformer", "transformer_name", "qwen_image_2.1_int8_convrot.safetensors",
+     ["KVGRAPH_TRANSFORMER", "MODEL"]),
+    ("KVGraphLoadTextEncoder", "text_encoder_name", "qwen3vl_8b_int8_convrot.safetensors", ["KVGRAPH_TEXT_ENCODER"]),
+    ("KVGraphLoadVAE", "vae_name", "qwen_image_2.1_vae_bf16.safetensors", ["KVGRAPH_VAE"]),
 ])
-def test_single_file_loader_schemas(comfy_env, node_id, name_input, folder_default, out_type):
+def test_single_file_loader_schemas(comfy_env, node_id, name_input, folder_default, out_types):
     s = schema(comfy_env, node_id)
     inputs = {i.id: i for i in s.inputs}
     assert inputs[name_input].default == folder_default
     assert inputs[name_input].options[0] == folder_default  # offered even before the file is downloaded
     assert inputs["dtype"].options == ["bf16", "fp16", "fp32"] and inputs["dtype"].default == "bf16"
-    assert [o.io_type for o in s.outputs] == [out_type]
+    assert [o.io_type for o in s.outputs] == out_types  # the transformer also as a core MODEL
 
 
 def test_text_encoder_placement_options(comfy_env):
@@ -140,7 +144,7 @@ def test_text_encoder_placement_options(comfy_env):
 def test_diffusers_loader_lists_pipeline_folders(comfy_env):
     s = schema(comfy_env, "KVGraphLoadDiffusers")
     assert inputs_by_id(comfy_env, "KVGraphLoadDiffusers")["folder"].options == ["qwen-image-2.1-tiny"]
-    assert [o.io_type for o in s.outputs] == ["KVGRAPH_TRANSFORMER", "KVGRAPH_TEXT_ENCODER", "KVGRAPH_VAE"]
+    assert [o.io_type for o in s.outputs] == ["KVGRAPH_TRANSFORMER", "KVGRAPH_TEXT_ENCODER", "KVGRAPH_VAE", "MODEL"]
 
 
 def test_cache_nodes_are_output_nodes_that_always_run(comfy_env):

@@ -2,10 +2,11 @@
 // when it opens), toasts when decode steps fall back to eager, a "Release KV-Graph caches" command and an about-page
 // badge.
 //
-// ComfyUI imports every .js file under the pack's WEB_DIRECTORY; only this one has side effects (registering the
-// extension), the others just export. Only the frontend's stable public modules are imported (scripts/app.js and
-// scripts/api.js); everything on `app.extensionManager` is feature-detected because older frontends lack parts of it
-// and the pack must still load there.
+// ComfyUI imports every .js file under the pack's WEB_DIRECTORY. This one registers the panel's extension;
+// reference_sockets.js (the encode node's first reference socket) and report_text.js (the cache nodes' report on the
+// node) register their own small ones; the others just export. Only the frontend's stable public modules are
+// imported (scripts/app.js and scripts/api.js); everything on `app.extensionManager` is feature-detected because older
+// frontends lack parts of it and the pack must still load there.
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";

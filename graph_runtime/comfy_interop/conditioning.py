@@ -49,12 +49,13 @@ def _reference_latent(ref, name: str, index: int, channels: int) -> torch.Tensor
     return ref[:1]
 
 
-def conditioning_to_prompt(conditioning, name: str = "positive",
-                           channels: int = LATENT_CHANNELS) -> ParsedConditioning:
+def conditioning_to_prompt(conditioning, name: str = "positive", channels: int = LATENT_CHANNELS,
+                           text_dim: int | None = None) -> ParsedConditioning:
     """Core CONDITIONING (from core's TextEncodeQwenImage21 or this pack's encode node) -> PromptEmbeds + references.
 
     The vision slots are re-expanded: for reference `i` of `h x w` latent tokens, `h*w/4` rows marked in
     `image_mask` are inserted at `image_slots[i]`, as core's transformer splices the reference at that index.
+    `text_dim`: the width the transformer reads (another model's text encoder gives another one).
     """
     expected = ("CONDITIONING from a Qwen-Image-2.1 text encode node: one entry [cond [B, T, C], {...}] (combined "
                 "or area conditioning is not supported)")
@@ -68,6 +69,10 @@ def conditioning_to_prompt(conditioning, name: str = "positive",
     cond, extras = entry[0], dict(entry[1] or {})
     if cond.dim() != 3:
         raise InputError(name, f"cond of shape {list(cond.shape)}", expected)
+    if text_dim is not None and cond.shape[2] != text_dim:
+        raise InputError(name, f"conditioning of width {cond.shape[2]} (another model's text encoder)",
+                         f"Qwen-Image-2.1 conditioning of width {text_dim}, from the KV-Graph encode node or core's "
+                         "Qwen-Image-2.1 text encode node")
     batch, length = cond.shape[0], cond.shape[1]
 
     refs = [_reference_latent(r, name, i, channels) for i, r in enumerate(extras.get("reference_latents") or [])]

@@ -74,3 +74,13 @@ def latent_samples(latent, name: str = "latent", channels: int = LATENT_CHANNELS
 def empty_latent(width: int, height: int, batch_size: int = 1, channels: int = LATENT_CHANNELS) -> dict:
     """An all-zero LATENT of the given pixel size, as core's Qwen-Image-2.1 encode node makes it."""
     return {"samples": torch.zeros(batch_size, channels, height // VAE_SCALE, width // VAE_SCALE)}
+
+
+def latent_noise_mask(mask, height: int, width: int, name: str = "noise_mask") -> torch.Tensor:
+    """A LATENT's `noise_mask` (e.g. from SetLatentNoiseMask: `[N, 1, H, W]` or `[N, H, W]`, any resolution, 1 where
+    to sample) as `[N, 1, height, width]` float32 at the latent's size, resized as core's `reshape_mask` does it
+    (bilinear)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() < 2:
+        raise InputError(name, type(mask).__name__, "a mask tensor [batch, height, width] with values in [0, 1]")
+    mask = mask.float().reshape(-1, 1, mask.shape[-2], mask.shape[-1])
+    return torch.nn.functional.interpolate(mask, size=(height, width), mode="bilinear")

@@ -21,8 +21,9 @@ from ..encoding.prompt import PromptEmbeds
 from ..errors import InputError
 from ..validation import check_cfg, check_count, check_denoise, check_finite, check_positions, check_seed
 from .finite_watch import FiniteWatch
+from .inpaint import Inpaint
 from .reporter import SampleReporter
-from .schedule import build_schedule, euler_step, resolve_sigmas, scheduler_config_for
+from .schedule import euler_step, model_timestep, resolve_sigmas, schedule_for
 
 logger = logging.getLogger("kvgraph")
 
@@ -45,7 +46,8 @@ class SamplingRequest:
     sigma_preset: str = "dynamic"
     sigmas: list[float] | None = None
     denoise: float = 1.0
-    init_latents: torch.Tensor | None = None  # [B, C, h, w] normalized space, for denoise < 1
+    init_latents: torch.Tensor | None = None  # [B, C, h, w] normalized space, for denoise < 1 or a noise mask
+    noise_mask: torch.Tensor | None = None  # [1 or B, 1, h, w]: 1 samples anew, 0 keeps init_latents (inpainting)
     decode_mode: str = "auto"
     # Compiled blocks: the same step time as the captured eager blocks once our kernels do the fusing, and seconds
     # more on a first prompt (docs/performance.md), so off by default; skipped automatically off CUDA.
@@ -110,6 +112,14 @@ def _validate(req: SamplingRequest, in_channels: int) -> None:
                 or tuple(init.shape[1:]) != (in_channels, req.latent_height, req.latent_width)):
             raise InputError("input latent", tuple(getattr(init, "shape", ())) or type(init).__name__, expected)
         check_finite("input latent", init, "an input latent with NaN/inf, e.g. from a VAE with damaged weights")
+    if req.noise_mask is not None:
+        mask = req.noise_mask
+        expected = f"a tensor [1 or {req.batch_size}, 1, {req.latent_height}, {req.latent_width}] with an input latent"
+        if (req.init_latents is None or not isinstance(mask, torch.Tensor) or mask.dim() != 4
+                or mask.shape[0] not in (1, req.batch_size)
+                or tuple(mask.shape[1:]) != (1, req.latent_height, req.latent_width)):
+            raise InputError("noise mask", tuple(getattr(mask, "shape", ())) or type(mask).__name__, expected)
+        check_finite("noise mask", mask, "a mask with NaN/inf values")
 
 
 @dataclass
@@ -122,14 +132,13 @@ class _Prepared:
     cond_tokens: torch.Tensor | None  # [B, reference tokens, C] packed reference latents, prepended at prefill
     branches: dict  # name -> (layout, embeds, text mask); "cond" first, "uncond" with CFG
     dtype: torch.dtype  # the model's
+    inpaint: Inpaint | None = None  # a noise mask's region kept (inpaint.py)
 
 
 def _schedule(req: SamplingRequest, device="cpu") -> tuple[torch.Tensor, torch.Tensor]:
-    config = req.scheduler_config if req.sigmas is not None else scheduler_config_for(req.sigma_preset,
-                                                                                   req.scheduler_config)
     height, width = req.latent_height, req.latent_width
-    return build_schedule(config, req.steps, height * width, resolve_sigmas(req.sigma_preset, req.steps, req.sigmas),
-                          req.denoise, device, latent_size=(height, width))
+    return schedule_for(req.sigma_preset, req.steps, height * width, req.scheduler_config, req.denoise, req.sigmas,
+                        device, latent_size=(height, width))
 
 
 def check_schedule(req: SamplingRequest) -> None:
@@ -143,10 +152,16 @@ def _prepare(req: SamplingRequest, channels: int, device, dtype) -> _Prepared:
     timesteps, sigmas = _schedule(req, device)
     noise = initial_noise(req.seed, batch, channels, height, width, dtype).to(device)
     latents = pack(noise)
+    inpaint = None
     if req.init_latents is not None:
         init = pack(req.init_latents.to(device, dtype).expand(batch, -1, -1, -1))
         start = sigmas[0]
         latents = (start * latents.float() + (1.0 - start) * init.float()).to(dtype)
+        if req.noise_mask is not None:
+            full = pack(req.init_latents.to(device, torch.float32).expand(batch, -1, -1, -1))
+            mask = req.noise_mask.to(device, torch.float32).expand(batch, -1, -1, -1)
+            inpaint = Inpaint.packed(mask, pack(noise), full)
+            latents = start * inpaint.noise + (1.0 - start) * inpaint.init  # float32 from the start
     elif req.denoise < 1.0:
         raise InputError("denoise", req.denoise, "1.0 unless an input latent to start from is given")
 
@@ -159,19 +174,15 @@ def _prepare(req: SamplingRequest, channels: int, device, dtype) -> _Prepared:
     for name, embeds in [("cond", req.positive)] + ([("uncond", req.negative)] if req.do_cfg else []):
         layout = TokenLayout.build(embeds.image_mask, img_shapes, device)
         branches[name] = (layout, *embeds.for_batch(batch, device, dtype))
-    return _Prepared(latents, timesteps, sigmas, cond_tokens, branches, dtype)
-
-
-def _model_timestep(t: torch.Tensor, batch: int, dtype) -> torch.Tensor:
-    """A schedule timestep (0..1000) as the transformer takes it: per sample, in [0, 1], in the model's dtype."""
-    return t.expand(batch).to(dtype) / 1000
+    return _Prepared(latents, timesteps, sigmas, cond_tokens, branches, dtype, inpaint)
 
 
 def _prefill(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, prefixes: dict) -> None:
     """Each branch's prefix rows, once, at step 1's timestep, into `prefixes` (filled as they finish, so the
     caller releases whatever was made if a later branch fails)."""
-    timestep = _model_timestep(run.timesteps[0], req.batch_size, run.dtype)
-    hidden = run.latents if run.cond_tokens is None else torch.cat([run.cond_tokens, run.latents], dim=1)
+    timestep = model_timestep(run.timesteps[0].expand(req.batch_size), run.dtype)
+    latents = run.latents.to(run.dtype)
+    hidden = latents if run.cond_tokens is None else torch.cat([run.cond_tokens, latents], dim=1)
     for name, (layout, embeds, text_mask) in run.branches.items():
         _, prefixes[name] = engine.prefill(layout, hidden, embeds, timestep, text_mask, branch=name,
                                            mode=req.decode_mode, with_target=False)
@@ -181,10 +192,11 @@ def _denoise_step(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, pr
                   latents: torch.Tensor, i: int, reporter: SampleReporter) -> tuple[torch.Tensor, list[str]]:
     """Step `i + 1`: every branch's decode step, the CFG combination and the Euler update. Returns the new latents
     and the path each branch took."""
-    timestep = _model_timestep(run.timesteps[i], req.batch_size, run.dtype)
+    timestep = model_timestep(run.timesteps[i].expand(req.batch_size), run.dtype)
+    model_input = latents if run.inpaint is None else run.inpaint.model_input(latents, run.sigmas[i])
     preds, paths = {}, []
     for name in run.branches:
-        outcome = engine.decode(prefixes[name], latents, timestep, req.decode_mode)
+        outcome = engine.decode(prefixes[name], model_input.to(run.dtype), timestep, req.decode_mode)
         preds[name] = outcome.output
         paths.append(outcome.path)
         reporter.decoded(i + 1, name, outcome)
@@ -192,6 +204,8 @@ def _denoise_step(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, pr
     noise_pred = preds["cond"]
     if "uncond" in preds:
         noise_pred = preds["uncond"] + req.cfg * (noise_pred - preds["uncond"])
+    if run.inpaint is not None:
+        return run.inpaint.step(latents, model_input, noise_pred, run.sigmas[i], run.sigmas[i + 1]), paths
     return euler_step(latents, noise_pred, run.sigmas[i], run.sigmas[i + 1]), paths
 
 
@@ -213,6 +227,7 @@ def sample(
     channels = transformer.config.in_channels
     _validate(req, channels)
     reporter = SampleReporter(on_event, on_step)
+    resolve_sigmas(req.sigma_preset, req.steps, req.sigmas)  # a bad preset or grid fails before any work
     height, width = req.latent_height, req.latent_width
 
     # Everything below runs outside inference mode so tensors handed to the static graph buffers and compiled

@@ -64,17 +64,7 @@ def scheduler_config_for(preset: str | None, scheduler_config: dict | None) -> d
 def _set_timesteps(config: dict, sigmas, image_seq_len: int, device="cpu") -> FlowMatchEulerDiscreteScheduler:
     """A scheduler set to `sigmas`, shifted for `image_seq_len` target tokens as the pipeline shifts them."""
     scheduler = FlowMatchEulerDiscreteScheduler.from_config(config)
-    # Imported here: the pipeline module takes seconds to import, and the pack imports this module at start-up.
-    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
-
-    mu = calculate_shift(
-        image_seq_len,
-        config.get("base_image_seq_len", 256),
-        config.get("max_image_seq_len", 4096),
-        config.get("base_shift", 0.5),
-        config.get("max_shift", 1.15),
-    )
-    scheduler.set_timesteps(sigmas=sigmas, device=device, mu=mu)
+    scheduler.set_timesteps(sigmas=sigmas, device=device, mu=_shift(config, image_seq_len))
     return scheduler
 
 
@@ -138,6 +128,50 @@ def build_schedule(scheduler_config: dict | None, steps: int, image_seq_len: int
     if len(timesteps) > steps:
         timesteps, all_sigmas = timesteps[-steps:], all_sigmas[-(steps + 1):]
     return timesteps, all_sigmas
+
+
+def schedule_for(preset: str | None, steps: int, image_seq_len: int, scheduler_config: dict | None,
+                 denoise: float = 1.0, sigmas=None, device="cpu",
+                 latent_size: tuple[int, int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`(timesteps [N], sigmas [N + 1])` of a preset ("dynamic" / "turbo") or of explicit `sigmas`, for an image of
+    `image_seq_len` latent tokens: what the KV-Graph Sampler samples over and what the KV-Graph Sigmas node hands
+    core's samplers, so the two are one schedule."""
+    grid = resolve_sigmas(preset, steps, sigmas)
+    config = scheduler_config if sigmas is not None else scheduler_config_for(preset, scheduler_config)
+    return build_schedule(config, steps, image_seq_len, grid, denoise, device, latent_size=latent_size)
+
+
+def _shift(config: dict, image_seq_len: int) -> float:
+    """The pipeline's resolution-dependent shift `mu` (diffusers' `calculate_shift`) for `config` (complete)."""
+    # Imported here: the pipeline module takes seconds to import, and the pack imports this module at start-up.
+    from diffusers.pipelines.qwenimage21.pipeline_qwenimage21 import calculate_shift
+
+    return calculate_shift(
+        image_seq_len,
+        config.get("base_image_seq_len", 256),
+        config.get("max_image_seq_len", 4096),
+        config.get("base_shift", 0.5),
+        config.get("max_shift", 1.15),
+    )
+
+
+def dynamic_shift(scheduler_config: dict | None, width: int, height: int) -> float:
+    """The shift `mu` of the model's dynamic schedule for a `width` x `height` px image: with the exponential time
+    shift it maps sigma t to exp(mu) / (exp(mu) + 1/t - 1), which is core's `ModelSamplingFlux` at shift mu."""
+    config = {**DEFAULT_SCHEDULER_CONFIG, **(scheduler_config or {})}
+    return _shift(config, (height // VAE_SCALE) * (width // VAE_SCALE))
+
+
+def model_timestep(timesteps: torch.Tensor, dtype) -> torch.Tensor:
+    """Schedule timesteps (0..1000) as the transformer takes them: rounded to the model's dtype at the 0..1000 scale,
+    then divided, as `QwenImage21Pipeline` does; so the same sigma gives the same timestep bits on every path."""
+    return timesteps.to(dtype) / 1000
+
+
+def sigma_timestep(sigma: torch.Tensor, dtype) -> torch.Tensor:
+    """A sigma (what core samplers pass a model) as the transformer's timestep: the scheduler's timestep is
+    `sigma * 1000` in float32, then `model_timestep`."""
+    return model_timestep(sigma.float() * 1000, dtype)
 
 
 def euler_step(latents: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor):

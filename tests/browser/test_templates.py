@@ -7,7 +7,7 @@ thumbnail served; the template browser shows one card per example, its title who
 click on a card opens that workflow at its view. Each example opens in a 1600x1000 window (no panel; the minimap on,
 as on a new install) with every node inside the canvas, clear of the minimap and the bars; in a 1920x1080 window
 with the KV-Graph panel open, with every node right of the panel; every node at least as large as the frontend
-needs, no widget's label or value cut short, no note's text scrolled out of sight.
+needs, no widget's label or value cut short, no title cut short, no note's text scrolled out of sight.
 
 Screenshots of every example in both windows as the template browser opens it, and of the template browser, go to
 tests/artifacts/; with KVGRAPH_EXAMPLE_SCREENSHOTS=1 also to docs/examples/ (what docs/examples.md shows).
@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -63,6 +64,7 @@ def drawn_nodes(page) -> dict:
             return [b.left, b.top, b.right, b.bottom];
         };
         const ctx = app.canvas.canvas.getContext('2d');
+        const titleHeight = (window.LiteGraph ?? window.comfyAPI.litegraph.LiteGraph).NODE_TITLE_HEIGHT;
         ctx.save();
         ctx.font = app.canvas.inner_text_font;
         const nodes = app.graph.nodes.map(n => {
@@ -80,7 +82,11 @@ def drawn_nodes(page) -> dict:
             const note = n.type === 'MarkdownNote' ? n.widgets[0].element?.querySelector('.ProseMirror') : null;
             const hidden = note ? Array.from(note.children).some(
                 c => c.getBoundingClientRect().bottom > note.getBoundingClientRect().bottom + 1) : false;
-            return { title: n.title, size: [...n.size], needs: [...n.computeSize()], cut, hidden,
+            // 1.58 cuts a title short where it is wider than the node less twice the title bar's height.
+            ctx.font = app.canvas.title_text_font;
+            const titleCut = ctx.measureText(n.title).width > n.size[0] - 2 * titleHeight;
+            ctx.font = app.canvas.inner_text_font;
+            return { title: n.title, size: [...n.size], needs: [...n.computeSize()], cut, hidden, titleCut,
                      box: [left + canvas.left, top + canvas.top, right + canvas.left, bottom + canvas.top] };
         });
         ctx.restore();
@@ -102,6 +108,7 @@ def check_nodes(result, workflow):
             f"{node['title']}: {node['size']} is smaller than the frontend needs ({node['needs']})")
         assert node["cut"] == [], f"{node['title']}: these widgets do not fit its width: {node['cut']}"
         assert not node["hidden"], f"{node['title']}: its text does not fit the note"
+        assert not node["titleCut"], f"{node['title']}: the title does not fit the node's width"
 
 
 def screenshot(page, artifacts, name: str):
@@ -201,18 +208,27 @@ def test_the_template_browser_shows_each_card_with_its_title_and_thumbnail(windo
     page.on("response", record)
     try:
         open_template_browser(page, pack_folder)
+        # The browser draws the cards in view: every title listed and each thumbnail drawn shown at full size...
         cards = page.wait_for_function("""([selector, titles, side]) => {
             const dialog = document.querySelector(selector);
             if (!dialog) return false;
-            const shown = Array.from(dialog.querySelectorAll('img')).filter(i => i.complete && i.naturalWidth === side);
+            const images = Array.from(dialog.querySelectorAll('img'));
+            if (!images.length || !images.every(i => i.complete && i.naturalWidth === side)) return false;
             // The element showing each title: the innermost one whose whole text is the title.
             const cards = titles.map(title => Array.from(dialog.querySelectorAll('*')).filter(
                 e => e.children.length === 0 && e.textContent.trim() === title)[0]);
-            if (shown.length < titles.length || cards.some(c => !c)) return false;
+            if (cards.some(c => !c)) return false;
             return cards.map(c => ({ title: c.textContent.trim(), whole: c.scrollWidth <= c.clientWidth + 1 }));
         }""", arg=[DIALOG, titles, THUMBNAIL_SIDE], timeout=20_000).json_value()
         page.wait_for_timeout(500)
         screenshot(page, artifacts, "template-browser")
+        # ...then scroll through the cards until every thumbnail was fetched, however many fit the window.
+        deadline = time.time() + 20
+        while {n for n, _ in fetched} < {f"{title}.jpg" for title in titles} and time.time() < deadline:
+            page.evaluate("""(selector) => document.querySelectorAll(`${selector} *`).forEach(el => {
+                if (el.scrollHeight > el.clientHeight + 4) el.scrollTop += el.clientHeight / 2;
+            })""", DIALOG)
+            page.wait_for_timeout(300)
     finally:
         page.remove_listener("response", record)
     assert sorted(set(fetched)) == [(f"{title}.jpg", 200) for title in sorted(titles)]

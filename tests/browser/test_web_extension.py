@@ -357,7 +357,7 @@ def test_example_workflow_loads_without_missing_nodes(page, path):
             errored: nodes.filter(n => n.has_errors).map(n => n.type),
             calls: calls.map(c => c[0]),
             dialogs: Array.from(document.querySelectorAll('[role=dialog]')).map(d => d.innerText.slice(0, 200)),
-            samplers: nodes.filter(n => n.type === 'KVGraphSampler').length,
+            samplers: nodes.filter(n => ['KVGraphSampler', 'KSampler', 'SamplerCustomAdvanced'].includes(n.type)).length,
         };
     }""", json.loads(path.read_text()))
     assert result["count"] == len(json.loads(path.read_text())["nodes"])
@@ -425,3 +425,27 @@ def test_view_beside_panel_shrinks_only_what_does_not_fit(page, pack_folder):
     assert shrunk["offset"][0] * shrunk["scale"] == pytest.approx(430 + margin)
     assert (325 + shrunk["offset"][1]) * shrunk["scale"] == pytest.approx(325 + 100)
     assert (900 - 430 - 2 * margin) / 1000 < out["MIN_SCALE"] and out["tooSmall"] is None
+
+
+def test_the_encode_nodes_reference_sockets_grow_as_they_are_connected(page):
+    """A new encode node offers one reference socket (`images.image1`: the frontend's Autogrow, or the pack's first
+    socket where the frontend shows none for all-optional sockets); connecting an image to it adds the next one."""
+    result = page.evaluate("""async () => {
+        const graph = window.app.graph;
+        const encode = LiteGraph.createNode("KVGraphTextEncode");
+        const image = LiteGraph.createNode("LoadImage");
+        graph.add(encode);
+        graph.add(image);
+        await new Promise(r => setTimeout(r, 300));
+        const names = () => encode.inputs.filter(i => i.name.startsWith("images.")).map(i => i.name);
+        const before = names();
+        image.connect(0, encode, encode.inputs.findIndex(i => i.name === "images.image1"));
+        await new Promise(r => setTimeout(r, 300));
+        const after = names();
+        graph.remove(encode);
+        graph.remove(image);
+        return { before, after };
+    }""")
+    assert result["before"] == ["images.image1"]
+    assert result["after"] == ["images.image1", "images.image2"]
+    assert page.errors == []

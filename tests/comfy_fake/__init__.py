@@ -3,7 +3,8 @@ ComfyUI does. The real thing is exercised by tests/e2e against an actual ComfyUI
 
 Installed into `sys.modules` only for as long as a test fixture holds them:
     comfy_api.latest (io, ComfyExtension), folder_paths, comfy.model_management, comfy.model_patcher, comfy.utils,
-    comfy.cli_args, comfy.text_encoders, comfy_execution.utils, server, aiohttp.web (only if aiohttp is missing).
+    comfy.cli_args, comfy.text_encoders, comfy_execution.utils, server, aiohttp.web (only if aiohttp is missing),
+    and the core sampling stack the pack's MODEL is built on (comfy.model_base and friends: core.py).
 Each fake mirrors the real contract the pack relies on (e.g. load_models_gpu moves the model through the patcher's
 `partially_load`, as ComfyUI's LoadedModel.model_load does, and lists it in `current_loaded_models`; every progress
 update is an interrupt check, as the hook ComfyUI's main.py installs is; `get_free_memory` reports `free_memory` when
@@ -12,6 +13,7 @@ a test sets it).
 
 from __future__ import annotations
 
+import copy
 import enum
 import importlib.util
 import shutil
@@ -24,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from . import core as fake_core
 from . import io as fake_io
 
 PACK_ROOT = Path(__file__).resolve().parents[2]
@@ -41,7 +44,9 @@ class ModelPatcher:
     def __init__(self, model, load_device, offload_device, size=0, weight_inplace_update=False):
         self.model, self.load_device, self.offload_device, self.size = model, load_device, offload_device, size
         self.patches, self.model_options, self.parent = {}, {"transformer_options": {}}, None
+        self.weight_inplace_update = weight_inplace_update
         self.patches_uuid = uuid.uuid4()
+        self.attachments, self.wrappers, self.object_patches = {}, {}, {}
         if not hasattr(model, "device"):
             model.device = offload_device
         for name, value in (("model_loaded_weight_memory", 0), ("lowvram_patch_counter", 0),
@@ -49,6 +54,31 @@ class ModelPatcher:
             if not hasattr(model, name):
                 setattr(model, name, value)
         self.calls = []
+
+    def clone(self):
+        """ComfyUI's clone: a new patcher over the same model, with copies of its patches, options, attachments and
+        wrappers (instance attributes the patcher's class does not copy are not carried)."""
+        n = self.__class__(self.model, self.load_device, self.offload_device, self.model_size(),
+                           weight_inplace_update=self.weight_inplace_update)
+        n.patches = {k: list(v) for k, v in self.patches.items()}
+        n.patches_uuid, n.parent = self.patches_uuid, self
+        n.model_options = copy.deepcopy(self.model_options)
+        n.attachments = dict(self.attachments)
+        n.wrappers = {k: {kk: list(vv) for kk, vv in v.items()} for k, v in self.wrappers.items()}
+        n.object_patches = dict(self.object_patches)
+        return n
+
+    def is_clone(self, other):
+        return getattr(other, "model", None) is self.model
+
+    def add_wrapper_with_key(self, wrapper_type, key, wrapper):
+        self.wrappers.setdefault(wrapper_type, {}).setdefault(key, []).append(wrapper)
+
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+        self.patches_uuid = uuid.uuid4()
+        for key, patch in patches.items():
+            self.patches.setdefault(key, []).append((strength_patch, patch, strength_model))
+        return list(patches)
 
     def model_size(self):
         if self.size > 0:
@@ -95,7 +125,6 @@ class FakeComfy:
         self.interrupted = False
         self.progress = []  # (value, total, preview) per ProgressBar update
         self.sent = []  # (event, data) per send_sync
-        self.texts = []  # (node id, text, client) per send_progress_text
         self.load_calls = []  # kwargs of each load_models_gpu call
         self.free_memory = None  # what get_free_memory reports (bytes); None: the device's own figure
         self.context = None  # ExecutionContext the node runs under
@@ -232,6 +261,9 @@ class FakeComfy:
         if self.real_comfy is None:
             m.update({"comfy": comfy, "comfy.model_management": mm, "comfy.model_patcher": mp, "comfy.utils": utils,
                       "comfy.cli_args": cli, "comfy.text_encoders": te})
+            for name, module in fake_core.modules().items():  # the core sampling stack the MODEL is built on
+                m[name] = module
+                setattr(comfy, name.split(".")[1], module)
 
         ex = types.ModuleType("comfy_execution")
         ex_utils = types.ModuleType("comfy_execution.utils")
@@ -261,13 +293,8 @@ class FakeComfy:
             def __init__(self):
                 self.routes = Routes()
 
-            client_id = "fake-client"  # set by ComfyUI's executor to the client that queued the running prompt
-
             def send_sync(self, event, data, sid=None):
                 fake.sent.append((event, data))
-
-            def send_progress_text(self, text, node_id, sid=None):
-                fake.texts.append((node_id, text, sid))
 
         PromptServer.instance = PromptServer()
         server.PromptServer = PromptServer

@@ -45,6 +45,8 @@ Latent = _socket_type("LATENT")
 Conditioning = _socket_type("CONDITIONING")
 Mask = _socket_type("MASK")
 AnyType = _socket_type("*")
+Model = _socket_type("MODEL")
+Sigmas = _socket_type("SIGMAS")
 
 
 class MatchType:
@@ -69,6 +71,30 @@ class MatchType:
 
         def __init__(self, template, id=None, display_name=None, tooltip=None, is_output_list=False):
             super().__init__(id, display_name, tooltip, is_output_list)
+            self.template = template
+
+
+class Autogrow:
+    """Inputs that grow as they are connected: the node gets `{name: value}` of the connected ones (ComfyUI passes
+    them nested under the Autogrow input's id)."""
+
+    io_type = "COMFY_AUTOGROW_V3"
+
+    class TemplateNames:
+        def __init__(self, input, names, min=1):
+            self.input, self.names, self.min = input, list(names), min
+
+    class TemplatePrefix:
+        def __init__(self, input, prefix, min=1, max=10):
+            self.input, self.prefix, self.min, self.max = input, prefix, min, max
+            self.names = [f"{prefix}{i}" for i in range(max)]
+
+    class Input(Input):
+        io_type = "COMFY_AUTOGROW_V3"
+
+        def __init__(self, id, template, display_name=None, optional=False, tooltip=None, lazy=None,
+                     extra_dict=None):
+            super().__init__(id, display_name, optional, tooltip, lazy, extra_dict)
             self.template = template
 
 

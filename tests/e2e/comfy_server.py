@@ -22,7 +22,8 @@ from make_workflows import ui_path as ui_workflow_path  # noqa: F401  (an exampl
 
 REPO = Path(__file__).resolve().parents[2]
 PACK_FOLDER = "kv_graph_e2e"  # any folder name works; ComfyUI imports the pack under its path
-REFERENCE_SIZES = ((200, 150, "RGB"), (120, 180, "RGBA"))  # width, height, mode
+# width, height, mode of each REFERENCE_IMAGES file as the end-to-end tests write it (small, for the CPU)
+REFERENCE_SIZES = ((200, 150, "RGB"), (120, 180, "RGBA"), (160, 160, "RGBA"), (144, 112, "RGB"), (96, 176, "RGBA"))
 SMALL = 128  # output / reference resolution for end-to-end runs
 # A frontend build to serve instead of the one the ComfyUI checkout pins (e.g. the newest comfyui-frontend-package from
 # PyPI, unpacked: its comfyui_frontend_package/static folder); passed to ComfyUI as --front-end-root.
@@ -160,6 +161,16 @@ class ComfyServer:
     def status(self) -> dict:
         return self.get("/kvgraph/status")
 
+    def wait_for_step(self, step: int = 2, timeout: float = 60.0) -> dict:
+        """The first running sampler's record (`/kvgraph/status`) once it has reached `step`."""
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            running = self.status()["running"]
+            if running and running[0]["step"] >= step:
+                return running[0]
+            time.sleep(0.05)
+        raise AssertionError(f"no sampler reported step {step} within {timeout:.0f} s:\n{self.log_tail()}")
+
     def output_images(self, entry: dict) -> list[Path]:
         paths = []
         for output in entry["outputs"].values():
@@ -188,8 +199,10 @@ def load_api_workflow(name: str, seed: int | None = None, **encode_overrides) ->
         if node["class_type"] == "KVGraphTextEncode":
             node["inputs"].update(width=SMALL, height=SMALL * 3 // 4, reference_resolution=SMALL)
             node["inputs"].update(encode_overrides)
-        if node["class_type"] == "KVGraphSampler" and seed is not None:
+        if node["class_type"] in ("KVGraphSampler", "KSampler") and seed is not None:
             node["inputs"]["seed"] = seed
+        if node["class_type"] == "RandomNoise" and seed is not None:
+            node["inputs"]["noise_seed"] = seed
     return prompt
 
 

@@ -39,15 +39,15 @@ BF16_ALTERNATIVES = {TRANSFORMER_FILE: "qwen_image_2.1_bf16.safetensors",
                      TEXT_ENCODER_FILE: "qwen3vl_8b_bf16.safetensors"}
 # The edit workflows load these from ComfyUI's input folder. They ship in example_workflows/inputs/ (drawn by
 # draw_reference_images below), and the pack copies them into the input folder at start-up where they are missing.
-# Short names: two Load Image nodes showing them side by side fit the loaders' column.
-REFERENCE_IMAGES = ("kvgraph_edit_1.png", "kvgraph_edit_2.png")
+# Short names: Load Image nodes showing them side by side fit a column.
+REFERENCE_IMAGES = tuple(f"kvgraph_edit_{i}.png" for i in range(1, 6))
 INPUTS = OUT / "inputs"
 
 # Per node type: (widget name, value) in the order the frontend lays the widgets out, the socket inputs
 # (name, type) in schema order, and the outputs (name, type). The seed widget is followed by its
 # control_after_generate value in the UI format only.
 OUTPUTS = {
-    "KVGraphLoadTransformer": [("transformer", "KVGRAPH_TRANSFORMER")],
+    "KVGraphLoadTransformer": [("transformer", "KVGRAPH_TRANSFORMER"), ("model", "MODEL")],
     "KVGraphLoadTextEncoder": [("text_encoder", "KVGRAPH_TEXT_ENCODER")],
     "KVGraphLoadVAE": [("vae", "KVGRAPH_VAE")],
     "KVGraphLoadLoRA": [("model", "KVGRAPH_TRANSFORMER")],
@@ -56,16 +56,56 @@ OUTPUTS = {
     "KVGraphVAEDecode": [("image", "IMAGE")],
     "LoadImage": [("IMAGE", "IMAGE"), ("MASK", "MASK")],
     "SaveImage": [],
+    # Core's sampling nodes, which the core-sampling examples run on the transformer loader's MODEL.
+    "KVGraphSigmas": [("sigmas", "SIGMAS")],
+    "KVGraphVAEEncode": [("latent", "LATENT")],
+    "KSampler": [("LATENT", "LATENT")],
+    "RandomNoise": [("NOISE", "NOISE")],
+    "KSamplerSelect": [("SAMPLER", "SAMPLER")],
+    "CFGGuider": [("GUIDER", "GUIDER")],
+    "SamplerCustomAdvanced": [("output", "LATENT"), ("denoised_output", "LATENT")],
+    "SetLatentNoiseMask": [("LATENT", "LATENT")],
 }
 SOCKETS = {
-    "KVGraphLoadLoRA": [("model", "KVGRAPH_TRANSFORMER")],
-    "KVGraphTextEncode": [("text_encoder", "KVGRAPH_TEXT_ENCODER"), ("vae", "KVGRAPH_VAE"), ("image1", "IMAGE"),
-                          ("image2", "IMAGE"), ("image3", "IMAGE")],
+    # A socket that takes either kind of KV-Graph model (MatchType): the frontend types it with the allowed types.
+    "KVGraphLoadLoRA": [("model", "KVGRAPH_TRANSFORMER,MODEL")],
+    # The reference sockets grow as they are connected (see encode_sockets).
+    "KVGraphTextEncode": [("text_encoder", "KVGRAPH_TEXT_ENCODER"), ("vae", "KVGRAPH_VAE")],
     "KVGraphSampler": [("model", "KVGRAPH_TRANSFORMER"), ("positive", "CONDITIONING"),
                        ("negative", "CONDITIONING"), ("latent", "LATENT")],
     "KVGraphVAEDecode": [("vae", "KVGRAPH_VAE"), ("latent", "LATENT")],
     "SaveImage": [("images", "IMAGE")],
+    "KVGraphSigmas": [("model", "MODEL"), ("latent", "LATENT")],
+    "KVGraphVAEEncode": [("vae", "KVGRAPH_VAE"), ("image", "IMAGE")],
+    "KSampler": [("model", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING"),
+                 ("latent_image", "LATENT")],
+    "CFGGuider": [("model", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING")],
+    "SamplerCustomAdvanced": [("noise", "NOISE"), ("guider", "GUIDER"), ("sampler", "SAMPLER"), ("sigmas", "SIGMAS"),
+                              ("latent_image", "LATENT")],
+    "SetLatentNoiseMask": [("samples", "LATENT"), ("mask", "MASK")],
 }
+# Widgets followed in the UI format by their control_after_generate value.
+SEED_WIDGETS = ("seed", "noise_seed")
+
+
+def encode_sockets(links) -> list:
+    """The encode node's sockets: its fixed ones, then the reference sockets connected (`images.imageN`) and the
+    empty one the frontend adds after the last connected socket."""
+    connected = sum(name.startswith("images.") for name in links)
+    return SOCKETS["KVGraphTextEncode"] + [(f"images.image{i}", "IMAGE") for i in range(1, connected + 2)]
+
+
+def sockets_of(node_type, links) -> list:
+    return encode_sockets(links) if node_type == "KVGraphTextEncode" else SOCKETS.get(node_type, [])
+
+
+def outputs_of(node_type, links, nodes) -> list:
+    """A node's outputs; the LoRA node's takes the type of the model connected to it (MatchType)."""
+    if node_type == "KVGraphLoadLoRA":
+        source, slot = links["model"]
+        source_type = next(t for i, t, *_ in nodes if i == source)
+        return [("model", outputs_of(source_type, {}, nodes)[slot][1])]
+    return OUTPUTS[node_type]
 # What each node is called in the workflows: what it does for the user, not its class name (the node's type, and
 # ComfyUI's "Node name for S&R", still name the class).
 TITLES = {
@@ -74,6 +114,9 @@ TITLES = {
     "KVGraphLoadVAE": "Load VAE", "KVGraphLoadLoRA": "Load LoRA", "KVGraphTextEncode": "Prompt",
     "KVGraphSampler": "KV-Graph sampler", "KVGraphVAEDecode": "Decode", "SaveImage": "Save image",
     "LoadImage": "Reference image", "MarkdownNote": "Model files",
+    "KVGraphSigmas": "Schedule (sigmas)", "KVGraphVAEEncode": "Encode the image", "KSampler": "Sample (KSampler)",
+    "RandomNoise": "Noise", "KSamplerSelect": "Sampler", "CFGGuider": "Guider (CFG)",
+    "SamplerCustomAdvanced": "Sample (custom advanced)", "SetLatentNoiseMask": "Inpaint mask",
 }
 # Frontend-only nodes: in the UI format, not in the API format (the frontend leaves them out of a prompt).
 UI_ONLY = {"MarkdownNote"}
@@ -119,7 +162,7 @@ def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="auto", reference
     for i in range(references):
         node_id = 10 + i
         nodes.append((node_id, "LoadImage", [("image", REFERENCE_IMAGES[i])], {}, f"Reference image {i + 1}"))
-        encode_links[f"image{i + 1}"] = (node_id, 0)
+        encode_links[f"images.image{i + 1}"] = (node_id, 0)
     if references:
         encode_links["vae"] = (3, 0)
     nodes.append((4, "KVGraphTextEncode", [
@@ -165,6 +208,58 @@ def with_lora(workflow, lora_name=LORA_FILE, strength=1.0):
     return out, [loaders, [[lora[0]]] + middle, *rest]
 
 
+def on_the_model(workflow, sampler, columns):
+    """`workflow` with its KV-Graph sampler (id 5) replaced by `sampler`'s nodes (which run on the core MODEL the
+    transformer loader also outputs), the decode node reading the latent of the one with id 5, laid out in `columns`."""
+    nodes, _ = workflow
+    out = [n for n in nodes if n[0] != 5]
+    out = [(i, t, w, {**lk, "latent": (5, 0)} if t == "KVGraphVAEDecode" else lk, title) for i, t, w, lk, title in out]
+    decode = [n for n in out if n[1] in ("KVGraphVAEDecode", "SaveImage")]
+    return [n for n in out if n not in decode] + sampler + decode, columns
+
+
+def ksampler(seed=42, steps=40, cfg=1.0, sampler_name="euler", latent=(4, 2)):
+    """Core's KSampler on the MODEL (scheduler simple: the model's shift at 1024x1024)."""
+    return [(5, "KSampler", [("seed", seed), ("steps", steps), ("cfg", cfg), ("sampler_name", sampler_name),
+                             ("scheduler", "simple"), ("denoise", 1.0)],
+             {"model": (1, 1), "positive": (4, 0), "negative": (4, 1), "latent_image": latent}, TITLES["KSampler"])]
+
+
+def custom_advanced(seed=42, steps=40, cfg=4.0):
+    """SamplerCustomAdvanced with core's noise, sampler and CFG guider, over KV-Graph Sigmas (the KV-Graph Sampler's
+    schedule for the latent's size)."""
+    return [
+        (30, "KVGraphSigmas", [("steps", steps), ("sigma_preset", "auto"), ("width", 1024), ("height", 1024),
+                               ("denoise", 1.0)], {"model": (1, 1), "latent": (4, 2)}, TITLES["KVGraphSigmas"]),
+        (31, "RandomNoise", [("noise_seed", seed)], {}, TITLES["RandomNoise"]),
+        (32, "KSamplerSelect", [("sampler_name", "euler")], {}, TITLES["KSamplerSelect"]),
+        (33, "CFGGuider", [("cfg", cfg)], {"model": (1, 1), "positive": (4, 0), "negative": (4, 1)},
+         TITLES["CFGGuider"]),
+        (5, "SamplerCustomAdvanced", [], {"noise": (31, 0), "guider": (33, 0), "sampler": (32, 0),
+                                          "sigmas": (30, 0), "latent_image": (4, 2)},
+         TITLES["SamplerCustomAdvanced"]),
+    ]
+
+
+def inpaint(workflow, seed=42, steps=40):
+    """Inpainting with KSampler: the cut-out reference image (image 2) encoded, its transparent background as the
+    noise mask (Load Image's MASK is 1 where the image is transparent), so the object stays and the rest is
+    painted anew. The image, its encoding and the mask stand above the prompt."""
+    image = (11, "LoadImage", [("image", REFERENCE_IMAGES[1])], {}, "Image to inpaint")
+    encode = (35, "KVGraphVAEEncode", [], {"vae": (3, 0), "image": (11, 0)}, TITLES["KVGraphVAEEncode"])
+    mask = (36, "SetLatentNoiseMask", [], {"samples": (35, 0), "mask": (11, 1)}, TITLES["SetLatentNoiseMask"])
+    nodes, columns = on_the_model(workflow, ksampler(seed, steps, latent=(36, 0)),
+                                  [[[1], [2], [3], [20]], [[11], [35], [36], [4], [6]], [[5], [7]]])
+    return [*nodes[:4], image, encode, mask, *nodes[4:]], columns
+
+
+def five_references(workflow):
+    """Five reference images need the room: they stand in rows of two at the left (the note beside the last), the
+    loaders and the prompt they feed next, then the sampler, the decode and the saved image."""
+    nodes, _ = workflow
+    return nodes, [[[10, 11], [12, 13], [14, 20]], [[1], [2], [3], [4]], [[5], [6], [7]]]
+
+
 WORKFLOWS = {
     "qwen_image_2.1_text_to_image": graph(
         "text_to_image", "A capybara wearing a wizard hat, reading a spell book by candlelight, oil painting."),
@@ -184,6 +279,22 @@ WORKFLOWS = {
         negative="blurry, low quality, distorted, text, watermark", cfg=4.0, sampler_title="KV-Graph sampler (true CFG)"),
     "qwen_image_2.1_lora": with_lora(graph(
         "lora", "A lighthouse on a rocky coast at dusk, dramatic clouds, in the style the LoRA was trained on.")),
+    # Core sampling on the MODEL the transformer loader also outputs: the same captured graphs replay. Laid out as the
+    # text-to-image example.
+    "qwen_image_2.1_ksampler": on_the_model(graph(
+        "ksampler", "A capybara wearing a wizard hat, reading a spell book by candlelight, oil painting."),
+        ksampler(), [[[1], [2], [3], [20]], [[4], [6]], [[5], [7]]]),
+    # The loaders and the note; the image, the prompt and the two settings nodes; the schedule and the guider, the
+    # sampler and the decode, the image saved (the short right column leaves the minimap's corner free).
+    "qwen_image_2.1_edit_custom_sampler": on_the_model(graph(
+        "custom_sampler", "Make the sky in image 1 a deep purple sunset and add a small sailing boat.",
+        negative="blurry, low quality, distorted", references=1), custom_advanced(),
+        [[[1], [2], [3], [20]], [[10], [4], [31], [32]], [[30, 33], [5, 6], [7]]]),
+    "qwen_image_2.1_inpaint": inpaint(graph(
+        "inpaint", "A red teapot on a wooden kitchen counter beside a window, morning light, photo.")),
+    "qwen_image_2.1_edit_five_references": five_references(graph(
+        "five_references", "Put the objects from images 2, 3, 4 and 5 on the table in image 1, side by side, "
+        "matching its lighting.", references=5)),
 }
 
 
@@ -202,6 +313,14 @@ CARDS = {
         "Qwen-Image-2.1 negative prompt", "Negative prompt", "True CFG steers away from what you list"),
     "qwen_image_2.1_lora": Card(
         "Qwen-Image-2.1 with a LoRA", "With a LoRA", "A LoRA from models/loras, merged once"),
+    "qwen_image_2.1_ksampler": Card(
+        "Qwen-Image-2.1 KSampler", "KSampler", "Core's KSampler on the KV-Graph MODEL"),
+    "qwen_image_2.1_edit_custom_sampler": Card(
+        "Qwen-Image-2.1 custom sampler", "Custom sampler", "SamplerCustomAdvanced with KV-Graph Sigmas"),
+    "qwen_image_2.1_inpaint": Card(
+        "Qwen-Image-2.1 inpainting", "Inpainting", "Paint anew where the image is transparent"),
+    "qwen_image_2.1_edit_five_references": Card(
+        "Qwen-Image-2.1 five references", "Five references", "Put the objects of images 2 to 5 into image 1"),
 }
 
 
@@ -242,32 +361,40 @@ def note_height(text: str, width: int) -> int:
 def ui_workflow(workflow) -> dict:
     nodes, columns = workflow
     notes = {node_id: dict(widgets)["text"] for node_id, node_type, widgets, *_ in nodes if node_type == "MarkdownNote"}
-    placed = workflow_layout.place(columns, {node_id: node_type for node_id, node_type, *_ in nodes},
-                                   lambda node_id, width: note_height(notes[node_id], width) if node_id in notes else 0)
+    encode = {node_id: len(sockets_of(node_type, links)) for node_id, node_type, _, links, _ in nodes
+              if node_type == "KVGraphTextEncode"}
+
+    def height_for(node_id, width):
+        if node_id in notes:
+            return note_height(notes[node_id], width)
+        return workflow_layout.encode_height(encode[node_id]) if node_id in encode else 0
+
+    placed = workflow_layout.place(columns, {node_id: node_type for node_id, node_type, *_ in nodes}, height_for)
     links, ui_nodes, link_id = [], [], 0
     outgoing = {}
     for node_id, node_type, _, node_links, _ in nodes:
-        sockets = SOCKETS.get(node_type, [])
+        sockets = sockets_of(node_type, node_links)
         for input_name, (source, slot) in node_links.items():
             link_id += 1
             input_slot = [n for n, _ in sockets].index(input_name)
-            source_type = next(t for i, t, *_ in nodes if i == source)
-            link_type = OUTPUTS[source_type][slot][1]
+            source_type, source_links = next((t, lk) for i, t, _, lk, _ in nodes if i == source)
+            link_type = outputs_of(source_type, source_links, nodes)[slot][1]
             links.append([link_id, source, slot, node_id, input_slot, link_type])
             outgoing.setdefault((source, slot), []).append(link_id)
     order = {node_id: i for i, (node_id, *_) in
              enumerate(sorted(nodes, key=lambda n: n[0] not in (1, 2, 3, 10, 11, 20)))}
-    for node_id, node_type, widgets, _, title in nodes:
+    for node_id, node_type, widgets, node_links, title in nodes:
         inputs = []
-        for slot, (input_name, input_type) in enumerate(SOCKETS.get(node_type, [])):
+        for slot, (input_name, input_type) in enumerate(sockets_of(node_type, node_links)):
             link = next((lk[0] for lk in links if lk[3] == node_id and lk[4] == slot), None)
             inputs.append({"name": input_name, "type": input_type, "link": link})
         outputs = [{"name": out_name, "type": out_type, "links": outgoing.get((node_id, slot), []),
-                    "slot_index": slot} for slot, (out_name, out_type) in enumerate(OUTPUTS[node_type])]
+                    "slot_index": slot} for slot, (out_name, out_type) in enumerate(
+                        outputs_of(node_type, node_links, nodes))]
         values = []
         for widget_name, value in widgets:
             values.append(value)
-            if widget_name == "seed":
+            if widget_name in SEED_WIDGETS:
                 values.append("fixed")
             if node_type == "LoadImage" and widget_name == "image":
                 values.append("image")  # the upload button's widget value
@@ -323,7 +450,31 @@ def draw_reference_images():
     draw.rectangle([98, 62, 158, 84], fill=dark)  # the lid
     draw.ellipse([116, 44, 140, 68], fill=dark)  # the knob
     draw.ellipse([90, 110, 130, 140], fill=(235, 120, 120, 255))  # a highlight
-    return dict(zip(REFERENCE_IMAGES, (scene, teapot)))
+    return dict(zip(REFERENCE_IMAGES, (scene, teapot, *draw_more_objects())))
+
+
+def draw_more_objects():
+    """The five-reference example's images 3 to 5: a potted plant, a mug and a desk lamp, each cut out (RGBA)."""
+    from PIL import Image, ImageDraw
+
+    plant = Image.new("RGBA", (256, 256), (0, 0, 0, 0))
+    draw = ImageDraw.Draw(plant)
+    for box in ([70, 40, 150, 130], [110, 30, 190, 120], [90, 80, 170, 160]):  # the leaves
+        draw.ellipse(box, fill=(60, 150, 70, 255))
+    draw.polygon([(80, 150), (176, 150), (160, 236), (96, 236)], fill=(170, 90, 50, 255))  # the pot
+
+    mug = Image.new("RGBA", (256, 256), (0, 0, 0, 0))
+    draw = ImageDraw.Draw(mug)
+    draw.rectangle([60, 70, 170, 210], fill=(50, 90, 190, 255))  # the body
+    draw.arc([150, 100, 220, 180], start=270, end=90, fill=(50, 90, 190, 255), width=14)  # the handle
+    draw.ellipse([60, 58, 170, 82], fill=(30, 60, 140, 255))  # the rim
+
+    lamp = Image.new("RGBA", (256, 256), (0, 0, 0, 0))
+    draw = ImageDraw.Draw(lamp)
+    draw.polygon([(70, 40), (160, 40), (190, 110), (40, 110)], fill=(235, 200, 60, 255))  # the shade
+    draw.rectangle([112, 110, 124, 210], fill=(90, 90, 90, 255))  # the stem
+    draw.rectangle([72, 210, 164, 226], fill=(70, 70, 70, 255))  # the base
+    return plant, mug, lamp
 
 
 def thumbnail(name: str):

@@ -30,6 +30,7 @@ TEXT, MUTED = (255, 255, 255), (208, 212, 226)
 ACCENT = (244, 184, 76)
 BOX, BOX_EDGE = (46, 49, 64), (98, 140, 255)
 NEGATIVE_BOX, NEGATIVE_EDGE = (64, 40, 44), (232, 96, 96)
+CHECKER = ((150, 154, 166, 255), (104, 108, 122, 255))
 MARGIN = 32
 
 
@@ -56,8 +57,10 @@ def font(size: int):
 
 def workflow_facts(nodes) -> dict:
     """What the thumbnail shows of a graph, from its nodes (id, type, widgets, links, title): the reference images
-    (Load Image nodes), the prompt and negative prompt, steps, cfg, and whether it loads a LoRA."""
-    facts = {"references": [], "prompt": "", "negative": "", "steps": None, "cfg": None, "lora": False}
+    (Load Image nodes), the prompt and negative prompt, steps, cfg, core's sampler where one is chosen, and whether it
+    loads a LoRA."""
+    facts = {"references": [], "prompt": "", "negative": "", "steps": None, "cfg": None, "sampler": None,
+             "lora": False}
     for _, node_type, widgets, _, _ in nodes:
         if node_type == "MarkdownNote":
             continue
@@ -66,8 +69,8 @@ def workflow_facts(nodes) -> dict:
             facts["references"].append(values["image"])
         facts["prompt"] = facts["prompt"] or values.get("prompt", "")
         facts["negative"] = facts["negative"] or values.get("negative_prompt", "")
-        for key in ("steps", "cfg"):
-            facts[key] = facts[key] if key not in values else values[key]
+        for key, widget in (("steps", "steps"), ("cfg", "cfg"), ("sampler", "sampler_name")):
+            facts[key] = facts[key] if widget not in values else values[widget]
         facts["lora"] = facts["lora"] or "lora_name" in values
     return facts
 
@@ -78,6 +81,8 @@ def settings_line(facts: dict) -> str:
         parts.append(f"{facts['steps']} steps")
     if facts["cfg"] is not None:
         parts.append(f"CFG {facts['cfg']:g}")
+    if facts["sampler"]:
+        parts.append(facts["sampler"])
     if facts["lora"]:
         parts.append("LoRA")
     return " · ".join(parts)
@@ -119,27 +124,44 @@ def _text_box(draw, box, text, face, fill, edge, colour, lines):
         y += face.size + 8
 
 
+def _checkerboard(size, square=12):
+    """The usual picture of transparency: a grey checkerboard of `size` (what an RGBA cut-out's empty parts show)."""
+    from PIL import Image, ImageDraw
+
+    board = Image.new("RGBA", size, CHECKER[0])
+    draw = ImageDraw.Draw(board)
+    for y in range(0, size[1], square):
+        for x in range((y // square) % 2 * square, size[0], 2 * square):
+            draw.rectangle((x, y, x + square - 1, y + square - 1), fill=CHECKER[1])
+    return board
+
+
 def _pictures(image, draw, paths, box):
-    """The reference images side by side in `box`, each fitted into its share, on a mid grey (an RGBA cut-out's
-    transparent parts show as the grey), with a "+" between two."""
+    """The reference images in `box`, each fitted into its share over a checkerboard where it is transparent: side by
+    side with a "+" between two or three, in rows of three (without the "+") for more."""
     from PIL import Image
 
     left, top, right, bottom = box
-    gap = 48 if len(paths) > 1 else 0
-    share = (right - left - gap * (len(paths) - 1)) // len(paths)
-    for i, path in enumerate(paths):
-        with Image.open(path) as picture:
-            picture = picture.convert("RGBA")
-            picture.thumbnail((share, bottom - top), Image.LANCZOS)
-            tile = Image.new("RGBA", picture.size, (92, 96, 110, 255))
-            tile.alpha_composite(picture)
-        x = left + i * (share + gap) + (share - tile.width) // 2
-        y = top + (bottom - top - tile.height) // 2
-        image.paste(tile.convert("RGB"), (x, y))
-        draw.rectangle((x - 2, y - 2, x + tile.width + 1, y + tile.height + 1), outline=BOX_EDGE, width=3)
-        if i:
-            plus = font(56)
-            draw.text((x - gap // 2, top + (bottom - top) // 2), "+", font=plus, fill=TEXT, anchor="mm")
+    rows = [paths] if len(paths) <= 3 else [paths[:3], paths[3:]]
+    per_row = max(len(row) for row in rows)
+    gap = 48 if len(rows) == 1 and len(paths) > 1 else 20
+    share = (right - left - gap * (per_row - 1)) // per_row
+    row_height = (bottom - top - gap * (len(rows) - 1)) // len(rows)
+    for r, row in enumerate(rows):
+        row_top = top + r * (row_height + gap)
+        row_left = left + (right - left - len(row) * share - (len(row) - 1) * gap) // 2
+        for i, path in enumerate(row):
+            with Image.open(path) as picture:
+                picture = picture.convert("RGBA")
+                picture.thumbnail((share, row_height), Image.LANCZOS)
+                tile = _checkerboard(picture.size)
+                tile.alpha_composite(picture)
+            x = row_left + i * (share + gap) + (share - tile.width) // 2
+            y = row_top + (row_height - tile.height) // 2
+            image.paste(tile.convert("RGB"), (x, y))
+            draw.rectangle((x - 2, y - 2, x + tile.width + 1, y + tile.height + 1), outline=BOX_EDGE, width=3)
+            if i and len(rows) == 1:
+                draw.text((x - gap // 2, row_top + row_height // 2), "+", font=font(56), fill=TEXT, anchor="mm")
 
 
 def draw_thumbnail(card: Card, nodes, inputs: Path):

@@ -25,6 +25,7 @@ BADGE_HEIGHT = 20
 COLUMN_GAP = 60
 ROW_GAP = 24
 NODE_GAP = 24  # between two nodes of one row
+FREE = None  # ends a row whose nodes keep their own widths, the rest of the column's width left empty
 
 # The windows, in screen pixels. SMALL_WINDOW: the graph fits whole. The KV-Graph panel (1920x1080 window) ends at
 # PANEL_RIGHT; the tab bar, the workflow's breadcrumb and Run bar take TOP; the canvas toolbar and the frontend's
@@ -39,20 +40,32 @@ MINIMAP = (270, 272)
 MAX_SCALE = 1.0
 
 # (width, height) each node type needs at least: its widgets at full width (the longest label and value of the
-# example values, plus the widget's arrows and padding), its title, and `computeSize()`'s height. A Load Image node's
-# height holds its image preview.
+# example values, plus the widget's arrows and padding), its title whole (1.58 cuts a title short where it is wider
+# than the node less twice the title bar's height), and `computeSize()`'s height. A Load Image node's height holds its
+# image preview.
 MIN_SIZE = {
-    "KVGraphLoadTransformer": (470, 130),
+    "KVGraphLoadTransformer": (470, 150),
     "KVGraphLoadTextEncoder": (420, 130),
     "KVGraphLoadVAE": (370, 82),
     "KVGraphLoadLoRA": (340, 82),
     "MarkdownNote": (300, 120),
     "LoadImage": (240, 330),
-    "KVGraphTextEncode": (380, 320),
+    "KVGraphTextEncode": (320, 300),
     "KVGraphSampler": (300, 290),
     "KVGraphVAEDecode": (200, 50),
     "SaveImage": (330, 230),
+    "KVGraphSigmas": (240, 174),
+    "KVGraphVAEEncode": (200, 50),
+    "KSampler": (250, 262),
+    "RandomNoise": (250, 82),
+    "KSamplerSelect": (210, 58),
+    "CFGGuider": (210, 98),
+    "SamplerCustomAdvanced": (250, 106),
+    "SetLatentNoiseMask": (200, 50),
 }
+# The encode node's reference sockets grow as they are connected: MIN_SIZE holds its height with as many sockets as it
+# has outputs (3), and each socket beyond those takes one more row.
+ENCODE_ROWS, SOCKET_ROW = 3, 20
 
 
 def min_size(node_type: str) -> tuple[int, int]:
@@ -62,21 +75,37 @@ def min_size(node_type: str) -> tuple[int, int]:
     return MIN_SIZE[node_type]
 
 
+def encode_height(sockets: int) -> int:
+    """The height the encode node needs with `sockets` input sockets (its fixed ones and the reference sockets)."""
+    return MIN_SIZE["KVGraphTextEncode"][1] + SOCKET_ROW * max(0, sockets - ENCODE_ROWS)
+
+
 def place(columns, node_types: dict, height_for=None) -> dict:
     """{node id: ((x, y), (width, height))} for `columns`: a list of columns, each a list of rows, each a list of
     node ids. `node_types` maps each id to its type (for MIN_SIZE); `height_for(node id, width)`, if given, may ask
-    more height for a node at the width it gets (a note's text). Node positions are the top-left corner of the node's
+    more height for a node at the width it gets (a note's text). A column is as wide as its widest row; the nodes of a
+    narrower row share the rest of its width, unless the row ends in FREE: then they keep their own widths and the
+    rest stays empty. The nodes of a row share its height. Node positions are the top-left corner of the node's
     body; its title bar sits above, inside the row gap."""
+    def min_width(node_id):
+        return min_size(node_types[node_id])[0]
+
     placed = {}
     x = 0
     for column in columns:
-        width = max(sum(min_size(node_types[i])[0] for i in row) + NODE_GAP * (len(row) - 1) for row in column)
+        widths = [sum(min_width(i) for i in row if i is not FREE) + NODE_GAP * (sum(i is not FREE for i in row) - 1)
+                  for row in column]
+        width = max(widths)
         y = 0
-        for row in column:
-            share = (width - NODE_GAP * (len(row) - 1)) // len(row)
-            height = max(max(min_size(node_types[i])[1], height_for(i, share) if height_for else 0) for i in row)
-            for k, node_id in enumerate(row):
-                placed[node_id] = ((x + k * (share + NODE_GAP), y), (share, height))
+        for row, needed in zip(column, widths):
+            nodes = [i for i in row if i is not FREE]
+            grow = 0 if FREE in row else (width - needed) // len(nodes)
+            sizes = {i: min_width(i) + grow for i in nodes}
+            height = max(max(min_size(node_types[i])[1], height_for(i, sizes[i]) if height_for else 0) for i in nodes)
+            left = x
+            for node_id in nodes:
+                placed[node_id] = ((left, y), (sizes[node_id], height))
+                left += sizes[node_id] + NODE_GAP
             y += height + ROW_GAP + TITLE_HEIGHT
         x += width + COLUMN_GAP
     return placed

@@ -1,0 +1,215 @@
+"""The loaded transformer as a ComfyUI MODEL, so core's samplers (KSampler, SamplerCustomAdvanced, ...) run it.
+
+The way packs that bring their own architecture do it: a `comfy.model_base.BaseModel` subclass over the diffusers
+transformer, with Qwen-Image-2.1's latent format and flow-matching sampling, under a `ModelPatcher` that ComfyUI's
+model management loads whole. Its model function is the pack's runtime (graph_runtime/core_model): core prepares each
+conditioning entry once per run (`extra_conds` names its prefix by content), a wrapper around core's sampling call
+opens a `SamplingRun` (the prefixes live exactly that long, and the model's LoRA set is held merged), and every
+model call is a decode step that replays the captured graph of its shape.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+import comfy.conds
+import comfy.latent_formats
+import comfy.model_base
+import comfy.patcher_extension
+import comfy.supported_models_base
+
+from ..graph_runtime.comfy_interop.latents import LATENT_CHANNELS, latent_stats, normalized_to_raw, raw_to_normalized
+from ..graph_runtime.core_model import ModelFunction, PrefixSource, SamplingRun
+from ..graph_runtime.errors import InputError, KVGraphError
+from ..graph_runtime.lora import loras_in_use
+from ..graph_runtime.memory import GenerationShape, TransformerDims, compute_dtype, estimate
+from ..graph_runtime.registry import engine_for
+from ..graph_runtime.sampling.schedule import dynamic_shift
+from . import events, in_flight
+from .patcher import FullLoadPatcher
+
+logger = logging.getLogger("kvgraph")
+
+PREFIX = "kvgraph_prefix"  # the model condition carrying a conditioning entry's PrefixSource
+RUN = "kvgraph_run"  # transformer_options key of the SamplingRun a model call belongs to
+LORAS = "kvgraph_loras"  # patcher attachment: the LoRA chain (LoraChoice, ...) of a KV-Graph Load LoRA node
+WRAPPER = "kvgraph.sampling_run"
+CORE_PATCHES_REFUSED = ("KV-Graph: {what} cannot patch a KV-Graph MODEL: its captured graphs read the weights in "
+                        "place. Use KV-Graph Load LoRA, which merges LoRAs into those weights for the run.")
+DEFAULT_PREFIX_TOKENS = 128  # memory estimates before the prompt is known
+
+
+class QwenImage21LatentFormat(comfy.latent_formats.LatentFormat):
+    """Raw VAE latents <-> the model's normalized space, with the statistics the pack's VAE nodes use."""
+
+    latent_channels = LATENT_CHANNELS
+    latent_dimensions = 2
+
+    def __init__(self):
+        self.stats = latent_stats()
+
+    def process_in(self, latent):
+        return raw_to_normalized(latent, self.stats)
+
+    def process_out(self, latent):
+        return normalized_to_raw(latent, self.stats)
+
+
+class QwenImage21Config(comfy.supported_models_base.BASE):
+    """The model config core's BaseModel reads: no network of its own to build, the latent format, and
+    flow-matching sampling shifted as the model's schedule is at 1024x1024 (what `KSampler`'s schedulers start
+    from; the resolution-dependent schedule itself is the KV-Graph Sigmas node's)."""
+
+    unet_extra_config = {}
+    latent_format = QwenImage21LatentFormat
+    supported_inference_dtypes = [torch.bfloat16, torch.float16, torch.float32]
+
+
+class QwenImage21KVModel(comfy.model_base.BaseModel):
+    """Core's model over the pack's runtime. `diffusion_model` is the diffusers transformer (ComfyUI sizes, moves and
+    lists its weights); every model call goes through `model_function`."""
+
+    def __init__(self, transformer: torch.nn.Module, scheduler_config: dict | None, variant: str | None, device):
+        config = QwenImage21Config({"disable_unet_model_creation": True})
+        config.sampling_settings = {"shift": dynamic_shift(scheduler_config, 1024, 1024)}
+        config.set_inference_dtype(compute_dtype(transformer), None)
+        super().__init__(config, comfy.model_base.ModelType.FLUX, device=device)
+        self.diffusion_model = transformer
+        self.scheduler_config = scheduler_config
+        self.variant = variant
+        self.model_function = ModelFunction(engine_for(transformer))
+        self._ignored = set()
+
+    @property
+    def engine(self):
+        return self.model_function.engine
+
+    def get_dtype(self):
+        return compute_dtype(self.diffusion_model)
+
+    def extra_conds(self, **kwargs):
+        """Once per conditioning entry and sampling run: the entry read as the prefix reads it (a CONDConstant:
+        core batches two entries into one call only when their prefixes are the same content)."""
+        cond = kwargs.get("cross_attn")
+        if cond is None:
+            raise InputError("conditioning", None, "Qwen-Image-2.1 conditioning (from the KV-Graph encode node or "
+                                                   "core's Qwen-Image-2.1 text encode node)")
+        config = self.diffusion_model.config
+        source = PrefixSource.from_conditioning(cond, kwargs, self.latent_format.stats, config.in_channels,
+                                                name=f"{kwargs.get('prompt_type', 'conditioning')} conditioning",
+                                                text_dim=config.context_in_dim)
+        return {PREFIX: comfy.conds.CONDConstant(source)}
+
+    def extra_conds_shapes(self, **kwargs):
+        cond = kwargs.get("cross_attn")
+        refs = kwargs.get("reference_latents") or []
+        tokens = (0 if cond is None else cond.shape[1]) + sum(r.shape[-2] * r.shape[-1] for r in refs)
+        return {PREFIX: [max(1, tokens)]}
+
+    def memory_required(self, input_shape, cond_shapes={}):  # noqa: B006 - core's signature
+        """What a call needs beyond the weights (prefix K/V, graph buffers and pool, the prefill), from the pack's
+        own memory model."""
+        prefixes = tuple(int(s[0]) for s in cond_shapes.get(PREFIX, []) if s and int(s[0]) > 1)
+        prefixes = prefixes or (DEFAULT_PREFIX_TOKENS,)
+        batch = max(1, int(input_shape[0]) // len(prefixes))
+        shape = GenerationShape(width=int(input_shape[-1]) * 16, height=int(input_shape[-2]) * 16, batch=batch,
+                                prefix_tokens=prefixes)
+        return estimate(TransformerDims.of(self.diffusion_model), shape, {}).total
+
+    def _apply_model(self, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options={}, **kwargs):
+        if control is not None:
+            raise InputError("control", type(control).__name__, "no ControlNet: a KV-Graph model takes none")
+        self._warn_ignored(transformer_options)
+        sigma = t
+        velocity = self.model_function(self.model_sampling.calculate_input(sigma, x), sigma, kwargs.get(PREFIX),
+                                       run=transformer_options.get(RUN),
+                                       roles=transformer_options.get("cond_or_uncond"))
+        return self.model_sampling.calculate_denoised(sigma, velocity.float(), x)
+
+    def _warn_ignored(self, options: dict) -> None:
+        for key in ("patches", "patches_replace"):
+            if options.get(key) and key not in self._ignored:
+                self._ignored.add(key)
+                logger.warning("KV-Graph: the model's %s (attention or block patches from other nodes) are ignored: "
+                               "its steps run the pack's own decode step.", key)
+
+
+class KVGraphModelPatcher(FullLoadPatcher):
+    """The MODEL's patcher: loaded whole; core weight patches (LoRA, model merging) are refused at once, since the
+    captured graphs read the weights in place and KV-Graph Load LoRA merges there."""
+
+    def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
+        raise KVGraphError(CORE_PATCHES_REFUSED.format(what="core LoRA loaders and model merging nodes"))
+
+    def add_hook_patches(self, *args, **kwargs):
+        raise KVGraphError(CORE_PATCHES_REFUSED.format(what="hook LoRAs"))
+
+
+def make_model_patcher(transformer, scheduler_config, variant, load_device, offload_device, size: int):
+    """The MODEL over a loaded transformer, with the wrapper that opens a sampling run around core's sampling."""
+    model = QwenImage21KVModel(transformer, scheduler_config, variant, torch.device(offload_device))
+    patcher = KVGraphModelPatcher(model, load_device=torch.device(load_device),
+                                  offload_device=torch.device(offload_device), size=size)
+    patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER, sampling_run_wrapper)
+    return patcher
+
+
+def with_loras(patcher, choices) -> KVGraphModelPatcher:
+    """A clone of the MODEL whose runs merge `choices` (added to the chain it already has)."""
+    copy = patcher.clone()
+    copy.attachments[LORAS] = (*patcher.attachments.get(LORAS, ()), *choices)
+    return copy
+
+
+def kv_model(model, name: str = "model") -> QwenImage21KVModel:
+    """The pack's model inside a MODEL, or a clear error naming what was wired in instead."""
+    inner = getattr(model, "model", None)
+    if not isinstance(inner, QwenImage21KVModel):
+        found = type(inner).__name__ if inner is not None else type(model).__name__
+        raise InputError(name, f"a {found} model", "a KV-Graph MODEL, from a KV-Graph transformer or diffusers loader "
+                                                   "(or KV-Graph Load LoRA)")
+    return inner
+
+
+def sampling_run_wrapper(executor, noise, latent_image, sampler, sigmas, *args, **kwargs):
+    """Around core's sampling call (`CFGGuider.outer_sample`): one `SamplingRun` for its model calls, released when
+    the call ends however it ends; the run holds the MODEL's LoRA set merged from its first model call, and the
+    engine is marked busy (a graph release waits for the run) with its progress in the pack's status."""
+    guider = executor.class_obj
+    patcher = guider.model_patcher
+    model = kv_model(patcher)
+    transformer = model.diffusion_model
+    loras = patcher.attachments.get(LORAS, ())
+    run = SamplingRun(model.engine, on_first_call=lambda: loras_in_use(transformer, loras))
+    options = guider.model_options.setdefault("transformer_options", {})
+    prompt_id, node_id = events.executing_ids()
+    total = max(0, int(sigmas.shape[-1]) - 1)
+    with in_flight.sampling(model.engine, prompt_id, node_id, total) as record:
+        args, kwargs = _with_progress(args, kwargs, record)
+        options[RUN] = run
+        try:
+            return executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
+        finally:
+            options.pop(RUN, None)
+            run.release()
+            logger.info("KV-Graph: core sampling run on %s: %s", model.engine.name, run.counts.describe())
+
+
+def _with_progress(args, kwargs, record):
+    """The sampling call's arguments with its step callback (`outer_sample(..., denoise_mask, callback, ...)`) also
+    reporting the step to the pack's status."""
+    args = list(args)
+    original = args[1] if len(args) > 1 else kwargs.get("callback")
+
+    def callback(step, x0, x, total_steps):
+        in_flight.update(record, step + 1, total_steps)
+        if original is not None:
+            return original(step, x0, x, total_steps)
+
+    if len(args) > 1:
+        args[1] = callback
+    else:
+        kwargs["callback"] = callback
+    return tuple(args), kwargs

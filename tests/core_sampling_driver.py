@@ -1,0 +1,202 @@
+"""Runs ComfyUI's own sampling code (a real `comfy` package) on the pack's MODEL and prints what it measured as JSON.
+
+Run with ComfyUI's Python, from the repository root (tests/test_core_sampling_comfyui.py does, and asserts on the
+output):
+
+    COMFYUI_DIR=/path/to/ComfyUI $COMFYUI_PYTHON tests/core_sampling_driver.py
+
+It loads the pack as ComfyUI does, with the tiny models, over ComfyUI's real `comfy` package (model management,
+ModelPatcher, BaseModel, samplers, CFGGuider, LoRA loading) and the test fake for the rest (node API, folders,
+server). What `comfy.sample.sample` does is what the KSampler node does with its inputs; what `CFGGuider.sample` with
+a sampler object does is what SamplerCustomAdvanced does. Model calls are counted by an APPLY_MODEL wrapper, ComfyUI's
+own mechanism.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+SAMPLERS = ("euler", "euler_ancestral", "heun", "dpmpp_2m", "res_multistep", "er_sde", "uni_pc")
+STEPS = 4
+SIZE = (128, 96)  # width, height in pixels
+
+
+def setup():
+    comfyui = os.environ["COMFYUI_DIR"]
+    if not torch.cuda.is_available():
+        sys.argv = [sys.argv[0], "--cpu"]  # ComfyUI picks its device from its command line
+    sys.path[:0] = [comfyui, str(REPO / "tests"), str(REPO)]
+    import comfy.options
+
+    comfy.options.enable_args_parsing()
+    from comfy_fake.env import make_env
+
+    return make_env(device="cuda" if torch.cuda.is_available() else "cpu", real_comfy=comfyui)
+
+
+def run_node(env, node_id, **inputs):
+    return env.nodes[node_id].execute(**inputs).args
+
+
+def counted(model):
+    """A clone of `model` whose model calls are counted (in `.calls`, one entry per call: its batch)."""
+    import comfy.patcher_extension
+
+    clone = model.clone()
+    clone.calls = []
+
+    def count(executor, x, t, *args, **kwargs):
+        clone.calls.append(int(x.shape[0]))
+        return executor(x, t, *args, **kwargs)
+
+    clone.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, "count", count)
+    return clone
+
+
+def custom_advanced(model, positive, negative, latent, sigmas, sampler_name, cfg, seed):
+    """SamplerCustomAdvanced with RandomNoise(seed), CFGGuider(model, positive, negative, cfg) and a sampler."""
+    import comfy.sample
+    import comfy.samplers
+
+    samples = comfy.sample.fix_empty_latent_channels(model, latent["samples"])
+    noise = comfy.sample.prepare_noise(samples, seed)
+    guider = comfy.samplers.CFGGuider(model)
+    guider.set_conds(positive, negative)
+    guider.set_cfg(cfg)
+    # A copy: some samplers write into the sigmas they are given (uni_pc replaces a final 0 with 1e-3).
+    out = guider.sample(noise, samples, comfy.samplers.sampler_object(sampler_name), sigmas.clone(),
+                        denoise_mask=latent.get("noise_mask"), seed=seed)
+    return out.to(torch.float32).cpu()
+
+
+def ksampler(model, positive, negative, latent, seed, steps, cfg, sampler_name="euler", scheduler="simple"):
+    """The KSampler node: comfy.sample.sample with the latent's noise mask."""
+    import comfy.sample
+
+    samples = comfy.sample.fix_empty_latent_channels(model, latent["samples"])
+    noise = comfy.sample.prepare_noise(samples, seed)
+    return comfy.sample.sample(model, noise, steps, cfg, sampler_name, scheduler, positive, negative, samples,
+                               noise_mask=latent.get("noise_mask"), seed=seed).float().cpu()
+
+
+def refusal(call) -> dict:
+    try:
+        call()
+    except Exception as exc:  # noqa: BLE001 - the refusal is what is measured
+        return {"type": type(exc).__name__, "message": str(exc)}
+    return {"type": None, "message": ""}
+
+
+def diff(a, b) -> float:
+    return float((a.float() - b.float()).abs().max())
+
+
+def main() -> dict:
+    env = setup()
+    import comfy.model_management as mm
+    import comfy.sd
+
+    from graph_runtime.lora.tiny import write_tiny_lora
+
+    write_tiny_lora(env.models / "loras" / "kvgraph_test_lora.safetensors", dtype=torch.float32)
+    out = {"comfyui": os.environ["COMFYUI_DIR"], "device": str(mm.get_torch_device())}
+    handle, model = run_node(env, "KVGraphLoadTransformer", transformer_name="qwen_image_2.1_bf16.safetensors",
+                             dtype="fp32")
+    text_encoder, = run_node(env, "KVGraphLoadTextEncoder", text_encoder_name="qwen3vl_8b_bf16.safetensors",
+                             dtype="fp32", text_encoder_placement="gpu while encoding, then offload")
+    vae, = run_node(env, "KVGraphLoadVAE", vae_name="qwen_image_2.1_vae_bf16.safetensors", dtype="fp32")
+    positive, negative, latent = run_node(env, "KVGraphTextEncode", text_encoder=text_encoder,
+                                          prompt="a red cube on a blue sphere", negative_prompt="blurry",
+                                          width=SIZE[0], height=SIZE[1], size_from_reference=True,
+                                          reference_resolution=128)
+    sigmas, = run_node(env, "KVGraphSigmas", model=model, steps=STEPS, sigma_preset="auto", width=1024, height=1024,
+                       denoise=1.0, latent=latent)
+    out["sigmas"] = [float(s) for s in sigmas]
+
+    def kv_sampler(seed, cfg=1.0, model_in=handle, latent_in=latent, **extra):
+        return run_node(env, "KVGraphSampler", model=model_in, positive=positive, negative=negative,
+                        latent=latent_in, seed=seed, steps=STEPS, cfg=cfg, sigma_preset="auto", denoise=1.0,
+                        decode_mode="auto", compile="off", **extra)[0]["samples"].float()
+
+    # SamplerCustomAdvanced + euler over KV-Graph Sigmas = the KV-Graph Sampler (and so diffusers' pipeline).
+    model_c = counted(model)
+    core = custom_advanced(model_c, positive, negative, latent, sigmas, "euler", 1.0, 11)
+    out["euler_parity"] = {"max_diff": diff(core, kv_sampler(11)), "calls": model_c.calls,
+                           "magnitude": float(core.abs().max())}
+    model_c = counted(model)
+    core = custom_advanced(model_c, positive, negative, latent, sigmas, "euler", 4.0, 12)
+    out["cfg_parity"] = {"max_diff": diff(core, kv_sampler(12, cfg=4.0)), "calls": model_c.calls}
+
+    # Every sampler of the list: finite, and how many model calls it made for STEPS steps.
+    out["samplers"] = {}
+    for name in SAMPLERS:
+        model_c = counted(model)
+        result = custom_advanced(model_c, positive, negative, latent, sigmas, name, 1.0, 13)
+        out["samplers"][name] = {"finite": bool(torch.isfinite(result).all()), "calls": model_c.calls,
+                                 "std": float(result.std())}
+
+    # KSampler (scheduler simple: the model's shift at 1024x1024) and a second prompt with the same shapes.
+    model_c = counted(model)
+    first = ksampler(model_c, positive, negative, latent, 21, STEPS, 1.0)
+    out["ksampler"] = {"finite": bool(torch.isfinite(first).all()), "calls": model_c.calls}
+
+    # Inpainting: SetLatentNoiseMask's mask on an input latent; the region where it is 0 keeps the input.
+    source = ksampler(model, positive, negative, latent, 31, STEPS, 1.0)
+    mask = torch.zeros(1, 1, SIZE[1], SIZE[0])
+    mask[..., :, SIZE[0] // 2:] = 1.0
+    masked_latent = {"samples": source, "noise_mask": mask.reshape(-1, 1, SIZE[1], SIZE[0])}
+    inpainted = ksampler(model, positive, negative, masked_latent, 32, STEPS, 1.0)
+    half = source.shape[-1] // 2
+    custom = custom_advanced(model, positive, negative, masked_latent, sigmas, "euler", 1.0, 32)
+    out["inpaint"] = {"kept_max_diff": diff(inpainted[..., :half], source[..., :half]),
+                      "sampled_max_diff": diff(inpainted[..., half:], source[..., half:]),
+                      "custom_kept_max_diff": diff(custom[..., :half], source[..., :half]),
+                      "kv_sampler_max_diff": diff(kv_sampler(32, latent_in=masked_latent), custom)}
+
+    # Bad combinations fail with a message saying what was expected, and the next run works: another model's MODEL
+    # into the KV-Graph nodes that take a MODEL, another text encoder's conditioning into KSampler on the MODEL.
+    import comfy.model_patcher
+
+    other = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), mm.get_torch_device(), "cpu")
+    foreign = [[torch.zeros(1, 77, 768), {"pooled_output": torch.zeros(1, 768)}]]
+    out["refused"] = {
+        "sigmas": refusal(lambda: run_node(env, "KVGraphSigmas", model=other, steps=STEPS, sigma_preset="auto",
+                                           width=1024, height=1024, denoise=1.0)),
+        "lora": refusal(lambda: run_node(env, "KVGraphLoadLoRA", model=other, lora_name="kvgraph_test_lora.safetensors",
+                                         strength=1.0)),
+        "conditioning": refusal(lambda: ksampler(model, foreign, foreign, latent, 51, STEPS, 1.0)),
+    }
+
+    # LoRA: KV-Graph Load LoRA on the MODEL merges in place for the run (same latents as on the handle); core's
+    # LoRA loader is refused with a message naming KV-Graph Load LoRA.
+    lora_model, = run_node(env, "KVGraphLoadLoRA", model=model, lora_name="kvgraph_test_lora.safetensors",
+                           strength=1.0)
+    lora_handle, = run_node(env, "KVGraphLoadLoRA", model=handle, lora_name="kvgraph_test_lora.safetensors",
+                            strength=1.0)
+    with_lora = custom_advanced(lora_model, positive, negative, latent, sigmas, "euler", 1.0, 41)
+    without = custom_advanced(model, positive, negative, latent, sigmas, "euler", 1.0, 41)
+    out["lora"] = {"max_diff_vs_kv_sampler": diff(with_lora, kv_sampler(41, model_in=lora_handle)),
+                   "changed_by_lora": diff(with_lora, without)}
+    target = "diffusion_model.transformer_blocks.0.attn.to_q"  # a generic-format LoRA on a real weight
+    out["core_lora"] = refusal(lambda: comfy.sd.load_lora_for_models(
+        model, None, {f"{target}.lora_up.weight": torch.zeros(32, 4),
+                      f"{target}.lora_down.weight": torch.zeros(4, 32)}, 1.0, 0.0))
+
+    # Nothing of a run outlives it: no run in progress, the engine not busy, no prefix left owning an entry.
+    in_flight = env.pack.nodes.in_flight
+    engine = handle.engine
+    out["after"] = {"runs": in_flight.runs(), "busy": in_flight.is_busy(engine),
+                    "owned_entries": sum(engine.manager.owners.alive(k) for k in engine.manager.entries),
+                    "stats": engine.stats.snapshot()}
+    return out
+
+
+if __name__ == "__main__":
+    result = main()
+    print("KVGRAPH-RESULT " + json.dumps(result))
