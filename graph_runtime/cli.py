@@ -122,6 +122,9 @@ def check_generate_args(args) -> GenerateInputs:
     if args.model and any(files):
         raise InputError("--model", args.model, "either --model or the three single files, not both")
     device = check_device(args.device)
+    from .parallel import check_gpus
+
+    check_gpus(args.gpus, device)
     images = [open_image(path, args.reference_resolution) for path in args.image]
     return GenerateInputs(device=device, images=images, out_format=out_format)
 
@@ -203,7 +206,10 @@ def cmd_generate(args) -> int:
     models = load_models(args, checked.device, precision)
     apply_cli_precision(models.transformer, precision)
     load_s = time.perf_counter() - start
-    generator = QwenImageGenerator(models)
+    from .parallel.plan import check_heads
+
+    check_heads(args.gpus, models.transformer.config.num_attention_heads, "--gpus")
+    generator = QwenImageGenerator(models, gpus=args.gpus)
     for run in range(args.repeat):
         result = generator.generate(
             args.prompt, negative_prompt=args.negative, cfg=args.cfg, images=checked.images, width=args.width,
@@ -219,7 +225,13 @@ def cmd_generate(args) -> int:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         image.save(path, format=checked.out_format)
         print(f"wrote {path} ({image.size[0]}x{image.size[1]} {image.mode})")
-    print("graph manager: " + json.dumps(generator.engine.status()))
+    if args.gpus == 1:
+        print("graph manager: " + json.dumps(generator.engine.status()))
+    else:
+        from .parallel import runtime_for, shutdown_runtime
+
+        print("ranks: " + json.dumps(runtime_for(models.transformer, args.gpus).status()))
+        shutdown_runtime(models.transformer)
     return 0
 
 
@@ -298,6 +310,10 @@ def build_parser() -> argparse.ArgumentParser:
                           "on an Ada, Hopper or Blackwell GPU, else bf16), bf16 (as loaded), fp8, fp8-attn (MLP kept "
                           "bf16) or fp8-no-out (docs/fp8.md)")
     gen.add_argument("--device", default=None, help="default cuda when available")
+    gen.add_argument("--gpus", type=int, default=1,
+                     help="decode each image on N devices: N-1 worker processes beside this one split the image's "
+                          "tokens (and, with --cfg, the two branches); on CUDA it needs N GPUs, on --device cpu it "
+                          "runs N CPU processes (docs/multi-gpu.md)")
     gen.add_argument("--repeat", type=int, default=1, help="generate N times in one process (shows graph reuse)")
     gen.add_argument("--out", required=True,
                      help=f"output image path ({', '.join(OUTPUT_FORMATS)}); RGB over white unless --keep-alpha")

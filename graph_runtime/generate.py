@@ -14,6 +14,7 @@ from .encoding.images import decode_latents, encode_pixels, prepare_references, 
 from .encoding.prompt import PromptEncoder
 from .budget import check_runtime_request
 from .registry import engine_for
+from .parallel import sample_on_devices
 from .sampling.sampler import SamplingRequest, check_schedule, sample
 from .validation import check_cfg, check_count, check_reference_resolution, check_seed, check_size
 from .vae_decode import check_decoded
@@ -33,10 +34,12 @@ class GenerationResult:
 
 
 class QwenImageGenerator:
-    """Holds loaded models (anything with .transformer, .vae, .text_encoder, .processor, .scheduler_config)."""
+    """Holds loaded models (anything with .transformer, .vae, .text_encoder, .processor, .scheduler_config).
+    `gpus` > 1 decodes each image on that many devices (graph_runtime/parallel)."""
 
-    def __init__(self, models):
+    def __init__(self, models, gpus: int = 1):
         self.models = models
+        self.gpus = gpus
         self.encoder = PromptEncoder(models.text_encoder, models.processor)
 
     @property
@@ -88,7 +91,10 @@ class QwenImageGenerator:
         # Refused here, before anything is allocated, when the request cannot fit on the GPU.
         check_runtime_request(self.models.transformer, request, self.models.vae, self.models.text_encoder)
         start = time.perf_counter()
-        result = sample(self.engine, request, on_step=on_step, on_event=on_event)
+        if self.gpus == 1:
+            result = sample(self.engine, request, on_step=on_step, on_event=on_event)
+        else:
+            result = sample_on_devices(self.models.transformer, request, self.gpus, on_step=on_step, on_event=on_event)
         timings["sample_ms"] = (time.perf_counter() - start) * 1e3
         timings.update(result.timings)
 

@@ -21,6 +21,8 @@ from ..graph_runtime.loading import (
 )
 from ..graph_runtime.loading.transformer import transformer_is_quantized
 from ..graph_runtime.loading.variant import transformer_variant
+from ..graph_runtime.parallel import GPUS_HELP, check_gpus
+from ..graph_runtime.parallel.plan import check_heads
 from ..graph_runtime.quantized import KEEP_INT8, QUANTIZED_MODES, check_mode, int8_modules
 from . import model_cache, model_files
 from .model_handles import TE_OFFLOAD, TE_PLACEMENTS, TextEncoderHandle, TransformerHandle, VAEHandle
@@ -77,6 +79,18 @@ def _precision_input():
     # Optional, so workflows saved before it existed still validate (they get auto).
     return io.Combo.Input("precision", options=list(PRECISION_CHOICES), default=DEFAULT_PRECISION, optional=True,
                           tooltip=PRECISION_TOOLTIP)
+
+
+def _gpus_input():
+    # Optional, so workflows saved before it existed still validate (they get one device).
+    return io.Int.Input("gpus", default=1, min=1, max=8, optional=True, tooltip=GPUS_HELP)
+
+
+def with_gpus(handle: TransformerHandle, gpus) -> TransformerHandle:
+    """The loaded transformer, to be sampled on `gpus` devices: checked against this machine and the model."""
+    check_gpus(gpus, mm.get_torch_device())
+    check_heads(gpus, handle.module.config.num_attention_heads)
+    return handle.with_gpus(gpus)
 
 
 def _dtype_input():
@@ -189,20 +203,24 @@ class KVGraphLoadTransformer(io.ComfyNode):
                 _dtype_input(),
                 _int8_input(),
                 _precision_input(),
+                _gpus_input(),
             ],
             outputs=[Transformer.Output(display_name="transformer", tooltip=TRANSFORMER_OUT),
                      io.Model.Output(display_name="model", tooltip=MODEL_OUT)],
         )
 
     @classmethod
-    def fingerprint_inputs(cls, transformer_name, dtype, int8_weights=KEEP_INT8, precision=DEFAULT_PRECISION):
-        return model_files.fingerprint("diffusion_models", transformer_name, dtype, int8_weights, precision)
+    def fingerprint_inputs(cls, transformer_name, dtype, int8_weights=KEEP_INT8, precision=DEFAULT_PRECISION,
+                           gpus=1):
+        return model_files.fingerprint("diffusion_models", transformer_name, dtype, int8_weights, precision, gpus)
 
     @classmethod
-    def execute(cls, transformer_name, dtype, int8_weights=KEEP_INT8, precision=DEFAULT_PRECISION) -> io.NodeOutput:
+    def execute(cls, transformer_name, dtype, int8_weights=KEEP_INT8, precision=DEFAULT_PRECISION,
+                gpus=1) -> io.NodeOutput:
+        check_gpus(gpus, mm.get_torch_device())
         path = model_files.full_path("diffusion_models", transformer_name, "transformer_name")
         handle = transformer_handle(path, dtype, int8_weights=int8_weights, precision=precision)
-        return io.NodeOutput(handle, handle.model)
+        return io.NodeOutput(with_gpus(handle, gpus), handle.model)
 
 
 class KVGraphLoadTextEncoder(io.ComfyNode):
@@ -280,6 +298,7 @@ class KVGraphLoadDiffusers(io.ComfyNode):
                 _dtype_input(),
                 _placement_input(),
                 _precision_input(),
+                _gpus_input(),
             ],
             outputs=[
                 Transformer.Output(display_name="transformer", tooltip=TRANSFORMER_OUT),
@@ -290,10 +309,11 @@ class KVGraphLoadDiffusers(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, folder, dtype, text_encoder_placement, precision=DEFAULT_PRECISION) -> io.NodeOutput:
+    def execute(cls, folder, dtype, text_encoder_placement, precision=DEFAULT_PRECISION, gpus=1) -> io.NodeOutput:
+        check_gpus(gpus, mm.get_torch_device())
         root = model_files.diffusers_path(folder)
         scheduler = load_pipeline_folder(root, dtype=DTYPES[dtype], device="meta", components=()).scheduler_config
-        transformer = transformer_handle(root, dtype, scheduler, precision=precision)
+        transformer = with_gpus(transformer_handle(root, dtype, scheduler, precision=precision), gpus)
         text_encoder = text_encoder_handle(root, dtype, text_encoder_placement, tokenizer_dir=None)
         vae = vae_handle(root, dtype)
         return io.NodeOutput(transformer, text_encoder, vae, transformer.model)

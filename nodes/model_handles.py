@@ -130,6 +130,11 @@ class TransformerHandle(ModelHandle):
     loras: tuple = ()
     base: "TransformerHandle | None" = field(default=None, repr=False)
     last_budget: dict | None = None  # the memory budget of the last request sampled with it (memory_budget.py)
+    gpus: int = 1  # devices each image is decoded on (graph_runtime/parallel); the loader's gpus input
+
+    def with_gpus(self, gpus: int) -> "TransformerHandle":
+        """The same loaded model, sampled on `gpus` devices (this handle is left as it is)."""
+        return self if gpus == self.gpus else dataclasses.replace(self, gpus=gpus, base=self.base or self)
 
     @staticmethod
     def make_patcher(module, load_device, offload_device, extra: dict) -> FullLoadPatcher:

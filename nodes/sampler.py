@@ -19,8 +19,9 @@ from ..graph_runtime.decode import DECODE_MODES
 from ..graph_runtime.errors import InputError
 from ..graph_runtime.loading.variant import AUTO, TURBO, sigma_preset_for
 from ..graph_runtime.lora import loras_in_use
+from ..graph_runtime.parallel import sample_on_devices
 from ..graph_runtime.report import run_summary
-from ..graph_runtime.sampling.sampler import Cancelled, SamplingRequest, check_schedule, sample
+from ..graph_runtime.sampling.sampler import Cancelled, SamplingRequest, check_schedule
 from ..graph_runtime.sampling.schedule import SIGMA_PRESETS, TURBO_SIGMAS
 from ..graph_runtime.validation import MAX_SEED, VAE_SCALE, check_seed
 from . import events, in_flight, memory_budget
@@ -117,8 +118,9 @@ class KVGraphSampler(io.ComfyNode):
         with loras_in_use(model.module, model.loras), in_flight.sampling(engine, prompt_id, node_id, total) as record:
             progress = SamplerProgress(total, record)
             try:
-                result = sample(engine, request, on_step=progress.on_step, should_stop=progress.should_stop,
-                                on_event=lambda phase, data: events.send(phase, data, prompt_id, node_id))
+                result = sample_on_devices(model.module, request, model.gpus, on_step=progress.on_step,
+                                           should_stop=progress.should_stop,
+                                           on_event=lambda phase, data: events.send(phase, data, prompt_id, node_id))
             except Cancelled:
                 # The sampler stopped between steps (its caches are released): end the node the way ComfyUI
                 # expects an interrupted node to end.

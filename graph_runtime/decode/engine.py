@@ -35,18 +35,20 @@ logger = logging.getLogger("kvgraph")
 
 class DecodeEngine:
     """`backend`: how graphs are captured and replayed (default: CUDA graphs; tests inject a recording one, which
-    runs the whole policy on CPU). `kernels=False`: the step body without the hand-written kernels."""
+    runs the whole policy on CPU). `kernels=False`: the step body without the hand-written kernels. `step`: the
+    step body (default a `DecodeStep` of `transformer`; sequence parallelism passes its own)."""
 
-    def __init__(self, transformer: torch.nn.Module, max_entries: int = 4, backend=None, kernels: bool = True):
+    def __init__(self, transformer: torch.nn.Module, max_entries: int = 4, backend=None, kernels: bool = True,
+                 step: DecodeStep | None = None):
         self._transformer = weakref.ref(transformer)
         backend = backend if backend is not None else CudaGraphBackend()
         self.stats = DecodeStats()
         self.manager = DecodeGraphManager(type(transformer).__name__, backend, self.stats, max_entries)
         self.guard = ModelGuard(transformer, backend)
-        self.step = DecodeStep(transformer, kernels=kernels)
+        self.step = step if step is not None else DecodeStep(transformer, kernels=kernels)
         self.compiles = 0
         self._logged = LoggedOnce()
-        self._prefix_pass = PrefixPassRunner(transformer, backend, self.guard, self.stats, self._logged,
+        self._prefix_pass = PrefixPassRunner(self.step.run_prefix, backend, self.guard, self.stats, self._logged,
                                              self.manager.lock)
         self._replayer = StepReplayer(transformer, self.manager, self.stats)
 
@@ -98,9 +100,10 @@ class DecodeEngine:
         entry = self._claim(token, branch, layout, latents.shape[0], layout.joint_key_valid(text_mask), mode)
         static_kv = None if entry is None else (entry.inputs.k, entry.inputs.v)
         # The prefix pass of a claimed entry is captured once and replayed by later prompts with this key.
-        runner = None if entry is None else (lambda inputs: self._prefix_pass.run(entry, inputs))
+        runner = self.step.run_prefix if entry is None else (lambda inputs: self._prefix_pass.run(entry, inputs))
         out, prefix = run_prefill(self.transformer, layout, latents, encoder_hidden_states, timestep, text_mask,
-                                  branch, static_kv=static_kv, with_target=with_target, prefix_runner=runner)
+                                  branch, static_kv=static_kv, with_target=with_target, prefix_runner=runner,
+                                  kv_heads=self.step.kv_heads)
         prefix.owner = token
         if entry is not None:
             self._bind(entry, prefix)
@@ -117,7 +120,7 @@ class DecodeEngine:
         if check_mode(mode) == "eager":
             return None
         self.guard.new_request()
-        spec = EntrySpec.for_request(self.transformer, layout, batch)
+        spec = EntrySpec.for_request(self.transformer, layout, batch, self.step.kv_heads)
         if not self._judge(spec.dtype, key_valid).ok:
             return None
         key = make_key(self.step, branch, batch, layout, spec.dtype, spec.device)
@@ -154,6 +157,12 @@ class DecodeEngine:
                 return outcome
             reason = outcome.reason
         return self._eager(prefix, hidden, timestep, reason, mode)
+
+    def decode_all(self, prefixes: dict[str, PrefixCache], hidden: torch.Tensor, timestep: torch.Tensor,
+                   mode: str = "auto") -> dict[str, DecodeOutcome]:
+        """One step of every branch of a request (`{"cond": prefix, "uncond": prefix}`), in order. CFG parallelism
+        (graph_runtime/parallel) runs the branches on different devices instead."""
+        return {name: self.decode(prefix, hidden, timestep, mode) for name, prefix in prefixes.items()}
 
     def _judge(self, kv_dtype, key_valid) -> Verdict:
         """The guard's verdict, acted on: graphs captured before LoRA wrappers appeared are dropped."""

@@ -23,7 +23,8 @@ class GraphKey:
     """Everything a captured step's shapes and addresses depend on.
 
     `layout` is the full token layout signature (prefix runs and every image shape), so equal token counts with
-    different layouts, whose RoPE tables differ, never share an entry.
+    different layouts, whose RoPE tables differ, never share an entry. `parallel` names a sequence-parallel rank's
+    group (world size, rank, ...; empty on one device): its graph records that group's collectives.
     """
 
     branch: str
@@ -32,6 +33,7 @@ class GraphKey:
     dtype: str
     device: str
     backend: str
+    parallel: tuple = ()
 
     def describe(self) -> dict:
         prefix_len, target_tokens, shapes, _ = self.layout
@@ -44,6 +46,7 @@ class GraphKey:
             "dtype": self.dtype,
             "device": self.device,
             "backend": self.backend,
+            **({"parallel": dict(self.parallel)} if self.parallel else {}),
         }
 
 
@@ -70,11 +73,12 @@ class EntrySpec:
     device: torch.device
 
     @classmethod
-    def for_request(cls, transformer, layout, batch: int) -> "EntrySpec":
+    def for_request(cls, transformer, layout, batch: int, heads: int | None = None) -> "EntrySpec":
+        """`heads`: the heads whose K/V the entry keeps (default all)."""
         config = transformer.config
         param = next(transformer.parameters())
         return cls(batch=batch, prefix_len=layout.prefix_len, target_tokens=layout.target_tokens,
-                   heads=config.num_attention_heads, head_dim=config.attention_head_dim,
+                   heads=heads or config.num_attention_heads, head_dim=config.attention_head_dim,
                    num_blocks=len(transformer.transformer_blocks), in_channels=config.in_channels,
                    dtype=param.dtype, device=param.device)
 

@@ -31,7 +31,7 @@ MEMORY_HEADROOM = 2 << 30
 
 def make_key(step: DecodeStep, branch: str, batch: int, layout, dtype, device) -> GraphKey:
     return GraphKey(branch=branch, batch=batch, layout=layout.signature, dtype=str(dtype).removeprefix("torch."),
-                    device=str(device), backend=step.variant())
+                    device=str(device), backend=step.variant(), parallel=step.parallel_key())
 
 
 class DecodeGraphManager:

@@ -103,6 +103,7 @@ def run_prefill(
     static_kv: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None,
     with_target: bool = True,
     prefix_runner=None,
+    kv_heads: int | None = None,
 ) -> tuple[torch.Tensor | None, PrefixCache]:
     """Run step 1. `latents` is `[B, cond_tokens + T, C]` (condition images first); returns the target rows'
     prediction `[B, T, C]` and the branch's prefix cache. `static_kv` are per-block `[B, P + T, H, D]` buffers to
@@ -112,7 +113,9 @@ def run_prefill(
     attends to a target row, so the prefix K/V are the same, and the target's step-1 prediction is then exactly a
     decode step over them (the property tests/test_cached_decode.py checks), which can replay a graph. The prefix
     rows then go through the decode step's own block code (`prefix_pass.py`) rather than diffusers' blocks:
-    `prefix_runner(inputs)` runs them (a graph entry's captured pass), else they run eagerly.
+    `prefix_runner(inputs)` runs them (a graph entry's captured pass, or the decode step's own pass), else they run
+    eagerly. `kv_heads`: the heads whose K/V fresh buffers keep (default all; a sequence-parallel rank keeps its
+    share).
     """
     model = transformer
     device = latents.device
@@ -140,7 +143,8 @@ def run_prefill(
     else:
         out = None
         inputs = _prefix_inputs(model, layout, joint[:, :layout.prefix_len].contiguous(),
-                                modulation[-1:].expand(batch, -1), rotary[:layout.prefix_len], key_valid, static_kv)
+                                modulation[-1:].expand(batch, -1), rotary[:layout.prefix_len], key_valid, static_kv,
+                                kv_heads)
         if prefix_runner is None:
             run_prefix_eagerly(model, inputs)
         else:
@@ -177,7 +181,7 @@ def _joint_pass(model, layout, joint, modulation, rotary, key_valid, temb, stati
     return model.proj_out(joint)[:, layout.prefix_len:], layers
 
 
-def _prefix_inputs(model, layout, x, zero_modulation, rotary, key_valid, static_kv) -> PrefixInputs:
+def _prefix_inputs(model, layout, x, zero_modulation, rotary, key_valid, static_kv, kv_heads=None) -> PrefixInputs:
     """The prefix pass's inputs: each prefix row is modulated from t = 0 (diffusers' trailing modulation row) and
     attends under the prefix's block-causal mask; its block's K/V land in rows `0:P` of the given buffers (fresh
     ones when the request has no graph entry)."""
@@ -189,7 +193,7 @@ def _prefix_inputs(model, layout, x, zero_modulation, rotary, key_valid, static_
     blocks = model.transformer_blocks
     if static_kv is None:
         attn = blocks[0].attn
-        shape = (batch, prefix_len, attn.heads, attn.inner_dim // attn.heads)
+        shape = (batch, prefix_len, kv_heads or attn.heads, attn.inner_dim // attn.heads)
         static_kv = ([x.new_empty(shape) for _ in blocks], [x.new_empty(shape) for _ in blocks])
     return PrefixInputs(hidden=x, modulation=zero_modulation, cos=cos, sin=sin, mask=mask,
                         k=[buffer[:, :prefix_len] for buffer in static_kv[0]],

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import weakref
 from dataclasses import dataclass
 
 import torch
@@ -61,14 +60,9 @@ def run_prefix_blocks(blocks, inputs: PrefixInputs) -> None:
                                inputs.mask, kv_only=i == last)
 
 
-def prefix_blocks(transformer) -> list[TargetDecodeBlock]:
-    # Uncompiled wrappers: a few hundred rows gain nothing from inductor, and the decode step's compiled blocks
-    # would recompile for the prefix's shapes and mask.
-    return [TargetDecodeBlock(block) for block in transformer.transformer_blocks]
-
-
 def run_prefix_eagerly(transformer, inputs: PrefixInputs) -> None:
-    run_prefix_blocks(prefix_blocks(transformer), inputs)
+    """The pass over the transformer's own blocks (no graph entry, no step to ask)."""
+    run_prefix_blocks([TargetDecodeBlock(block) for block in transformer.transformer_blocks], inputs)
 
 
 class PrefixGraph(CaptureRecord):
@@ -104,11 +98,11 @@ class PrefixPassRunner:
 
     It shares the engine's capture backend, lock (replays of one pool are serialized), statistics, logged-once
     reasons and model guard (whose fingerprint says whether a captured pass still reads the weights it was
-    captured with).
+    captured with). `run_pass(inputs)` is the pass itself (the decode step's `run_prefix`).
     """
 
-    def __init__(self, transformer, backend, guard, stats, logged, lock):
-        self._transformer = weakref.ref(transformer)
+    def __init__(self, run_pass, backend, guard, stats, logged, lock):
+        self._run_pass = run_pass
         self._backend, self._guard, self._stats, self._logged, self._lock = backend, guard, stats, logged, lock
 
     @torch.no_grad()
@@ -137,9 +131,8 @@ class PrefixPassRunner:
     def _capture(self, entry, inputs: PrefixInputs, fingerprint) -> PrefixGraph | str:
         graph = PrefixGraph(inputs)
         graph.load(inputs)
-        blocks = prefix_blocks(self._transformer())
         try:
-            self._backend.capture(graph, lambda static: run_prefix_blocks(blocks, static))
+            self._backend.capture(graph, self._run_pass)
         except Exception as exc:  # noqa: BLE001 - a failed capture must end eager, not fail the prompt
             entry.prefix_graph = why.CAPTURE_FAILED  # a marker: this key's prefills stay eager
             logger.warning("KV-Graph: prefix pass capture failed for %s: %s; its prefills run eagerly.",
@@ -156,5 +149,5 @@ class PrefixPassRunner:
         self._stats.eager_prefills[reason] += 1
         if self._logged.first("prefix:" + reason):
             logger.info("KV-Graph: prefix pass runs eagerly: %s.", reason)
-        run_prefix_eagerly(self._transformer(), inputs)
+        self._run_pass(inputs)
         return "eager"

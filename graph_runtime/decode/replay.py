@@ -37,7 +37,7 @@ class StepReplayer:
             key = prefix.graph_key = make_key(step, prefix.branch, prefix.batch, prefix.layout, hidden.dtype,
                                               hidden.device)
         entry = manager.lookup_or_register(
-            key, lambda: EntrySpec.for_request(self._transformer(), prefix.layout, prefix.batch))
+            key, lambda: EntrySpec.for_request(self._transformer(), prefix.layout, prefix.batch, step.kv_heads))
         if isinstance(entry, FailedEntry):
             return DecodeOutcome(None, "eager", entry.reason)
         if manager.owners.owned_by_other(key, prefix.owner):

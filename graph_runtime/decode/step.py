@@ -172,29 +172,58 @@ class TargetDecodeBlock(torch.nn.Module):
         q = attn.to_q(h).unflatten(-1, (-1, head_dim))
         k = attn.to_k(h).unflatten(-1, (-1, head_dim))
         v = attn.to_v(h).unflatten(-1, (-1, head_dim))
-        if static_kv and self._can_fuse_qk():
-            q = qk_norm_rope_write(q, k, v, attn.norm_q.weight, attn.norm_k.weight, cos, sin, k_cache, v_cache,
-                                   prefix_len, attn.norm_q.eps)
-            keys, values = k_cache, v_cache
-        elif static_kv:
-            q = apply_rope(attn.norm_q(q).to(v.dtype), cos, sin)
-            k = apply_rope(attn.norm_k(k).to(v.dtype), cos, sin)
-            k_cache[:, prefix_len:].copy_(k)
-            v_cache[:, prefix_len:].copy_(v)
-            keys, values = k_cache, v_cache
-        else:
-            q = apply_rope(attn.norm_q(q).to(v.dtype), cos, sin)
-            k = apply_rope(attn.norm_k(k).to(v.dtype), cos, sin)
-            keys, values = torch.cat([k_cache, k], dim=1), torch.cat([v_cache, v], dim=1)
-        if kv_only and static_kv:
+        out = self.attend(q, k, v, cos, sin, k_cache, v_cache, prefix_len, static_kv, attn_mask,
+                          kv_only and static_kv)
+        if out is None:
             return x, None
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2), attn_mask=attn_mask
-        )
-        out = attn.to_out[0](out.transpose(1, 2).flatten(2).type_as(q))
+        out = attn.to_out[0](out.flatten(2))
         x, h = self.add_pending_and_norm(x, (out, gate1), block.img_norm2, scale2, fuse_norms, mlp_residual=False,
                                          eight_bit=self._mlp_input(x.device))
         return x, (self.mlp(h), gate2)
+
+    def attend(self, q, k, v, cos, sin, k_cache, v_cache, prefix_len: int, static_kv: bool, attn_mask,
+               kv_only: bool = False):
+        """q/k normed and rotated, the rows' K/V kept (written into the static buffer's rows `prefix_len:`, or
+        concatenated after the prefix's), then attention: `[B, S, H, D]`, or None once the K/V are written when
+        `kv_only`. Sequence parallelism (graph_runtime/parallel) overrides this one method."""
+        if static_kv and self._can_fuse_qk():
+            q = self.norm_rope_write(q, k, v, cos, sin, k_cache, v_cache, prefix_len)
+            keys, values = k_cache, v_cache
+        else:
+            q, k = self.norm_rope(q, k, v, cos, sin)
+            keys, values = self.keep_kv(k, v, k_cache, v_cache, prefix_len, static_kv)
+        if kv_only:
+            return None
+        return self.attention(q, keys, values, attn_mask)
+
+    @staticmethod
+    def keep_kv(k, v, k_cache, v_cache, prefix_len: int, static_kv: bool):
+        """The rows' K/V after the prefix's: written into the static buffer's rows `prefix_len:`, or concatenated.
+        Returns the keys and values attention reads."""
+        if static_kv:
+            k_cache[:, prefix_len:].copy_(k)
+            v_cache[:, prefix_len:].copy_(v)
+            return k_cache, v_cache
+        return torch.cat([k_cache, k], dim=1), torch.cat([v_cache, v], dim=1)
+
+    def norm_rope(self, q, k, v, cos, sin):
+        """q and k RMS-normed and rotated (the modules' own code)."""
+        attn = self.block.attn
+        return (apply_rope(attn.norm_q(q).to(v.dtype), cos, sin), apply_rope(attn.norm_k(k).to(v.dtype), cos, sin))
+
+    def norm_rope_write(self, q, k, v, cos, sin, k_cache, v_cache, prefix_len: int):
+        """Our one-pass kernel: returns q normed and rotated; k (normed, rotated) and v land in rows `prefix_len:`
+        of the caches. Only when `_can_fuse_qk()`."""
+        attn = self.block.attn
+        return qk_norm_rope_write(q, k, v, attn.norm_q.weight, attn.norm_k.weight, cos, sin, k_cache, v_cache,
+                                  prefix_len, attn.norm_q.eps)
+
+    @staticmethod
+    def attention(q, keys, values, attn_mask):
+        """SDPA over `[B, S, H, D]` queries and `[B, L, H, D]` keys/values; returns `[B, S, H, D]`."""
+        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
+                                             attn_mask=attn_mask)
+        return out.transpose(1, 2).type_as(q)
 
     @staticmethod
     def add_pending_and_norm(x, pending, norm, scale, fuse: bool, mlp_residual: bool = True,
@@ -231,18 +260,41 @@ class TargetDecodeBlock(torch.nn.Module):
 class DecodeStep(torch.nn.Module):
     """The whole decode step over a transformer's blocks: `forward(inputs) -> [B, T, out_channels]`."""
 
-    def __init__(self, transformer: torch.nn.Module, kernels: bool = True):
+    def __init__(self, transformer: torch.nn.Module, kernels: bool = True, block_factory=TargetDecodeBlock):
+        """`block_factory(block, kernels)` wraps each diffusers block (sequence parallelism passes its own)."""
         super().__init__()
         # A weak reference: the transformer holds this step (through its engine), and the weights must not be
         # registered twice under this module.
         self._model = weakref.ref(transformer)
-        self.blocks = torch.nn.ModuleList(TargetDecodeBlock(b, kernels) for b in transformer.transformer_blocks)
+        self.block_factory = block_factory
+        self.blocks = torch.nn.ModuleList(block_factory(b, kernels) for b in transformer.transformer_blocks)
         self.kernels = kernels
         self.compiled = False
 
     @property
     def model(self):
         return self._model()
+
+    @property
+    def kv_heads(self) -> int:
+        """Attention heads whose K/V this step keeps (all of them; a sequence-parallel rank keeps its share)."""
+        return self.model.config.num_attention_heads
+
+    def parallel_key(self) -> tuple:
+        """What graph keys carry about parallelism: nothing here; a sequence-parallel step names its group."""
+        return ()
+
+    def prefix_blocks(self) -> list[TargetDecodeBlock]:
+        # Uncompiled wrappers: a few hundred rows gain nothing from inductor, and the decode step's compiled blocks
+        # would recompile for the prefix's shapes and mask.
+        return [self.block_factory(b, True) for b in self.model.transformer_blocks]
+
+    def run_prefix(self, inputs) -> None:
+        """The prefix pass (`prefix_pass.PrefixInputs`) over this step's kind of block: K/V rows written, eagerly;
+        the prefix pass runner calls it, for its captures too."""
+        from .prefix_pass import run_prefix_blocks
+
+        run_prefix_blocks(self.prefix_blocks(), inputs)
 
     def compile_blocks(self) -> None:
         """Regionally compile every block; inductor's own CUDA graphs stay off so graph layers never stack.

@@ -195,8 +195,9 @@ def _denoise_step(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, pr
     timestep = model_timestep(run.timesteps[i].expand(req.batch_size), run.dtype)
     model_input = latents if run.inpaint is None else run.inpaint.model_input(latents, run.sigmas[i])
     preds, paths = {}, []
-    for name in run.branches:
-        outcome = engine.decode(prefixes[name], model_input.to(run.dtype), timestep, req.decode_mode)
+    outcomes = engine.decode_all({name: prefixes[name] for name in run.branches}, model_input.to(run.dtype), timestep,
+                                 req.decode_mode)
+    for name, outcome in outcomes.items():
         preds[name] = outcome.output
         paths.append(outcome.path)
         reporter.decoded(i + 1, name, outcome)
