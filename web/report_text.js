@@ -19,6 +19,7 @@ export function reportWidget(node) {
   box.spellcheck = false;
   box.placeholder = PLACEHOLDER;
   box.className = "comfy-multiline-input kvgraph-report";
+  box.dataset.testid = "kvgraph-report"; // as the panel's controls: tests find it the same in every frontend
   const widget = node.addDOMWidget(REPORT_WIDGET, "kvgraph-report", box, {
     getValue: () => box.value,
     setValue: (value) => {

@@ -10,6 +10,11 @@ TAB_TOOLTIP = "KV-Graph decode-graph cache"
 # The frontend's dialogs (PrimeVue's in 1.35, reka-ui's in 1.49 and later) all have this role; the panel is ours.
 DIALOG = "[role=dialog]"
 PANEL = "[data-testid=kvgraph-panel]"
+# The left sidebar's tool bar: a test id in 1.58, only a class in 1.35 and 1.49.
+SIDEBAR = "[data-testid=side-toolbar], .side-tool-bar-container"
+# The minimap's box (its canvas and controls) and the Run bar: no version gives them a test id or a role.
+MINIMAP = ".minimap-main-container"
+RUN_BAR = ".actionbar"
 # The main menu's button (the Comfy logo): a test id in 1.58, only a class in 1.35 and 1.49.
 MENU_BUTTON = "[data-testid=comfy-menu-button], .comfy-menu-button-wrapper"
 # A toast: 1.58 marks each with data-testid="toast"; 1.35 and 1.49 show PrimeVue's toast messages. (Both have

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import requests
-from browser_ui import DIALOG, clear_toasts, set_panel
+from browser_ui import DIALOG, MINIMAP, PANEL, RUN_BAR, SIDEBAR, clear_toasts, set_panel
 from comfy_server import ui_workflow_path
 
 pytestmark = pytest.mark.browser
@@ -54,7 +54,7 @@ def open_workflow(page, name):
 def drawn_nodes(page) -> dict:
     """Where the frontend draws each node (its title bar and the pack's 20 px badge included) and what it needs, and
     where its overlays are, in page pixels."""
-    return page.evaluate("""([padding, margin, gap]) => {
+    return page.evaluate("""([padding, margin, gap, selectors]) => {
         const app = window.app, ds = app.canvas.ds;
         const canvas = app.canvas.canvas.getBoundingClientRect();
         const rect = (selector) => {
@@ -92,9 +92,10 @@ def drawn_nodes(page) -> dict:
         ctx.restore();
         return { scale: ds.scale, offset: [...ds.offset], nodes,
                  canvas: [canvas.left, canvas.top, canvas.right, canvas.bottom],
-                 panel: rect('[data-testid=kvgraph-panel]'), sidebar: rect('.side-tool-bar-container'),
-                 minimap: rect('.minimap-main-container'), runBar: rect('.actionbar') };
-    }""", [WIDGET_PADDING, WIDGET_MARGIN, LABEL_VALUE_GAP])
+                 panel: rect(selectors.panel), sidebar: rect(selectors.sidebar), minimap: rect(selectors.minimap),
+                 runBar: rect(selectors.runBar) };
+    }""", [WIDGET_PADDING, WIDGET_MARGIN, LABEL_VALUE_GAP,
+          {"panel": PANEL, "sidebar": SIDEBAR, "minimap": MINIMAP, "runBar": RUN_BAR}])
 
 
 def overlaps(a, b) -> bool:

@@ -455,7 +455,7 @@ def test_frontend_retypes_the_passthrough_and_shows_the_status_text(page, server
         const app = window.app, node = window.kvgraphStatusNode;
         const prompt = (await app.graphToPrompt()).output;
         return { value: node.widgets.find(w => w.name === 'report').value,
-                 boxes: Array.from(document.querySelectorAll('.dom-widget textarea.kvgraph-report')).map(e => e.value),
+                 boxes: Array.from(document.querySelectorAll('[data-testid=kvgraph-report]')).map(e => e.value),
                  inputs: Object.keys(prompt[String(node.id)].inputs), saved: node.serialize().widgets_values ?? [] };
     }""")
     report = next(iter(history.values()))["outputs"][node_id]["text"][0]
