@@ -236,6 +236,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
+    from .lora.tiny import comfyui_lora_path, write_tiny_lora
     from .tiny import (check_writable, comfyui_file_paths, comfyui_int8_file_paths, write_comfyui_files,
                        write_comfyui_int8_files, write_diffusers_folder)
 
@@ -244,7 +245,8 @@ def cmd_make_tiny(args) -> int:
     # Both targets are checked before either is written, so a refusal leaves nothing half done.
     if args.comfyui_models:
         check_writable([*comfyui_file_paths(args.comfyui_models).values(),
-                        *comfyui_int8_file_paths(args.comfyui_models).values()], args.force)
+                        *comfyui_int8_file_paths(args.comfyui_models).values(),
+                        comfyui_lora_path(args.comfyui_models)], args.force)
     if args.dir:
         check_writable([args.dir], args.force)
     if args.comfyui_models:
@@ -252,6 +254,8 @@ def cmd_make_tiny(args) -> int:
             print(f"wrote {name}: {path}")
         for name, path in write_comfyui_int8_files(args.comfyui_models, force=args.force).items():
             print(f"wrote {name} (INT8 ConvRot): {path}")
+        # The LoRA example workflow's file, so that example runs as shipped on the tiny model too.
+        print(f"wrote lora: {write_tiny_lora(comfyui_lora_path(args.comfyui_models))}")
     if args.dir:
         folder = write_diffusers_folder(args.dir, force=args.force)
         print(f"wrote diffusers folder: {folder}")
@@ -317,7 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny", help="write a tiny random Qwen-Image-2.1 for tests")
     tiny.add_argument("dir", nargs="?", help="diffusers folder to write")
     tiny.add_argument("--comfyui-models", help="a ComfyUI models/ folder to write the single files into (bf16 and "
-                                               "INT8 ConvRot, under the real files' names)")
+                                               "INT8 ConvRot, under the real files' names), and a tiny LoRA under "
+                                               "the name the LoRA example loads (loras/)")
     tiny.add_argument("--force", action="store_true", help="overwrite existing files (refused otherwise)")
     tiny.set_defaults(func=cmd_make_tiny)
 

@@ -125,7 +125,6 @@ class FakeComfy:
         self.interrupted = False
         self.progress = []  # (value, total, preview) per ProgressBar update
         self.sent = []  # (event, data) per send_sync
-        self.texts = []  # (node id, text, client) per send_progress_text
         self.load_calls = []  # kwargs of each load_models_gpu call
         self.free_memory = None  # what get_free_memory reports (bytes); None: the device's own figure
         self.context = None  # ExecutionContext the node runs under
@@ -294,13 +293,8 @@ class FakeComfy:
             def __init__(self):
                 self.routes = Routes()
 
-            client_id = "fake-client"  # set by ComfyUI's executor to the client that queued the running prompt
-
             def send_sync(self, event, data, sid=None):
                 fake.sent.append((event, data))
-
-            def send_progress_text(self, text, node_id, sid=None):
-                fake.texts.append((node_id, text, sid))
 
         PromptServer.instance = PromptServer()
         server.PromptServer = PromptServer
