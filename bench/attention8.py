@@ -14,16 +14,14 @@ from __future__ import annotations
 
 import datetime
 import json
-import sys
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from .int8_gemm import time_graph
 
-from bench.int8_gemm import time_graph  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 CASES = [("t2i 1024", 4096, 128), ("edit one ref 1024", 4096, 4096 + 128), ("t2i 2048", 16384, 128)]
 HEADS, HEAD_DIM = 32, 128

@@ -23,13 +23,13 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from graph_runtime.encoding.prompt import PromptEmbeds
+from graph_runtime.parallel import sample_on_devices, shutdown_runtime
+from graph_runtime.sampling.sampler import SamplingRequest
 
-from graph_runtime.bench.model import build_transformer  # noqa: E402
-from graph_runtime.encoding.prompt import PromptEmbeds  # noqa: E402
-from graph_runtime.parallel import sample_on_devices, shutdown_runtime  # noqa: E402
-from graph_runtime.sampling.sampler import SamplingRequest  # noqa: E402
+from .model import build_transformer
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROMPT_TOKENS = 128
 

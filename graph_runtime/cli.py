@@ -1,4 +1,4 @@
-"""Command line: `python -m graph_runtime generate | make-tiny | bench`."""
+"""Command line: `python -m graph_runtime generate | make-tiny` (the benchmark: `python -m bench` in a checkout)."""
 
 from __future__ import annotations
 
@@ -266,6 +266,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
+    from .lora.tiny import comfyui_lora_path, write_tiny_lora
     from .tiny import (check_writable, comfyui_file_paths, comfyui_int8_file_paths, write_comfyui_files,
                        write_comfyui_int8_files, write_diffusers_folder)
 
@@ -274,7 +275,8 @@ def cmd_make_tiny(args) -> int:
     # Both targets are checked before either is written, so a refusal leaves nothing half done.
     if args.comfyui_models:
         check_writable([*comfyui_file_paths(args.comfyui_models).values(),
-                        *comfyui_int8_file_paths(args.comfyui_models).values()], args.force)
+                        *comfyui_int8_file_paths(args.comfyui_models).values(),
+                        comfyui_lora_path(args.comfyui_models)], args.force)
     if args.dir:
         check_writable([args.dir], args.force, folder=True)
     if args.comfyui_models:
@@ -282,6 +284,8 @@ def cmd_make_tiny(args) -> int:
             print(f"wrote {name}: {path}")
         for name, path in write_comfyui_int8_files(args.comfyui_models, force=args.force).items():
             print(f"wrote {name} (INT8 ConvRot): {path}")
+        # The LoRA example workflow's file, so that example runs as shipped on the tiny model too.
+        print(f"wrote lora: {write_tiny_lora(comfyui_lora_path(args.comfyui_models))}")
     if args.dir:
         try:
             folder = write_diffusers_folder(args.dir, force=args.force)
@@ -294,18 +298,14 @@ def cmd_make_tiny(args) -> int:
     return 0
 
 
-def cmd_bench(args) -> int:
-    import torch
+# The benchmark is the repository's lab, not part of the installed package: the command says where it went.
+BENCH_MOVED = ("the benchmark is not part of the installed package: it runs from a checkout of the repository, as "
+               "`python -m bench [options]` from the repository root (docs/benchmark.md)")
 
-    if not args.tiny and not (torch.cuda.is_available() and args.device.startswith("cuda")):
-        # Off the GPU the full-size run would build the 7B model in host memory and be killed for it.
-        none = "" if torch.cuda.is_available() else ", and this machine has none"
-        raise InputError("--device", args.device, f"a CUDA device: the full-size benchmark builds the 7B model on "
-                                                  f"it{none}; for a CPU smoke run use `python -m graph_runtime bench "
-                                                  "--tiny --device cpu`")
-    from .bench.runner import main as bench_main
 
-    return bench_main(args)
+def cmd_bench_moved(args) -> int:
+    print(f"error: {BENCH_MOVED}", file=sys.stderr)
+    return 2
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -374,20 +374,22 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny", help="write a tiny random Qwen-Image-2.1 for tests")
     tiny.add_argument("dir", nargs="?", help="diffusers folder to write")
     tiny.add_argument("--comfyui-models", help="a ComfyUI models/ folder to write the single files into (bf16 and "
-                                               "INT8 ConvRot, under the real files' names)")
+                                               "INT8 ConvRot, under the real files' names), and a tiny LoRA under "
+                                               "the name the LoRA example loads (loras/)")
     tiny.add_argument("--force", action="store_true", help="overwrite existing files (refused otherwise)")
     tiny.set_defaults(func=cmd_make_tiny)
 
-    bench = sub.add_parser("bench", help="decode-step benchmark on the GPU (full-size random weights)")
-    from .bench.options import add_bench_arguments
-
-    add_bench_arguments(bench)
-    bench.set_defaults(func=cmd_bench)
+    # Any options after `bench` are accepted (see main), so every old spelling gets the pointer, not a usage error.
+    moved = sub.add_parser("bench", add_help=False, help="moved: `python -m bench` in a checkout of the repository")
+    moved.set_defaults(func=cmd_bench_moved)
     return parser
 
 
 def main(argv=None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown and args.command != "bench":
+        parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if not args.verbose:

@@ -2,14 +2,15 @@
 
 Both have an optional pass-through: ComfyUI runs a node once its inputs are ready, so a node without inputs runs
 first. Wiring the sampler's latent through one (sampler -> Cache Status -> VAE Decode) makes it run after the
-sampler, so the report shows that run. Each shows its report on the node and returns it as a STRING.
+sampler, so the report shows that run. Each shows its report on the node (kept there until it runs again) and
+returns it as a STRING.
 """
 
 from __future__ import annotations
 
 from comfy_api.latest import io
 
-from . import events, status
+from . import status
 from .types import CACHE
 
 REPORT_TOOLTIP = "The same report as text, e.g. for a Preview as Text or Save Text node."
@@ -26,8 +27,9 @@ def passthrough_sockets(runs_after: str) -> tuple[io.Input, io.Output]:
 
 
 def report_output(report: str, passthrough) -> io.NodeOutput:
-    events.show_text(report)  # on the node in the frontend
-    return io.NodeOutput(report, passthrough, ui={"text": [report]})  # ui: in /history for API clients
+    # ui text: the `executed` message the pack's web extension shows on the node (web/report_text.js), and /history's
+    # record for API clients.
+    return io.NodeOutput(report, passthrough, ui={"text": [report]})
 
 
 class KVGraphCacheStatus(io.ComfyNode):

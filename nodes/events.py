@@ -61,17 +61,3 @@ def send(phase: str, data: dict, prompt_id: str | None = None, node_id: str | No
         server.send_sync(EVENT, message, client_id)
     except Exception as exc:  # noqa: BLE001 - telemetry must not break sampling
         logger.debug("KV-Graph: could not send %s event: %s", phase, exc)
-
-
-def show_text(text: str) -> None:
-    """Show `text` on the running node in the frontend, the way core's Get Image Size does: ComfyUI's progress-text
-    message, which the frontend draws as a read-only text box on that node. Sent to the client that queued the
-    prompt (as ComfyUI sends `executed`); a server without the message, or no client, shows nothing."""
-    _, node_id = executing_ids()
-    server, client = _server(), prompt_client()
-    if server is None or node_id is None or client is None:
-        return
-    try:
-        server.send_progress_text(text, node_id, client)
-    except Exception as exc:  # noqa: BLE001 - showing the text must not fail the node
-        logger.debug("KV-Graph: could not show the node's text: %s", exc)

@@ -1,6 +1,6 @@
 """The benchmark's reading of nvidia-smi samples: clock, power and what held the clock down."""
 
-from graph_runtime.bench.clocks import clock_limit, limit_reasons, parse_sample
+from bench.clocks import clock_limit, limit_reasons, parse_sample
 
 
 def test_limit_reasons_decode_the_driver_bits():
@@ -27,7 +27,7 @@ def test_reason_field_falls_back_to_the_older_name_and_is_asked_once(monkeypatch
     """A driver that only knows "clocks_throttle_reasons" gets that field; the probe runs once per card."""
     import subprocess
 
-    from graph_runtime.bench import clocks
+    from bench import clocks
 
     calls = []
 

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import torch
 
-from graph_runtime.bench.e2e_report import markdown, target_rows
-from graph_runtime.bench.e2e_runner import plan_tasks
+from bench.e2e_report import markdown, target_rows
+from bench.e2e_runner import plan_tasks
 
 
 def test_plan_runs_ours_first_on_a_cold_cache_then_restarts_and_warm_last():
@@ -40,7 +40,7 @@ def test_plan_runs_ours_first_on_a_cold_cache_then_restarts_and_warm_last():
 
 
 def test_precisions_option_takes_bf16_and_at_most_one_fp8_precision():
-    from graph_runtime.bench.e2e_runner import fp8_precision
+    from bench.e2e_runner import fp8_precision
 
     assert fp8_precision("bf16") is None
     assert fp8_precision("bf16,fp8") == "fp8" and fp8_precision("bf16, fp8-attn") == "fp8-attn"
@@ -53,14 +53,14 @@ def test_first_prompts_run_in_fresh_processes_and_are_reported(tmp_path, capsys)
     """Three child processes (ours on cold kernel caches, the unmeasured cache fill, then the restart), each
     building the tiny models; the first-prompt ones run the edit job twice, and every phase of a one-reference edit
     is timed; the report and its JSON say so, and the fill's prompt is in neither table."""
-    from graph_runtime.cli import main
+    from bench.cli import main
 
-    code = main(["bench", "--e2e", "--tiny", "--device", "cpu", "--e2e-first", "--e2e-paths", "ours",
+    code = main(["--e2e", "--tiny", "--device", "cpu", "--e2e-first", "--e2e-paths", "ours",
                  "--e2e-no-extras", "--e2e-scenarios", "edit", "--out-dir", str(tmp_path)])
     assert code == 0
     (md,), (js,) = tmp_path.glob("e2e-*.md"), tmp_path.glob("e2e-*.json")
     report = json.loads(js.read_text())
-    assert report["meta"]["command"].startswith("python -m graph_runtime bench --e2e")
+    assert report["meta"]["command"].startswith("python -m bench --e2e")
     fill = report["results"][1]
     assert fill["task"]["kind"] == "fill" and [r["run"] for r in fill["runs"]] == ["cache fill"]
     results = [r for r in report["results"] if r["task"]["kind"] == "first"]
@@ -85,7 +85,7 @@ def test_warm_worker_runs_both_paths_and_their_images_agree():
     CPU in fp32 ours and diffusers' pipeline make the same image for a seed (the sampler's equivalence, here through
     the whole job: encode, sample, VAE decode, to PIL). At most one 8-bit level apart: latents agree to ~1e-5,
     which can only flip a pixel's rounding."""
-    from graph_runtime.bench.e2e_worker import Worker
+    from bench.e2e_worker import Worker
 
     worker = Worker({"kind": "warm", "device": "cpu", "tiny": True, "paths": ["ours", "diffusers"],
                      "scenarios": ["edit"], "repeats": 1})
@@ -142,7 +142,7 @@ def test_phase_wrappers_time_each_call_and_put_everything_back():
     return their results; on exit the module has its own function again and the instance its class's method."""
     import types
 
-    from graph_runtime.bench.phases import Phases
+    from bench.phases import Phases
 
     module = types.ModuleType("m")
     module.double = lambda x: 2 * x
@@ -168,9 +168,9 @@ def test_first_prompt_profile_times_phases_and_first_uses_without_changing_the_i
     unprofiled run makes it (doubled calls are pure or idempotent); afterwards the ops are torch's own again."""
     import torch.nn.functional as F
 
-    from graph_runtime.bench.e2e_paths import run_ours
-    from graph_runtime.bench.e2e_scenarios import SCENARIOS
-    from graph_runtime.bench.first_prompt import profiled_ours
+    from bench.e2e_paths import run_ours
+    from bench.e2e_scenarios import SCENARIOS
+    from bench.first_prompt import profiled_ours
 
     linear = F.linear
     scenario = SCENARIOS["t2i"].for_tiny()

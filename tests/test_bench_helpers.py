@@ -2,7 +2,7 @@
 
 import pytest
 
-from graph_runtime.bench.timing import timed_calls
+from bench.timing import timed_calls
 
 
 def test_timed_calls_records_each_call_and_restores_the_methods():
@@ -36,7 +36,7 @@ def test_sustained_ms_reports_the_settled_second_half(monkeypatch):
     40 calls of 20 ms then 20 of 10 ms fill 1 s; the median of all 60 would be 20 ms, of the last 30 it is 10 ms."""
     import types
 
-    from graph_runtime.bench import timing
+    from bench import timing
 
     clock = {"now": 0.0, "calls": 0}
 

@@ -3,14 +3,14 @@ without the merged LoRA, and writes its reports."""
 
 import json
 
-from graph_runtime.bench.lora import main
+from bench.lora import main
 
 
 def test_tiny_lora_bench_writes_its_reports(tmp_path, capsys):
     assert main(["--tiny", "--device", "cpu", "--iters", "2", "--out-dir", str(tmp_path)]) == 0
     (md,) = tmp_path.glob("lora-*.md")
     report = json.loads(next(tmp_path.glob("lora-*.json")).read_text())
-    assert report["meta"]["command"].startswith("python -m graph_runtime.bench.lora --tiny")
+    assert report["meta"]["command"].startswith("python -m bench.lora --tiny")
     merges = {row["step"]: row for row in report["merges"]}
     assert all(row["changed"] and row["s"] > 0 for row in merges.values())
     assert merges["first merge (host copies + merge)"]["weights"] == report["meta"]["lora_weights"] == 14

@@ -394,20 +394,22 @@ def test_make_tiny_on_a_full_disk_is_one_error_and_leaves_no_truncated_checkpoin
     assert "Traceback" not in err
 
 
-# -- bench without CUDA ---------------------------------------------------------------------------------------------
+# -- the benchmark is not part of the installed command line ------------------------------------------------------
 
 
-@pytest.mark.parametrize("extra", [[], ["--device", "cpu"]])
-def test_bench_without_cuda_stops_at_once_and_points_to_tiny(monkeypatch, capsys, extra):
-    import torch
-
-    import graph_runtime.bench.runner as runner
-
-    def refuse(*args, **kwargs):
-        raise AssertionError("the benchmark built its model")
-
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    monkeypatch.setattr(runner, "build_transformer", refuse)
+@pytest.mark.parametrize("extra", [[], ["--tiny", "--device", "cpu"], ["--e2e", "--out-dir", "x"], ["-h"]])
+def test_bench_subcommand_points_to_the_repository_benchmark(capsys, extra):
+    """`python -m graph_runtime bench ...` (any options the benchmark took) stops with exit code 2 and says the
+    benchmark runs from a checkout as `python -m bench`, instead of a usage error about the options."""
     assert main(["bench"] + extra) == 2
     err = capsys.readouterr().err
-    assert "--device=" in err and "expected a CUDA device" in err and "--tiny --device cpu" in err
+    assert "not part of the installed package" in err and "`python -m bench [options]`" in err
+    assert "checkout of the repository" in err
+
+
+def test_other_subcommands_still_refuse_unknown_options(capsys):
+    """Options after `bench` are let through only to reach the pointer above: elsewhere a typo is a usage error."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(["make-tiny", "--tiny"])
+    assert exit_info.value.code == 2
+    assert "unrecognized arguments: --tiny" in capsys.readouterr().err

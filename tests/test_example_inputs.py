@@ -38,12 +38,12 @@ def loaded_images() -> set[str]:
 
 def test_the_shipped_images_are_the_ones_the_workflows_load():
     shipped = {p.name for p in INPUTS.iterdir()}
-    assert loaded_images() == shipped == {f"kvgraph_example_reference_{i}.png" for i in range(1, 6)}
+    assert loaded_images() == shipped == {f"kvgraph_edit_{i}.png" for i in range(1, 6)}
     for path in INPUTS.iterdir():
         assert path.stat().st_size < 16_000, path.name  # drawn shapes: a few KB
         with Image.open(path) as image:
             assert image.format == "PNG" and min(image.size) >= 256, path.name
-    with Image.open(INPUTS / "kvgraph_example_reference_2.png") as image:
+    with Image.open(INPUTS / "kvgraph_edit_2.png") as image:
         assert image.mode == "RGBA"  # a cut-out object: the encoder's alpha handling is part of the example
 
 
@@ -88,15 +88,15 @@ def test_copies_only_what_is_missing_and_never_overwrites(tmp_path):
 def test_install_logs_once_what_it_copied(comfy_env, caplog):
     module = comfy_env.pack.nodes.example_inputs
     input_dir = comfy_env.fake.input_dir
-    (input_dir / "kvgraph_example_reference_1.png").unlink()
-    (input_dir / "kvgraph_example_reference_2.png").write_bytes(b"a user's file under that name")
+    (input_dir / "kvgraph_edit_1.png").unlink()
+    (input_dir / "kvgraph_edit_2.png").write_bytes(b"a user's file under that name")
     with caplog.at_level(logging.INFO, logger="kvgraph"):
-        assert module.install_example_inputs(str(ROOT)) == ["kvgraph_example_reference_1.png"]
+        assert module.install_example_inputs(str(ROOT)) == ["kvgraph_edit_1.png"]
         assert module.install_example_inputs(str(ROOT)) == []
     lines = [r.getMessage() for r in caplog.records if "reference images" in r.getMessage()]
     assert lines == [f"KV-Graph: copied the edit examples' reference images into ComfyUI's input folder {input_dir}: "
-                     "kvgraph_example_reference_1.png"]
-    assert (input_dir / "kvgraph_example_reference_2.png").read_bytes() == b"a user's file under that name"
+                     "kvgraph_edit_1.png"]
+    assert (input_dir / "kvgraph_edit_2.png").read_bytes() == b"a user's file under that name"
 
 
 def test_without_comfyui_there_is_nothing_to_copy(monkeypatch):

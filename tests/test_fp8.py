@@ -14,7 +14,7 @@ import torch
 from graph_runtime.decode.step import DecodeInputs, DecodeStep
 from graph_runtime.errors import InputError
 from graph_runtime.fp8 import Fp8Linear, apply_precision, precision_of
-from graph_runtime.fp8.convert import linear_names, quantized_linears, swapped
+from graph_runtime.fp8.convert import linear_names
 from graph_runtime.fp8.linear import dequantized_matmul
 from graph_runtime.kernels.fp8_quant import Fp8Rows, quantize_rows_fp8, reference_quantize_rows
 
@@ -107,6 +107,8 @@ def test_precisions_convert_their_groups_and_free_the_float_weights(tiny_parts):
 
 
 def test_swapped_modules_are_put_back(tiny_parts):
+    from bench.swap import quantized_linears, swapped
+
     model = copy.deepcopy(tiny_parts["transformer"])
     originals = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     modules = quantized_linears(model, "fp8")
@@ -163,8 +165,8 @@ def test_quality_bound_measures_blocks_and_steps_against_int8_convrot(tiny_parts
     """The benchmark's bound on the tiny model (fp32 on the CPU): bf16 is the model itself here (zero error), INT8
     ConvRot and FP8 have errors of their formats' size, every variant gets one error per block and one per step,
     and the verdicts compare them with INT8's."""
-    from graph_runtime.bench import fp8_quality
-    from graph_runtime.bench.scenarios import Scenario, build_inputs
+    from bench import fp8_quality
+    from bench.scenarios import Scenario, build_inputs
 
     model = tiny_parts["transformer"]
     config = model.config
@@ -191,7 +193,7 @@ def test_quality_bound_measures_blocks_and_steps_against_int8_convrot(tiny_parts
 
 def test_rotation_leaves_the_product_unchanged_before_quantization():
     """`(x H)(W H)^T = x W^T` for the orthonormal block Hadamard the rotated variant uses."""
-    from graph_runtime.bench.fp8_quality import hadamard
+    from bench.fp8_quality import hadamard
 
     h = hadamard(16)
     torch.testing.assert_close(h @ h.t(), torch.eye(16), atol=1e-6, rtol=0)

@@ -161,11 +161,11 @@ def test_text_encoder_patcher_loads_and_offloads_through_the_placement(tiny_part
 
 
 def test_the_placement_benchmark_builds_the_published_8b_text_encoder():
-    """`python -m graph_runtime.bench.placement` times a random text encoder of Qwen3-VL-8B's dimensions: built on
+    """`python -m bench.placement` times a random text encoder of Qwen3-VL-8B's dimensions: built on
     the meta device here, it has the 8.15 B parameters (16.3 GB in bf16) of ComfyUI's qwen3vl_8b_bf16 file."""
     from transformers import Qwen3VLForConditionalGeneration
 
-    from graph_runtime.bench.placement import text_encoder_8b_config
+    from bench.placement import text_encoder_8b_config
 
     with torch.device("meta"):
         model = Qwen3VLForConditionalGeneration(text_encoder_8b_config())

@@ -4,6 +4,8 @@
   loading, never the reverse, so a real checkpoint's load cannot depend on test scaffolding;
 - the runtime (graph_runtime/, comfy_interop included: it speaks ComfyUI's data formats) imports no ComfyUI module,
   so it runs where ComfyUI is absent (the CLI, the benchmarks, CPU tests);
+- the benchmarks (bench/) are the repository's lab, not part of what is installed: graph_runtime/, nodes/ and the
+  pack's entry point never import them, and the package list the build reads from pyproject.toml leaves them out;
 - nodes/ stays ComfyUI glue: it defines no function or class under a name a runtime module defines too (a second
   copy of a runtime function drifts from the first), repeats no runtime function's body, and words no byte sizes
   itself (2**20 / 2**30 arithmetic: sizes are worded by graph_runtime/report.py and memory.gib).
@@ -21,11 +23,13 @@ RUNTIME = ROOT / "graph_runtime"
 NODES = ROOT / "nodes"
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Every module `path` imports, anywhere in it (function-level imports included), as an absolute dotted name."""
-    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-    if path.name == "__init__.py":
-        package = ".".join(path.relative_to(ROOT).parts[:-1])
+def imported_modules(path: Path, package: str | None = None) -> set[str]:
+    """Every module `path` imports, anywhere in it (function-level imports included), as an absolute dotted name.
+    `package`: the package `path` is in (default: read off its place under the repository root)."""
+    if package is None:
+        package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+        if path.name == "__init__.py":
+            package = ".".join(path.relative_to(ROOT).parts[:-1])
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -70,6 +74,42 @@ def test_runtime_imports_no_comfyui_module():
         if hits:
             offenders[str(path.relative_to(ROOT))] = hits
     assert offenders == {}, f"graph_runtime imports ComfyUI: {offenders}"
+
+
+def benchmark_imports(path: Path, package: str | None = None) -> list[str]:
+    """The modules of the benchmarks (`bench`, or the runtime's old `graph_runtime.bench`) that `path` imports."""
+    return sorted(m for m in imported_modules(path, package) if m.lstrip(".").split(".")[0] == "bench"
+                  or m == "graph_runtime.bench" or m.startswith("graph_runtime.bench."))
+
+
+def test_benchmark_imports_are_seen_inside_functions_and_relative(tmp_path):
+    """The helper itself: an absolute import inside a function and a relative one from nodes/ are both found, and a
+    name that merely starts with "bench" is not."""
+    source = tmp_path / "mod.py"
+    source.write_text("import benchmark_tools\n\n\ndef f():\n    from bench.runner import main\n"
+                      "    from ..bench import swap\n")
+    # (`from X import name` also lists X.name: the name may be a module.)
+    assert benchmark_imports(source, package="nodes") == ["bench", "bench.runner", "bench.runner.main", "bench.swap"]
+
+
+def test_runtime_and_nodes_never_import_the_benchmarks():
+    """Any import of the benchmarks from the installed runtime, the ComfyUI glue or the pack's entry point; and no
+    benchmark package left inside the runtime."""
+    sources = [*RUNTIME.rglob("*.py"), *NODES.rglob("*.py"), ROOT / "__init__.py"]
+    offenders = {str(path.relative_to(ROOT)): benchmark_imports(path) for path in sorted(sources)}
+    offenders = {path: hits for path, hits in offenders.items() if hits}
+    assert offenders == {}, f"the installed code imports the benchmarks: {offenders}"
+    assert not (RUNTIME / "bench").exists()
+
+
+def test_the_build_installs_the_runtime_and_not_the_benchmarks():
+    """The package list as setuptools expands it from pyproject.toml (what a wheel holds): the runtime and its
+    subpackages, no `bench` and no `tests`."""
+    from setuptools.config.pyprojecttoml import read_configuration
+
+    packages = read_configuration(ROOT / "pyproject.toml", expand=True)["tool"]["setuptools"]["packages"]
+    assert "graph_runtime" in packages and "graph_runtime.decode" in packages
+    assert [p for p in packages if p.split(".")[0] != "graph_runtime" or "bench" in p.split(".")] == []
 
 
 def test_comfy_interop_is_split_by_concern_and_reexports_every_name():

@@ -1,8 +1,11 @@
 """The example workflows: the UI-format JSON matches the pack's node schemas (widget order, types, ranges, combo
-options, sockets and link types), and each API-format twin in example_workflows/api is the same graph.
+options, sockets and link types), each API-format twin in example_workflows/api is the same graph, each opens
+readable in a 1600x1000 window and beside the KV-Graph panel at 1920x1080, and each has a template card (its file
+named by its title, and a thumbnail).
 
 The schemas come from the pack itself, loaded with the small ComfyUI fake (no ComfyUI needed). Core nodes used by
-the examples (LoadImage, SaveImage) are described here by their widget names only.
+the examples (LoadImage, SaveImage) are described here by their widget names only. A UI file is named by its card's
+title and its API twin by the example's name: make_workflows.py pairs them (ui_path).
 """
 
 import json
@@ -16,6 +19,10 @@ sys.path.insert(0, str(Path(__file__).parent))
 from comfy_fake.fixtures import comfy_env  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests" / "e2e"))
+
+import make_workflows  # noqa: E402
+
 UI_FILES = sorted((ROOT / "example_workflows").glob("*.json"))
 EXPECTED = {"qwen_image_2.1_text_to_image", "qwen_image_2.1_turbo_8_steps", "qwen_image_2.1_edit_one_reference",
             "qwen_image_2.1_edit_two_references", "qwen_image_2.1_cfg_negative_prompt", "qwen_image_2.1_lora",
@@ -29,6 +36,7 @@ TURBO_FILE = "qwen_image_2.1_turbo_int8_convrot.safetensors"
 BF16_FILES = ("qwen_image_2.1_bf16.safetensors", "qwen3vl_8b_bf16.safetensors")
 WIDGETS = ("BOOLEAN", "INT", "FLOAT", "STRING", "COMBO")
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
+EXAMPLES = sorted(EXPECTED)
 # Core nodes: widget names as the UI stores them (LoadImage adds the upload button's value), and socket types.
 CORE = {
     "LoadImage": {"widgets": ["image", None], "inputs": {}, "outputs": ["IMAGE", "MASK"]},
@@ -52,6 +60,14 @@ CORE = {
 
 def load(path):
     return json.loads(path.read_text())
+
+
+def ui_file(name):
+    return make_workflows.ui_path(name)
+
+
+def api_file(name):
+    return ROOT / "example_workflows" / "api" / f"{name}.json"
 
 
 def ui_widgets(schema):
@@ -131,15 +147,17 @@ def socket_types(env, node_type, node=None):
     return inputs, outputs
 
 
-def test_the_examples_exist_with_api_twins():
-    assert {p.stem for p in UI_FILES} == EXPECTED
-    for path in UI_FILES:
-        assert (ROOT / "example_workflows" / "api" / path.name).is_file()
+def test_the_examples_exist_with_api_twins_and_thumbnails():
+    """Every example has its UI file (named by its card's title), its thumbnail beside it, and its API twin; nothing
+    else is in the folder ComfyUI lists as templates."""
+    assert {p.stem for p in (ROOT / "example_workflows" / "api").glob("*.json")} == EXPECTED
+    assert set(UI_FILES) == {ui_file(name) for name in EXPECTED}
+    assert {p.name for p in (ROOT / "example_workflows").glob("*.jpg")} == {ui_file(n).stem + ".jpg" for n in EXPECTED}
 
 
-@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
-def test_ui_workflow_matches_node_schemas(comfy_env, path):
-    workflow = load(path)
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_ui_workflow_matches_node_schemas(comfy_env, name):
+    workflow = load(ui_file(name))
     nodes = {n["id"]: n for n in workflow["nodes"]}
     assert len(nodes) == len(workflow["nodes"]) and workflow["last_node_id"] >= max(nodes)
     files = set()
@@ -152,9 +170,9 @@ def test_ui_workflow_matches_node_schemas(comfy_env, path):
             (i["name"], inputs[i["name"]]) for i in node["inputs"]], node["type"]
         assert [o["type"] for o in node["outputs"]] == outputs, node["type"]
     expected_files = REAL_FILES
-    if "turbo" in path.stem:
+    if "turbo" in name:
         expected_files = REAL_FILES - {"qwen_image_2.1_int8_convrot.safetensors"} | {TURBO_FILE}
-    assert files - {LORA_FILE} == expected_files and (LORA_FILE in files) == ("lora" in path.stem)
+    assert files - {LORA_FILE} == expected_files and (LORA_FILE in files) == ("lora" in name)
     link_ids = set()
     for link_id, src, src_slot, dst, dst_slot, link_type in workflow["links"]:
         link_ids.add(link_id)
@@ -172,10 +190,10 @@ def test_ui_workflow_matches_node_schemas(comfy_env, path):
                 assert schema_inputs[socket["name"]].optional, f"{node['type']}.{socket['name']} unconnected"
 
 
-@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
-def test_api_twin_is_the_same_graph(comfy_env, path):
-    ui = load(path)
-    api = load(ROOT / "example_workflows" / "api" / path.name)
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_api_twin_is_the_same_graph(comfy_env, name):
+    ui = load(ui_file(name))
+    api = load(api_file(name))
     prompt_nodes = [n for n in ui["nodes"] if not CORE.get(n["type"], {}).get("ui_only")]
     assert set(api) == {str(n["id"]) for n in prompt_nodes}
     for node in prompt_nodes:
@@ -189,7 +207,7 @@ def test_api_twin_is_the_same_graph(comfy_env, path):
 
 
 def test_examples_cover_the_documented_cases(comfy_env):
-    by_name = {p.stem: {n["type"]: named_widgets(comfy_env, n) for n in load(p)["nodes"]} for p in UI_FILES}
+    by_name = {name: {n["type"]: named_widgets(comfy_env, n) for n in load(ui_file(name))["nodes"]} for name in EXAMPLES}
     assert by_name["qwen_image_2.1_text_to_image"]["KVGraphSampler"]["steps"] == 40
     turbo = by_name["qwen_image_2.1_turbo_8_steps"]
     assert turbo["KVGraphSampler"]["sigma_preset"] == "auto" and turbo["KVGraphSampler"]["steps"] == 8
@@ -221,12 +239,19 @@ def test_the_lora_example_puts_the_lora_between_the_loader_and_the_sampler():
 
 
 # -- how the examples open (the layout) ------------------------------------------------------------------------------
-# The window an example must open well in: 1920x1080, with the sidebar and the KV-Graph panel at the left (the
-# panel's right edge is at 430 px), the tab bar and the workflow's Run bar on top (90 px) and the canvas toolbar at the
-# bottom (40 px). The frontend draws a node's title bar (30 px) above its `pos`, and the pack's badge above that.
-VIEW_LEFT, VIEW_TOP, VIEW_RIGHT, VIEW_BOTTOM = 430, 90, 1920, 1080 - 40
+# The frontend draws canvas point p at (p + offset) * scale from the window's top-left corner, a node's title bar
+# (30 px) above its `pos` and the pack's badge (20 px) above that. Measured in frontends 1.35.9, 1.49.6 and 1.58.1:
+# the sidebar's icon bar ends at 60 px, the tab bar and the workflow's Run bar at 90 px, the canvas's statistics and
+# toolbar take the bottom 40 px; the minimap (on by default) covers x 1339-1596, y 738-942 of a 1600x1000 window (the
+# zoom toolbar under it too) and x 1659-1916, y 818-1022 of a 1920x1080 one; the KV-Graph panel ends at 438 px.
 TITLE_HEIGHT, BADGE_HEIGHT = 30, 20
+SMALL_WINDOW = (60, 90, 1600, 1000 - 40)
+PANEL_RIGHT = 438
+MINIMAPS = {"1600x1000": (1339, 738, 1600, 1000), "1920x1080": (1659, 818, 1920, 1080)}
 MIN_SCALE = 0.8  # 12 px widget text drawn at 10 px or more
+# Five Load Image nodes with their previews take about half of the room a 1600x1000 window has at MIN_SCALE, and the
+# rest of that example's nodes do not fit beside them: it opens smaller, its text still drawn at 8.6 px or more.
+MIN_SCALE_FIVE_REFERENCES = 0.72
 
 
 def node_box(node):
@@ -235,10 +260,21 @@ def node_box(node):
     return x, y - TITLE_HEIGHT, x + w, y + h
 
 
-@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
-def test_nodes_have_titles_that_read_as_titles(comfy_env, path):
+def drawn_boxes(workflow):
+    """{title: (left, top, right, bottom)} of each node as the view draws it, its badge included, in screen pixels."""
+    scale, (offset_x, offset_y) = workflow["extra"]["ds"]["scale"], workflow["extra"]["ds"]["offset"]
+    boxes = {}
+    for node in workflow["nodes"]:
+        x0, y0, x1, y1 = node_box(node)
+        boxes[node["title"]] = ((x0 + offset_x) * scale, (y0 - BADGE_HEIGHT + offset_y) * scale,
+                                (x1 + offset_x) * scale, (y1 + offset_y) * scale)
+    return boxes
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_nodes_have_titles_that_read_as_titles(comfy_env, name):
     """Each node is titled by what it does in this workflow, not by its class or its name in the node menu."""
-    nodes = load(path)["nodes"]
+    nodes = load(ui_file(name))["nodes"]
     titles = [n.get("title") for n in nodes]
     assert all(isinstance(t, str) and t.strip() for t in titles), titles
     assert len(set(titles)) == len(titles), f"two nodes share a title: {titles}"
@@ -250,12 +286,12 @@ def test_nodes_have_titles_that_read_as_titles(comfy_env, path):
         assert title[0].isupper() and len(title) <= 48, title
 
 
-@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
-def test_no_two_nodes_overlap(path):
-    nodes = load(path)["nodes"]
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_no_two_nodes_overlap(name):
+    nodes = load(ui_file(name))["nodes"]
     for node in nodes:
         w, h = node["size"]
-        assert w >= 260 and h >= 40, f"{node['title']}: {node['size']} is too small to read"
+        assert w >= 200 and h >= 40, f"{node['title']}: {node['size']} is too small to read"
     for i, a in enumerate(nodes):
         ax0, ay0, ax1, ay1 = node_box(a)
         for b in nodes[i + 1:]:
@@ -264,31 +300,128 @@ def test_no_two_nodes_overlap(path):
             assert apart, f"{a['title']} and {b['title']} overlap"
 
 
-@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
-def test_the_view_shows_the_whole_graph_beside_the_sidebar(path):
-    workflow = load(path)
-    ds = workflow["extra"]["ds"]
-    scale, (offset_x, offset_y) = ds["scale"], ds["offset"]
-    assert MIN_SCALE <= scale <= 1.0, scale
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_the_view_shows_the_whole_graph_in_a_1600x1000_window(name):
+    """Opened in a 1600x1000 window, every node, title and badge included, is drawn inside the canvas (clear of the
+    sidebar's icons, the tab and Run bars and the canvas toolbar), at a scale that keeps widget text readable, and
+    the graph fills at least two thirds of the free width or height."""
+    workflow = load(ui_file(name))
+    scale = workflow["extra"]["ds"]["scale"]
+    assert (MIN_SCALE_FIVE_REFERENCES if "five_references" in name else MIN_SCALE) <= scale <= 1.0, scale
+    boxes = drawn_boxes(workflow).values()
+    left, top = min(b[0] for b in boxes), min(b[1] for b in boxes)
+    right, bottom = max(b[2] for b in boxes), max(b[3] for b in boxes)
+    view_left, view_top, view_right, view_bottom = SMALL_WINDOW
+    assert left >= view_left and top >= view_top and right <= view_right and bottom <= view_bottom, (
+        f"the graph is drawn at ({left:.0f}, {top:.0f})-({right:.0f}, {bottom:.0f}), outside the 1600x1000 window's "
+        f"canvas ({view_left}, {view_top})-({view_right}, {view_bottom})")
+    free_width, free_height = view_right - PANEL_RIGHT, view_bottom - view_top
+    assert (right - left) >= free_width * 2 / 3 or (bottom - top) >= free_height * 2 / 3
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_the_view_keeps_every_node_clear_of_the_panel_and_the_minimap(name):
+    """The same view at 1920x1080 with the KV-Graph panel open draws no node under the panel, and in neither window
+    does the minimap cover a node (the Save Image preview above all)."""
+    for title, (left, top, right, bottom) in drawn_boxes(load(ui_file(name))).items():
+        assert left >= PANEL_RIGHT, f"{title} is drawn under the KV-Graph panel (x {left:.0f})"
+        for window, (x0, y0, x1, y1) in MINIMAPS.items():
+            apart = right <= x0 or left >= x1 or bottom <= y0 or top >= y1
+            assert apart, f"{title} ({left:.0f}, {top:.0f})-({right:.0f}, {bottom:.0f}) is under the minimap at {window}"
+
+
+def fitted_boxes(workflow, width, height):
+    """drawn_boxes for the view 1.58's template browser gives a template instead of its extra.ds (LiteGraph's
+    fitView): the nodes' bounds (title bars included) grown by 10 on every side, centred in the window at
+    min(0.75 * width / their width, 0.75 * height / their height)."""
     boxes = [node_box(n) for n in workflow["nodes"]]
-    x0, y0 = min(b[0] for b in boxes), min(b[1] for b in boxes) - BADGE_HEIGHT
-    x1, y1 = max(b[2] for b in boxes), max(b[3] for b in boxes)
-    # The frontend draws canvas point p at (p + offset) * scale.
-    left, top = (x0 + offset_x) * scale, (y0 + offset_y) * scale
-    right, bottom = (x1 + offset_x) * scale, (y1 + offset_y) * scale
-    assert left >= VIEW_LEFT and top >= VIEW_TOP and right <= VIEW_RIGHT and bottom <= VIEW_BOTTOM, (
-        f"the graph is drawn at ({left:.0f}, {top:.0f})-({right:.0f}, {bottom:.0f}), outside the view "
-        f"({VIEW_LEFT}, {VIEW_TOP})-({VIEW_RIGHT}, {VIEW_BOTTOM})")
-    # ...and fills it: at least two thirds of the free width or height.
-    assert (right - left) >= (VIEW_RIGHT - VIEW_LEFT) * 2 / 3 or (bottom - top) >= (VIEW_BOTTOM - VIEW_TOP) * 2 / 3
+    x0, y0 = min(b[0] for b in boxes) - 10, min(b[1] for b in boxes) - 10
+    w, h = max(b[2] for b in boxes) + 10 - x0, max(b[3] for b in boxes) + 10 - y0
+    scale = min(0.75 * width / max(w, 300), 0.75 * height / max(h, 300))
+    offset_x, offset_y = width / 2 / scale - x0 - w / 2, height / 2 / scale - y0 - h / 2
+    return {n["title"]: ((b[0] + offset_x) * scale, (b[1] - BADGE_HEIGHT + offset_y) * scale,
+                         (b[2] + offset_x) * scale, (b[3] + offset_y) * scale)
+            for n, b in zip(workflow["nodes"], boxes)}
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_the_minimap_stays_clear_where_the_frontend_fits_the_graph_to_the_window(name):
+    """1.58 opens a template fitted to the window, not at its extra.ds: the layout leaves the graph's bottom-right
+    corner, where the minimap sits, free, so there too no node (the Save Image preview above all) is under it."""
+    for window, (x0, y0, x1, y1) in MINIMAPS.items():
+        width, height = map(int, window.split("x"))
+        for title, (left, top, right, bottom) in fitted_boxes(load(ui_file(name)), width, height).items():
+            apart = right <= x0 or left >= x1 or bottom <= y0 or top >= y1
+            assert apart, f"{title} ({left:.0f}, {top:.0f})-({right:.0f}, {bottom:.0f}) is under the minimap at {window}"
+
+
+# -- template cards: titles and thumbnails ---------------------------------------------------------------------------
+
+
+def test_each_card_has_a_title_a_person_reads_as_one():
+    """The frontend titles a card by the UI file's name: each is short enough for the card's one line (30 characters
+    fit 1.35's cards in a 1600 px window), says what the example does (not its internal name), names the model, and
+    differs from every other."""
+    titles = [ui_file(name).stem for name in EXAMPLES]
+    assert len(set(titles)) == len(titles)
+    for name, title in zip(EXAMPLES, titles):
+        assert title.startswith("Qwen-Image-2.1 ") and "_" not in title and len(title) <= 30, title
+        assert title != name
+
+
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_thumbnails_are_what_make_workflows_draws(name):
+    """Each thumbnail is the square JPEG the script draws for the example (compared as pixels: a JPEG decoder may
+    differ by a few levels, a stale picture by far more)."""
+    from PIL import Image, ImageChops, ImageStat
+
+    drawn = make_workflows.thumbnail(name)
+    path = ui_file(name).with_suffix(".jpg")
+    assert path.stat().st_size <= 60_000, path.stat().st_size
+    with Image.open(path) as shipped:
+        assert shipped.format == "JPEG" and shipped.size == drawn.size == (512, 512)
+        difference = ImageStat.Stat(ImageChops.difference(shipped.convert("RGB"), drawn)).mean
+    assert max(difference) < 4, f"{path.name}: rerun python tests/e2e/make_workflows.py ({difference})"
 
 
 def test_the_files_are_what_make_workflows_writes():
-    sys.path.insert(0, str(ROOT / "tests" / "e2e"))
-    import make_workflows
-
     assert set(make_workflows.WORKFLOWS) == EXPECTED
     for name, workflow in make_workflows.WORKFLOWS.items():
         stale = "rerun python tests/e2e/make_workflows.py"
-        assert load(ROOT / "example_workflows" / f"{name}.json") == make_workflows.ui_workflow(workflow), stale
-        assert load(ROOT / "example_workflows" / "api" / f"{name}.json") == make_workflows.api_workflow(workflow), stale
+        assert load(ui_file(name)) == make_workflows.ui_workflow(workflow), stale
+        assert load(api_file(name)) == make_workflows.api_workflow(workflow), stale
+
+
+# -- the LoRA example runs on the tiny files ------------------------------------------------------------------------
+
+
+def test_make_tiny_writes_the_lora_the_lora_example_loads(tmp_path, capsys):
+    """`make-tiny --comfyui-models` also writes a LoRA in models/loras under the very name the LoRA example loads, and
+    the pack reads it as a LoRA for the tiny transformer (every Linear of every block patched), so the example runs as
+    shipped on the tiny files. A file of the user's under that name is not replaced without --force."""
+    import torch
+
+    from graph_runtime.cli import main
+    from graph_runtime.lora.file import read_lora
+    from graph_runtime.lora.tiny import BLOCK_LINEARS
+    from graph_runtime.tiny import TINY_TRANSFORMER, random_tiny_transformer
+
+    api = load(api_file("qwen_image_2.1_lora"))
+    lora_name = next(n for n in api.values() if n["class_type"] == "KVGraphLoadLoRA")["inputs"]["lora_name"]
+    models = tmp_path / "models"
+    assert main(["make-tiny", "--comfyui-models", str(models)]) == 0
+    path = models / "loras" / lora_name
+    assert f"wrote lora: {path}" in capsys.readouterr().out
+    torch.manual_seed(0)
+    lora = read_lora(path, random_tiny_transformer())
+    # ComfyUI's fused gate_up patches both of diffusers' gate and up projections.
+    linears = [n for n in BLOCK_LINEARS if n != "img_mlp.gate_up"] + ["img_mlp.gate_layer", "img_mlp.proj"]
+    expected = {f"transformer_blocks.{b}.{n}.weight" for b in range(TINY_TRANSFORMER["num_layers"]) for n in linears}
+    assert set(lora.patches) == expected
+
+    users = tmp_path / "users_models" / "loras" / lora_name  # a models/ folder holding only the user's LoRA
+    users.parent.mkdir(parents=True)
+    users.write_bytes(b"a user's LoRA")
+    assert main(["make-tiny", "--comfyui-models", str(users.parent.parent)]) == 2
+    assert f"make-tiny output='{users}' is invalid" in capsys.readouterr().err
+    assert users.read_bytes() == b"a user's LoRA"

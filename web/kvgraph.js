@@ -1,14 +1,17 @@
-// KV-Graph web extension: a sidebar tab with the live decode-graph cache status, toasts when decode steps fall back to
-// eager, a "Release KV-Graph caches" command and an about-page badge.
+// KV-Graph web extension: a sidebar tab with the live decode-graph cache status (the graph moved out from under it
+// when it opens), toasts when decode steps fall back to eager, a "Release KV-Graph caches" command and an about-page
+// badge.
 //
-// ComfyUI imports every .js file under the pack's WEB_DIRECTORY; only this one has side effects (registering the
-// extension), the others just export. Only the frontend's stable public modules are imported (scripts/app.js and
-// scripts/api.js); everything on `app.extensionManager` is feature-detected because older frontends lack parts of it
-// and the pack must still load there.
+// ComfyUI imports every .js file under the pack's WEB_DIRECTORY. This one registers the panel's extension;
+// reference_sockets.js (the encode node's first reference socket) and report_text.js (the cache nodes' report on the
+// node) register their own small ones; the others just export. Only the frontend's stable public modules are
+// imported (scripts/app.js and scripts/api.js); everything on `app.extensionManager` is feature-detected because older
+// frontends lack parts of it and the pack must still load there.
 
 import { app } from "../../scripts/app.js";
 import { api } from "../../scripts/api.js";
 import { describePhase, describeRelease, shortId } from "./format.js";
+import { afterTheFrontendsView, keepGraphBesidePanel as moveGraphBesidePanel } from "./panel_view.js";
 import { StatusPanel } from "./status_panel.js";
 import { StatusStore } from "./status_store.js";
 
@@ -18,12 +21,14 @@ export const EXTENSION_NAME = "kvgraph.panel";
 export const EVENT = "kvgraph.status";
 export const TAB_ID = "kvgraph-status";
 export const SETTING_FALLBACK_TOASTS = "KVGraph.FallbackToasts";
+export const SETTING_BESIDE_PANEL = "KVGraph.KeepGraphBesidePanel";
 export const COMMAND_RELEASE = "KVGraph.ReleaseCaches";
 export const COMMAND_SHOW_PANEL = "KVGraph.ShowPanel";
 const REPO_URL = "https://github.com/kv-graph/comfyui-kv-graph";
 
 export const store = new StatusStore(api);
 let panel = null;
+let panelResizes = null; // watches the open panel's size (it slides open; the user may widen it)
 
 /**
  * Show a toast if this frontend has a toast manager. `add` is the API of the frontend this was built against (1.35);
@@ -75,6 +80,12 @@ function onStatusEvent(event) {
   }
 }
 
+/** With the panel open, move the view so no node is hidden under it (see panel_view.js), unless switched off. */
+function keepGraphBesidePanel() {
+  if (!panel?.root?.isConnected || !settingOn(SETTING_BESIDE_PANEL, true)) return false;
+  return moveGraphBesidePanel(app.canvas, panel.root);
+}
+
 function registerPanel() {
   const manager = app.extensionManager;
   if (typeof manager?.registerSidebarTab !== "function") {
@@ -89,8 +100,17 @@ function registerPanel() {
     tooltip: "KV-Graph decode-graph cache",
     label: "KV-Graph",
     type: "custom",
-    render: (container) => panel.mount(container),
-    destroy: () => panel.unmount(),
+    render: (container) => {
+      panel.mount(container);
+      panelResizes?.disconnect();
+      panelResizes = typeof ResizeObserver === "function" ? new ResizeObserver(() => keepGraphBesidePanel()) : null;
+      panelResizes?.observe(panel.root); // also reports the size it opens with
+    },
+    destroy: () => {
+      panelResizes?.disconnect();
+      panelResizes = null;
+      panel.unmount();
+    },
   });
   return true;
 }
@@ -104,6 +124,15 @@ app.registerExtension({
       category: ["KV-Graph", "Notifications", "Fallback toasts"],
       name: "Show a toast when the KV-Graph sampler decodes eagerly",
       tooltip: "Eager decode steps are correct but slower than replayed CUDA graphs; the reason is in the toast.",
+      type: "boolean",
+      defaultValue: true,
+    },
+    {
+      id: SETTING_BESIDE_PANEL,
+      category: ["KV-Graph", "Panel", "Keep the graph beside the panel"],
+      name: "Move the graph out from under the KV-Graph panel when it opens or a workflow loads",
+      tooltip: "The panel covers the left of the canvas; nodes it would hide are moved right of it (zooming out only "
+        + "as far as needed).",
       type: "boolean",
       defaultValue: true,
     },
@@ -131,6 +160,11 @@ app.registerExtension({
   menuCommands: [{ path: ["Extensions", "KV-Graph"], commands: [COMMAND_SHOW_PANEL, COMMAND_RELEASE] }],
 
   aboutPageBadges: [{ label: `KV-Graph v${VERSION}`, url: REPO_URL, icon: "pi pi-bolt" }],
+
+  // A workflow opened while the panel is open (a template fitted to the whole window, say) moves out from under it.
+  async afterConfigureGraph() {
+    afterTheFrontendsView(keepGraphBesidePanel);
+  },
 
   async setup() {
     api.addEventListener(EVENT, onStatusEvent);

@@ -203,13 +203,15 @@ export class StatusPanel {
     this.unmount();
     ensureStyle();
     this.container = container;
-    this.refreshButton = h("button", { class: "kvgraph-button kvgraph-refresh", title: "Fetch the status again",
-      onclick: () => this._refresh() }, h("i", { class: "pi pi-refresh" }), "Refresh");
-    this.releaseButton = h("button", { class: "kvgraph-button kvgraph-release",
+    // data-testid, as the frontend marks its own controls (the tab's button included), so tests find these the same
+    // way in every frontend version.
+    this.refreshButton = h("button", { class: "kvgraph-button kvgraph-refresh", "data-testid": "kvgraph-refresh",
+      title: "Fetch the status again", onclick: () => this._refresh() }, h("i", { class: "pi pi-refresh" }), "Refresh");
+    this.releaseButton = h("button", { class: "kvgraph-button kvgraph-release", "data-testid": "kvgraph-release",
       title: "Release every captured decode graph and its buffers (loaded models stay)",
       onclick: () => this._release() }, h("i", { class: "pi pi-trash" }), "Release");
     this.body = h("div", { class: "kvgraph-body" });
-    this.root = h("div", { class: "kvgraph-panel" },
+    this.root = h("div", { class: "kvgraph-panel", "data-testid": "kvgraph-panel" },
       h("div", { class: "kvgraph-header" }, h("h3", {}, "KV-Graph"), this.refreshButton, this.releaseButton),
       this.body);
     container.replaceChildren(this.root);

@@ -200,22 +200,6 @@ class DecodeEngine:
         """Whether a prefix of this many tokens has its pass captured (and replayed from the graph pool)."""
         return prefix_len <= prefix_pass.SHORT_PREFIX_TOKENS
 
-    # -- measuring the step body (benchmarks) ----------------------------------------------------------------------
-
-    def static_inputs(self, layout: TokenLayout, hidden_all, embeds, timestep, latents) -> DecodeInputs:
-        """A throwaway graph entry's static inputs (never registered: no statistics, nothing kept) with this
-        branch's prefix pass written into them, ready for `self.step`."""
-        from .warm_up import prefilled_static_inputs
-
-        return prefilled_static_inputs(self.transformer, layout, hidden_all, embeds, timestep, latents)
-
-    def body_as_captured(self, prefix: PrefixCache) -> torch.Tensor:
-        """The step body of `prefix`'s graph entry run eagerly on its static buffers under the settings its capture
-        ran with, so it launches the kernels a replay runs: what a replay is compared with exactly."""
-        entry = self.manager.entries[prefix.graph_key]
-        with self.manager.backend.capture_settings():
-            return self.step(entry.inputs)
-
     # -- reporting and release -------------------------------------------------------------------------------------
 
     def bytes_held(self) -> int:
@@ -225,9 +209,6 @@ class DecodeEngine:
     def pool_bytes(self) -> int:
         """What the captured graphs hold in their private memory pool (reserved, reusable only by them)."""
         return self.manager.pool_bytes()
-
-    def warmup_seconds(self) -> float:
-        return self.manager.warmup_seconds()
 
     def release(self) -> dict:
         return self.manager.release()

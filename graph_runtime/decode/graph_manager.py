@@ -149,10 +149,6 @@ class DecodeGraphManager:
                 total += prefix.pool_bytes if prefix is not None else 0
             return total
 
-    def warmup_seconds(self) -> float:
-        """The eager warm-up runs of every captured entry, in seconds (compiling included, for compiled blocks)."""
-        return sum(getattr(e, "warmup_seconds", 0.0) for e in self.entries.values())
-
     def status(self) -> dict:
         """A JSON-ready picture of the entries and the statistics, read under the lock."""
         with self.lock:

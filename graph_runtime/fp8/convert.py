@@ -14,14 +14,12 @@ projection stay in the model's dtype. Precisions:
 - `int8`: every group as INT8 ConvRot W8A8 (group 256, per-channel weight scales), quantized at load as ComfyUI's
   INT8 files are made, run on our INT8 GEMM; an INT8 file keeps its own int8 weights.
 
-`apply_precision` converts in place and frees the float weights (the product's switch, at load); the benchmark
-builds the FP8 modules beside the bf16 ones (`quantized_linears`) and swaps them in (`swapped`) to compare paths on
-the same weights.
+`apply_precision` converts in place and frees the float weights (the product's switch, at load); `block_linears` and
+`install` are its two halves, which the benchmark also uses to swap quantized copies in beside the float weights.
 """
 
 from __future__ import annotations
 
-import contextlib
 import time
 
 import torch
@@ -88,13 +86,7 @@ def module_at(block: torch.nn.Module, dotted: str) -> torch.nn.Module:
     return getattr(parent, leaf)
 
 
-def quantized_linears(transformer, precision: str, factory=Fp8Linear.from_linear) -> dict[tuple[int, str], object]:
-    """`factory(linear)` (an FP8 copy by default) of each Linear `precision` converts, by (block index, dotted
-    name); the model is not changed."""
-    return {key: factory(linear) for key, linear in _block_linears(transformer, precision).items()}
-
-
-def _block_linears(transformer, precision: str) -> dict[tuple[int, str], torch.nn.Linear]:
+def block_linears(transformer, precision: str) -> dict[tuple[int, str], torch.nn.Linear]:
     """The float Linears `precision` converts, by (block index, dotted name); each checked convertible."""
     modules = {}
     for i, block in enumerate(transformer.transformer_blocks):
@@ -119,16 +111,6 @@ def install(transformer, modules: dict) -> dict:
         replaced[(i, name)] = getattr(parent, leaf)
         setattr(parent, leaf, module)
     return replaced
-
-
-@contextlib.contextmanager
-def swapped(transformer, modules: dict):
-    """`modules` installed while inside, the originals back afterwards (the benchmark's FP8 paths)."""
-    replaced = install(transformer, modules)
-    try:
-        yield transformer
-    finally:
-        install(transformer, replaced)
 
 
 def int8_group(in_features: int) -> int:
@@ -164,7 +146,7 @@ def apply_precision(transformer, precision: str, device=None) -> dict:
     before = _block_linear_bytes(transformer)
     factory = int8_factory(device) if precision == INT8 else Fp8Linear.from_linear
     modules = {}
-    for (i, name), linear in _block_linears(transformer, precision).items():
+    for (i, name), linear in block_linears(transformer, precision).items():
         modules[(i, name)] = factory(linear)
         install(transformer, {(i, name): modules[(i, name)]})  # one at a time: the float weight is freed as we go
     return {"precision": precision, "linears": len(modules), "block_linear_bytes_before": before,

@@ -8,7 +8,18 @@ M is bucketed to the next power of two, since the token count varies with the im
 from __future__ import annotations
 
 # {(major, minor): {(n, k, m_bucket): {GemmConfig fields}}}
-TABLE: dict[tuple[int, int], dict[tuple[int, int, int], dict]] = {}
+TABLE: dict[tuple[int, int], dict[tuple[int, int, int], dict]] = {
+    (9, 0): {
+        (4096, 4096, 4096): {'kernel': 'tma', 'block_m': 128, 'block_n': 256, 'block_k': 128, 'group_m': 8, 'num_warps': 8, 'num_stages': 3},
+        (4096, 4096, 16384): {'kernel': 'tma', 'block_m': 128, 'block_n': 256, 'block_k': 128, 'group_m': 8, 'num_warps': 8, 'num_stages': 3},
+        (4096, 12288, 4096): {'kernel': 'tma', 'block_m': 256, 'block_n': 128, 'block_k': 128, 'group_m': 8, 'num_warps': 8, 'num_stages': 3},
+        (4096, 12288, 16384): {'kernel': 'tma', 'block_m': 128, 'block_n': 256, 'block_k': 128, 'group_m': 8, 'num_warps': 8, 'num_stages': 3},
+        (12288, 4096, 4096): {'kernel': 'tma', 'block_m': 256, 'block_n': 128, 'block_k': 128, 'group_m': 8, 'num_warps': 8, 'num_stages': 3},
+        (12288, 4096, 16384): {'kernel': 'tma', 'block_m': 256, 'block_n': 128, 'block_k': 128, 'group_m': 8, 'num_warps': 8, 'num_stages': 3},
+        (24576, 4096, 4096): {'kernel': 'tma', 'block_m': 128, 'block_n': 256, 'block_k': 128, 'group_m': 8, 'num_warps': 8, 'num_stages': 3},
+        (24576, 4096, 16384): {'kernel': 'tma', 'block_m': 256, 'block_n': 128, 'block_k': 128, 'group_m': 8, 'num_warps': 8, 'num_stages': 3},
+    },
+}
 
 
 def m_bucket(m: int) -> int:

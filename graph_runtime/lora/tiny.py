@@ -1,8 +1,9 @@
 """A tiny random LoRA for the tiny transformer (`graph_runtime.tiny`), in ComfyUI's key layout.
 
-It is what the example workflow's end-to-end test puts in `models/loras/`: kohya pairs with an alpha under
-`diffusion_model.`, on every Linear of every block, the MLP's on ComfyUI's fused `img_mlp.gate_up`. Its changes
-are about as large as the weights themselves, so an image made with it differs visibly from one made without.
+`make-tiny --comfyui-models` writes it into `models/loras/` under the name the LoRA example workflow loads, so that
+example runs as shipped on the tiny files: kohya pairs with an alpha under `diffusion_model.`, on every Linear of
+every block, the MLP's on ComfyUI's fused `img_mlp.gate_up`. Its changes are about as large as the weights
+themselves, so an image made with it differs visibly from one made without.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import torch
 
 from ..tiny import TINY_TRANSFORMER
 
+# The file the LoRA example workflow names in models/loras (a stand-in: users pick their own LoRA there).
+EXAMPLE_LORA_FILE = "qwen_image_2.1_lora.safetensors"
 BLOCK_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.gate_up", "img_mlp.out")
 
 
@@ -42,3 +45,8 @@ def write_tiny_lora(path: str | os.PathLike, seed: int = 0, dtype: torch.dtype =
     tensors = {k: v.to(dtype).contiguous() for k, v in tiny_lora_tensors(seed).items()}
     save_file(tensors, str(path), metadata={"format": "pt"})
     return path
+
+
+def comfyui_lora_path(models_dir: str | os.PathLike) -> Path:
+    """Where `make-tiny --comfyui-models MODELS_DIR` writes the tiny LoRA: the LoRA example's file in models/loras."""
+    return Path(models_dir) / "loras" / EXAMPLE_LORA_FILE

@@ -18,6 +18,8 @@ REPO = Path(__file__).resolve().parents[2]
 ARTIFACTS = REPO / "tests" / "artifacts"
 # The e2e suite's server helper (temporary --base-directory, tiny model files, start/stop, HTTP helpers) fits as is.
 sys.path.insert(0, str(REPO / "tests" / "e2e"))
+# ...and these tests' helpers (the tab button, the panel, dialogs): browser_ui.py.
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 # The folder name the pack is installed under; it shows in node badges, the template browser and extension URLs.
 PACK_FOLDER = "comfyui-kv-graph"
@@ -26,8 +28,6 @@ CHROMIUM_ARGS = [
     "--disable-background-networking", "--disable-component-update", "--disable-sync",
 ]
 VIEWPORT = {"width": 1600, "height": 900}
-
-
 def _chromium() -> str | None:
     if os.environ.get("CHROMIUM"):  # an explicit choice is used as given, never silently replaced
         return os.environ["CHROMIUM"] if Path(os.environ["CHROMIUM"]).is_file() else None

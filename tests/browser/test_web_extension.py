@@ -19,13 +19,15 @@ import time
 from pathlib import Path
 
 import pytest
+from comfy_server import ui_workflow_path
+from browser_ui import DIALOG, MENU_BUTTON, PANEL, TOAST, clear_toasts, set_panel, toast_texts, wait_for_toast
 
 pytestmark = pytest.mark.browser
 
 REPO = Path(__file__).resolve().parents[2]
 
 EXAMPLES = sorted((REPO / "example_workflows").glob("*.json"))
-TEXT_TO_IMAGE = REPO / "example_workflows" / "qwen_image_2.1_text_to_image.json"
+TEXT_TO_IMAGE = ui_workflow_path("qwen_image_2.1_text_to_image")
 TRANSFORMER_FILE = "qwen_image_2.1_int8_convrot.safetensors"  # the example workflows load the INT8 file
 DOCS_SCREENSHOT = REPO / "docs" / "sampler-workflow.png"
 DOCS_WINDOW = {"width": 1920, "height": 1080}  # the window the examples' views are made for
@@ -34,10 +36,8 @@ STATUS_ROUTE_GLOB = "**/kvgraph/status"
 
 
 def open_panel(page):
-    """Open the KV-Graph sidebar tab (its button toggles, so only click when the panel is not showing)."""
-    if not page.locator(".kvgraph-panel").is_visible():
-        page.click(".kvgraph-status-tab-button")
-    page.wait_for_selector(".kvgraph-panel .kvgraph-totals", timeout=15_000)
+    set_panel(page, True)
+    page.wait_for_selector(f"{PANEL} .kvgraph-totals", timeout=15_000)
 
 
 def wait_refreshed(page):
@@ -51,18 +51,11 @@ def stat(page, name: str) -> str:
     return page.inner_text(f".kvgraph-stat[data-stat={name}] .kvgraph-value").strip()
 
 
-def toasts(page) -> list[str]:
-    return page.evaluate("Array.from(document.querySelectorAll('.p-toast-message')).map(e => e.innerText)")
-
-
-def clear_toasts(page):
-    page.evaluate("window.app.extensionManager.toast.removeAll()")
-    page.wait_for_function("document.querySelectorAll('.p-toast-message').length === 0", timeout=10_000)
 
 
 def close_dialogs(page):
     page.keyboard.press("Escape")
-    page.wait_for_function("document.querySelectorAll('.p-dialog').length === 0", timeout=10_000)
+    page.wait_for_function(f"document.querySelectorAll('{DIALOG}').length === 0", timeout=10_000)
 
 
 def test_extension_registers_tab_commands_setting_and_badge(page):
@@ -91,9 +84,9 @@ def test_extension_registers_tab_commands_setting_and_badge(page):
 
 def test_show_panel_command_toggles_the_tab(page):
     page.evaluate("window.app.extensionManager.command.execute('KVGraph.ShowPanel')")
-    page.wait_for_selector(".kvgraph-panel", state="visible", timeout=10_000)
+    page.wait_for_selector(PANEL, state="visible", timeout=10_000)
     page.evaluate("window.app.extensionManager.command.execute('KVGraph.ShowPanel')")
-    page.wait_for_selector(".kvgraph-panel", state="detached", timeout=10_000)
+    page.wait_for_selector(PANEL, state="detached", timeout=10_000)
 
 
 def test_about_page_shows_the_badge(page):
@@ -120,10 +113,10 @@ def test_panel_shows_route_status_and_a_real_run(page, comfy, artifacts):
     clear_toasts(page)
     # Toasts live 6 s from the step that raised them, and a slow run outlasts that: record every toast shown while
     # the prompt runs, to check them afterwards.
-    page.evaluate("""() => { window.kvgraphToasts = []; new MutationObserver(() => {
-        for (const t of document.querySelectorAll('.p-toast-message'))
+    page.evaluate("""(selector) => { window.kvgraphToasts = []; new MutationObserver(() => {
+        for (const t of document.querySelectorAll(selector))
             if (!window.kvgraphToasts.includes(t.innerText)) window.kvgraphToasts.push(t.innerText);
-    }).observe(document.body, {childList: true, subtree: true, characterData: true}); }""")
+    }).observe(document.body, {childList: true, subtree: true, characterData: true}); }""", TOAST)
     prompt = load_api_workflow("qwen_image_2.1_text_to_image", seed=int(time.time()) % 100_000)
     # Queued for this page's websocket client: the pack sends a prompt's events to its own client only.
     prompt_id = comfy.queue_ok(prompt, client_id=page.evaluate("sessionStorage.getItem('clientId') || window.name"))
@@ -181,14 +174,13 @@ def test_screenshot_of_the_sampler_workflow(page, artifacts, pack_folder):
         if docs_status:
             serve_docs_status(page, pack_folder, json.loads(Path(docs_status).read_text()))
         page.evaluate("""async (ds) => {
-            const app = window.app, m = app.extensionManager;
-            await m.setting.set('Comfy.Minimap.Visible', false);
-            m.toast.removeAll();
+            const app = window.app;
+            await app.extensionManager.setting.set('Comfy.Minimap.Visible', true);  // as on a new install
             app.canvas.ds.scale = ds.scale;
             app.canvas.ds.offset = [...ds.offset];
             app.canvas.setDirty(true, true);
         }""", json.loads(TEXT_TO_IMAGE.read_text())["extra"]["ds"])
-        page.wait_for_function("document.querySelectorAll('.p-toast-message').length === 0", timeout=10_000)
+        clear_toasts(page)
         page.wait_for_timeout(500)  # let the canvas redraw
         path = artifacts / "sampler-workflow.png"
         page.screenshot(path=str(path))
@@ -240,11 +232,10 @@ def test_release_from_the_panel_button(page, comfy):
     open_panel(page)
     clear_toasts(page)
     with page.expect_request(lambda r: r.url.endswith("/kvgraph/release") and r.method == "POST") as request:
-        page.click(".kvgraph-release")
+        page.get_by_test_id("kvgraph-release").click()
     assert json.loads(request.value.post_data) == {"models": False}
-    page.wait_for_function("""() => Array.from(document.querySelectorAll('.p-toast-message'))
-        .some(t => t.innerText.includes('KV-Graph caches released'))""", timeout=10_000)
-    released = " ".join(toasts(page))
+    wait_for_toast(page, "KV-Graph caches released")
+    released = " ".join(toast_texts(page))
     assert f"{TRANSFORMER_FILE}: released" in released
     status = comfy.status()
     assert status["models"] and all(m["entries"] == [] for m in status["models"])
@@ -254,14 +245,15 @@ def test_release_from_the_panel_button(page, comfy):
 
 def test_release_command_from_the_menu(page, comfy):
     clear_toasts(page)
-    page.click(".comfy-menu-button-wrapper")
-    page.get_by_role("menuitem", name="Extensions", exact=True).hover()
-    page.get_by_role("menuitem", name="KV-Graph", exact=True).hover()
+    page.click(MENU_BUTTON)
+    # The submenus' items (1.58 has a second "Extensions" item, a plain one).
+    submenu = page.locator("[aria-haspopup]")
+    page.get_by_role("menuitem", name="Extensions", exact=True).and_(submenu).hover()
+    page.get_by_role("menuitem", name="KV-Graph", exact=True).and_(submenu).hover()
     with page.expect_request(lambda r: r.url.endswith("/kvgraph/release") and r.method == "POST") as request:
         page.get_by_role("menuitem", name="Release KV-Graph caches").click()
     assert json.loads(request.value.post_data) == {"models": False}
-    page.wait_for_function("""() => Array.from(document.querySelectorAll('.p-toast-message'))
-        .some(t => t.innerText.includes('KV-Graph caches released'))""", timeout=10_000)
+    wait_for_toast(page, "KV-Graph caches released")
     assert all(m["entries"] == [] for m in comfy.status()["models"])
     assert page.errors == []
 
@@ -276,11 +268,10 @@ def test_fallback_toast_setting_silences_toasts(page):
     page.evaluate("window.app.extensionManager.setting.set('KVGraph.FallbackToasts', false)")
     fallback("silenced reason")
     page.wait_for_timeout(700)
-    assert not any("silenced reason" in t for t in toasts(page))
+    assert not any("silenced reason" in t for t in toast_texts(page))
     page.evaluate("window.app.extensionManager.setting.set('KVGraph.FallbackToasts', true)")
     fallback("shown reason")
-    page.wait_for_function("""() => Array.from(document.querySelectorAll('.p-toast-message'))
-        .some(t => t.innerText.includes('shown reason'))""", timeout=10_000)
+    wait_for_toast(page, "shown reason")
     # Both events still reach the panel's last-run list, toast or not.
     run = page.inner_text(".kvgraph-last-run")
     assert "silenced reason" in run and "shown reason" in run
@@ -366,7 +357,7 @@ def test_example_workflow_loads_without_missing_nodes(page, path):
             unknown: nodes.filter(n => !(n.type in LiteGraph.registered_node_types)).map(n => n.type),
             errored: nodes.filter(n => n.has_errors).map(n => n.type),
             calls: calls.map(c => c[0]),
-            dialogs: Array.from(document.querySelectorAll('.p-dialog')).map(d => d.innerText.slice(0, 200)),
+            dialogs: Array.from(document.querySelectorAll('[role=dialog]')).map(d => d.innerText.slice(0, 200)),
             samplers: nodes.filter(n => ['KVGraphSampler', 'KSampler', 'SamplerCustomAdvanced'].includes(n.type)).length,
         };
     }""", json.loads(path.read_text()))
@@ -376,6 +367,65 @@ def test_example_workflow_loads_without_missing_nodes(page, path):
     assert result["dialogs"] == []
     assert result["samplers"] == 1
     assert page.errors == []
+
+
+def test_opening_the_panel_moves_a_graph_out_from_under_it(page):
+    """A graph drawn where the panel opens (a view saved for another window, or a template the frontend fitted to the
+    whole window) moves right of the panel when it opens, at the same scale where it fits there; with the setting
+    off it stays where it was. Nodes are compared as drawn, title bars included."""
+    measure = """() => {
+        const app = window.app, ds = app.canvas.ds, canvas = app.canvas.canvas.getBoundingClientRect();
+        const left = Math.min(...app.graph.nodes.map(n => (n.getBounding()[0] + ds.offset[0]) * ds.scale));
+        const panel = document.querySelector('[data-testid=kvgraph-panel]');
+        return { left: left + canvas.left, scale: ds.scale, panelRight: panel ? panel.getBoundingClientRect().right : null };
+    }"""
+    page.set_viewport_size(DOCS_WINDOW)
+    try:
+        for keep_beside in (False, True):
+            set_panel(page, False)
+            page.evaluate("""async ([w, on]) => {
+                const app = window.app;
+                await app.extensionManager.setting.set('KVGraph.KeepGraphBesidePanel', on);
+                await app.loadGraphData(w, true, true, 'moved');
+                app.canvas.ds.offset[0] -= 300 / app.canvas.ds.scale;  // the loaders where the panel will be
+                app.canvas.setDirty(true, true);
+            }""", [json.loads(TEXT_TO_IMAGE.read_text()), keep_beside])
+            before = page.evaluate(measure)
+            set_panel(page, True)
+            page.wait_for_timeout(300)  # the extension waits for the frontend to place its view
+            after = page.evaluate(measure)
+            assert before["left"] < after["panelRight"]
+            if keep_beside:
+                assert after["left"] > after["panelRight"] and after["scale"] == before["scale"], (before, after)
+            else:
+                assert after == {**before, "panelRight": after["panelRight"]}
+    finally:
+        page.evaluate("window.app.extensionManager.setting.set('KVGraph.KeepGraphBesidePanel', true)")
+        page.set_viewport_size(VIEWPORT)
+    assert page.errors == []
+
+
+def test_view_beside_panel_shrinks_only_what_does_not_fit(page, pack_folder):
+    """The rule itself (panel_view.js): a graph clear of the panel is left alone; one under it moves right at its
+    scale when it fits, and is shrunk to the room when it does not, down to MIN_SCALE and no further."""
+    out = page.evaluate("""async (pack) => {
+        const { viewBesidePanel, MARGIN, MIN_SCALE } = await import(`/extensions/${pack}/panel_view.js`);
+        const bounds = [0, -50, 1000, 700];  // a graph 1000 x 750 canvas units
+        return { MARGIN, MIN_SCALE,
+            clear: viewBesidePanel(bounds, 1, [500, 100], 430, 1920),
+            moved: viewBesidePanel(bounds, 1, [100, 100], 430, 1920),
+            shrunk: viewBesidePanel(bounds, 1, [100, 100], 430, 1200),
+            tooSmall: viewBesidePanel(bounds, 1, [100, 100], 430, 900) };
+    }""", pack_folder)
+    margin = out["MARGIN"]
+    assert out["clear"] is None
+    assert out["moved"]["scale"] == 1 and out["moved"]["offset"][0] == 430 + margin
+    assert out["moved"]["offset"][1] == 100  # the vertical middle stays where it was
+    shrunk = out["shrunk"]
+    assert shrunk["scale"] == pytest.approx((1200 - 430 - 2 * margin) / 1000)
+    assert shrunk["offset"][0] * shrunk["scale"] == pytest.approx(430 + margin)
+    assert (325 + shrunk["offset"][1]) * shrunk["scale"] == pytest.approx(325 + 100)
+    assert (900 - 430 - 2 * margin) / 1000 < out["MIN_SCALE"] and out["tooSmall"] is None
 
 
 def test_the_encode_nodes_reference_sockets_grow_as_they_are_connected(page):

@@ -126,7 +126,6 @@ class FakeComfy:
         self.progress = []  # (value, total, preview) per ProgressBar update
         self.sent = []  # (event, data) per send_sync
         self.recipients = []  # the sid of each send_sync, in the same order (None: every connected browser)
-        self.texts = []  # (node id, text, client) per send_progress_text
         self.load_calls = []  # kwargs of each load_models_gpu call
         self.free_memory = None  # what get_free_memory reports (bytes); None: the device's own figure
         self.context = None  # ExecutionContext the node runs under
@@ -300,9 +299,6 @@ class FakeComfy:
             def send_sync(self, event, data, sid=None):
                 fake.sent.append((event, data))
                 fake.recipients.append(sid)
-
-            def send_progress_text(self, text, node_id, sid=None):
-                fake.texts.append((node_id, text, sid))
 
         PromptServer.instance = PromptServer()
         server.PromptServer = PromptServer

@@ -17,34 +17,38 @@ import uuid
 from pathlib import Path
 
 import requests
+from make_workflows import REFERENCE_IMAGES
+from make_workflows import ui_path as ui_workflow_path  # noqa: F401  (an example's UI file, named by its card's title)
 
 REPO = Path(__file__).resolve().parents[2]
 PACK_FOLDER = "kv_graph_e2e"  # any folder name works; ComfyUI imports the pack under its path
-REFERENCE_IMAGES = tuple(f"kvgraph_example_reference_{i}.png" for i in range(1, 6))
-# width, height, mode
+# width, height, mode of each REFERENCE_IMAGES file as the end-to-end tests write it (small, for the CPU)
 REFERENCE_SIZES = ((200, 150, "RGB"), (120, 180, "RGBA"), (160, 160, "RGBA"), (144, 112, "RGB"), (96, 176, "RGBA"))
 SMALL = 128  # output / reference resolution for end-to-end runs
+# A frontend build to serve instead of the one the ComfyUI checkout pins (e.g. the newest comfyui-frontend-package from
+# PyPI, unpacked: its comfyui_frontend_package/static folder); passed to ComfyUI as --front-end-root.
+FRONTEND_ROOT_VARIABLE = "KVGRAPH_FRONTEND_ROOT"
 LORA_FILE = "qwen_image_2.1_lora.safetensors"  # the LoRA example's file: a tiny random LoRA for the tiny model
 
 
 def prepare_base(base: Path, pack_folder: str = PACK_FOLDER, reference_images: bool = True) -> Path:
-    """Tiny model files in ComfyUI's layout (the INT8 ConvRot files the examples load and the bf16 ones, under the
-    released names), a tiny diffusers folder, the pack linked in under custom_nodes/<pack_folder>, and (unless
+    """Tiny model files in ComfyUI's layout as `make-tiny` writes them (the INT8 ConvRot files the examples load and
+    the bf16 ones, under the released names, and the LoRA example's LoRA), a tiny diffusers folder, the pack linked in under custom_nodes/<pack_folder>, and (unless
     `reference_images` is false: a fresh install's empty input folder) random reference images in input/ under the
     names the edit examples load, which the pack then leaves alone."""
     import numpy as np
     from PIL import Image
 
-    from graph_runtime.lora.tiny import write_tiny_lora
-    from graph_runtime.tiny import write_comfyui_files, write_comfyui_int8_files, write_diffusers_folder
+    from graph_runtime.cli import main as command_line
 
     (base / "custom_nodes").mkdir(parents=True, exist_ok=True)
     (base / "custom_nodes" / pack_folder).symlink_to(REPO, target_is_directory=True)
-    write_comfyui_files(base / "models")
-    write_comfyui_int8_files(base / "models")
-    write_diffusers_folder(base / "models" / "diffusers" / "qwen-image-2.1-tiny")
-    (base / "models" / "diffusion_models" / "kvgraph_broken.safetensors").write_bytes(b"\x00" * 128)
-    write_tiny_lora(base / "models" / "loras" / LORA_FILE)
+    # What a user's `make-tiny` writes: the examples must run as shipped on exactly these files.
+    models = base / "models"
+    assert command_line(["make-tiny", str(models / "diffusers" / "qwen-image-2.1-tiny"), "--comfyui-models",
+                         str(models)]) == 0
+    assert (models / "loras" / LORA_FILE).is_file(), "make-tiny wrote no LoRA under the LoRA example's file name"
+    (models / "diffusion_models" / "kvgraph_broken.safetensors").write_bytes(b"\x00" * 128)
     (base / "input").mkdir(exist_ok=True)
     if not reference_images:
         return base
@@ -54,6 +58,18 @@ def prepare_base(base: Path, pack_folder: str = PACK_FOLDER, reference_images: b
         Image.fromarray((rng.rand(height, width, channels) * 255).astype("uint8"), mode=mode).save(base / "input" /
                                                                                                    name)
     return base
+
+
+def frontend_args() -> list[str]:
+    """`--front-end-root DIR` when KVGRAPH_FRONTEND_ROOT names a frontend build (a folder with index.html), else
+    nothing: ComfyUI then serves the frontend its requirements pin."""
+    root = os.environ.get(FRONTEND_ROOT_VARIABLE)
+    if not root:
+        return []
+    if not (Path(root) / "index.html").is_file():
+        raise FileNotFoundError(f"{FRONTEND_ROOT_VARIABLE}={root} has no index.html: expected a built ComfyUI frontend, "
+                                "e.g. comfyui_frontend_package/static from an unpacked comfyui-frontend-package wheel")
+    return ["--front-end-root", str(Path(root).resolve())]
 
 
 def free_port() -> int:
@@ -71,7 +87,7 @@ class ComfyServer:
         self.log_path = log_path or base / f"comfyui-{self.port}.log"
         self.args = [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
                      "--base-directory", str(base), "--disable-auto-launch", "--database-url", "sqlite:///:memory:",
-                     *extra_args]
+                     *frontend_args(), *extra_args]
         self.process = None
 
     def start(self, timeout: float = 120.0) -> "ComfyServer":

@@ -1,21 +1,26 @@
-"""Writes example_workflows/*.json (ComfyUI UI format) and example_workflows/api/*.json (API format) from one graph
-description each, so the two stay the same graph. Run from the repository root:
+"""Writes the example workflows from one graph description each, so their two formats stay the same graph:
+example_workflows/<title>.json (ComfyUI UI format, named by the title its template card shows), its thumbnail
+example_workflows/<title>.jpg, and example_workflows/api/<name>.json (API format). Run from the repository root:
 
     python tests/e2e/make_workflows.py
 
-Node positions, sizes and the view each workflow opens with come from workflow_layout.py. tests/test_workflows.py
-checks the written files against the node schemas and the layout rules, independently of this script.
+Node positions, sizes and the view each workflow opens with come from workflow_layout.py, the thumbnails from
+workflow_cards.py. tests/test_workflows.py checks the written files against the node schemas and the layout rules,
+independently of this script.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import workflow_cards  # noqa: E402
 import workflow_layout  # noqa: E402
+from workflow_cards import Card  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 OUT = ROOT / "example_workflows"
@@ -26,14 +31,16 @@ TRANSFORMER_FILE = "qwen_image_2.1_int8_convrot.safetensors"
 TURBO_TRANSFORMER_FILE = "qwen_image_2.1_turbo_int8_convrot.safetensors"
 TEXT_ENCODER_FILE = "qwen3vl_8b_int8_convrot.safetensors"
 VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
-# The LoRA workflow's file in models/loras (users pick their own; the end-to-end test writes a tiny one there).
+# The LoRA workflow's file in models/loras: a stand-in for the user's own LoRA (`make-tiny --comfyui-models` writes a
+# tiny one under this name, so the example runs as shipped on the tiny files).
 LORA_FILE = "qwen_image_2.1_lora.safetensors"
 BF16_ALTERNATIVES = {TRANSFORMER_FILE: "qwen_image_2.1_bf16.safetensors",
                      TURBO_TRANSFORMER_FILE: "qwen_image_2.1_turbo_bf16.safetensors",
                      TEXT_ENCODER_FILE: "qwen3vl_8b_bf16.safetensors"}
 # The edit workflows load these from ComfyUI's input folder. They ship in example_workflows/inputs/ (drawn by
 # draw_reference_images below), and the pack copies them into the input folder at start-up where they are missing.
-REFERENCE_IMAGES = tuple(f"kvgraph_example_reference_{i}.png" for i in range(1, 6))
+# Short names: Load Image nodes showing them side by side fit a column.
+REFERENCE_IMAGES = tuple(f"kvgraph_edit_{i}.png" for i in range(1, 6))
 INPUTS = OUT / "inputs"
 
 # Per node type: (widget name, value) in the order the frontend lays the widgets out, the socket inputs
@@ -107,7 +114,7 @@ TITLES = {
     "KVGraphLoadVAE": "Load VAE", "KVGraphLoadLoRA": "Load LoRA", "KVGraphTextEncode": "Prompt",
     "KVGraphSampler": "KV-Graph sampler", "KVGraphVAEDecode": "Decode", "SaveImage": "Save image",
     "LoadImage": "Reference image", "MarkdownNote": "Model files",
-    "KVGraphSigmas": "Schedule (KV-Graph Sigmas)", "KVGraphVAEEncode": "Encode the image", "KSampler": "KSampler",
+    "KVGraphSigmas": "Schedule (sigmas)", "KVGraphVAEEncode": "Encode the image", "KSampler": "Sample (KSampler)",
     "RandomNoise": "Noise", "KSamplerSelect": "Sampler", "CFGGuider": "Guider (CFG)",
     "SamplerCustomAdvanced": "Sample (custom advanced)", "SetLatentNoiseMask": "Inpaint mask",
 }
@@ -126,6 +133,15 @@ def files_note(transformer: str) -> str:
         "`int8_weights` on the loaders: **int8** keeps an INT8 file int8 (half the VRAM; 16-24 GB cards), "
         "**dequantize** expands it to bf16 at load (the faster choice on Hopper GPUs with the memory to spare)."
     )
+
+
+LORA_NOTE = (
+    "\n\n## LoRA\n\n"
+    "Put a Qwen-Image-2.1 LoRA (`.safetensors`) in ComfyUI's `models/loras` folder and pick it in **Load LoRA**: "
+    f"`{LORA_FILE}` stands for yours. Read: PEFT / diffusers, kohya / ComfyUI (`lora_down`/`lora_up`/`alpha`, "
+    "`img_mlp.gate_up`), DiffSynth-Studio, LyCORIS LoRA names and full-weight `.diff` files; not DoRA, LoHa, LoKr "
+    "or OFT, nor LoRAs for Qwen-Image 1.x or other models (docs/lora.md)."
+)
 
 
 def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="auto", references=0, seed=42,
@@ -163,17 +179,20 @@ def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="auto", reference
     nodes.append((6, "KVGraphVAEDecode", [], {"vae": (3, 0), "latent": (5, 0)}, TITLES["KVGraphVAEDecode"]))
     nodes.append((7, "SaveImage", [("filename_prefix", f"KVGraph/{name}")], {"images": (6, 0)},
                   TITLES["SaveImage"]))
+    # The sampler's column is the shortest: a frontend that centres the graph in the window (1.58's template browser)
+    # then leaves the graph's bottom-right corner, where its minimap sits, free of the Save Image preview.
+    reference_row = [10 + i for i in range(references)]
     columns = [
-        [[1], [2], [3], [20]],  # the loaders, and the note saying which files they load
-        ([[10 + i for i in range(references)]] if references else []) + [[4]],  # references above the prompt
-        [[5], [6], [7]],  # the sampler and its output
+        [[1], [2], [3], reference_row if references else [20]],  # what the prompt reads (or the note on the files)
+        [[4], [6]] + ([[20]] if references else []),  # the prompt, and the decode of the sampler's latent
+        [[5], [7]],  # the sampler and the image
     ]
     return nodes, columns
 
 
 def with_lora(workflow, lora_name=LORA_FILE, strength=1.0):
     """`workflow` with a KV-Graph Load LoRA between the transformer loader and the sampler (placed above the prompt,
-    on the way from the one to the other)."""
+    on the way from the one to the other), and the note saying where LoRAs go and which files are read."""
     nodes, columns = workflow
     lora = (8, "KVGraphLoadLoRA", [("lora_name", lora_name), ("strength", strength)], {"model": (1, 0)},
             TITLES["KVGraphLoadLoRA"])
@@ -181,6 +200,8 @@ def with_lora(workflow, lora_name=LORA_FILE, strength=1.0):
     for node_id, node_type, widgets, links, title in nodes:
         if node_type == "KVGraphSampler":
             links = {**links, "model": (lora[0], 0)}
+        if node_type == "MarkdownNote":
+            widgets = [(name, value + LORA_NOTE) for name, value in widgets]
         out.append((node_id, node_type, widgets, links, title))
         if node_id == 3:
             out.append(lora)
@@ -188,32 +209,27 @@ def with_lora(workflow, lora_name=LORA_FILE, strength=1.0):
     return out, [loaders, [[lora[0]]] + middle, *rest]
 
 
-def on_the_model(workflow, sampler):
-    """`workflow` with its KV-Graph sampler (id 5) replaced by `sampler`'s nodes: (nodes, the column they take, the
-    node id the decode node reads). The transformer loader's second output is the core MODEL they run on."""
-    nodes, columns = workflow
-    new_nodes, sampling_column, output = sampler
+def on_the_model(workflow, sampler, columns):
+    """`workflow` with its KV-Graph sampler (id 5) replaced by `sampler`'s nodes (which run on the core MODEL the
+    transformer loader also outputs), the decode node reading the latent of the one with id 5, laid out in `columns`."""
+    nodes, _ = workflow
     out = [n for n in nodes if n[0] != 5]
-    out = [(i, t, w, {**lk, "latent": (output, 0)} if t == "KVGraphVAEDecode" else lk, title)
-           for i, t, w, lk, title in out]
+    out = [(i, t, w, {**lk, "latent": (5, 0)} if t == "KVGraphVAEDecode" else lk, title) for i, t, w, lk, title in out]
     decode = [n for n in out if n[1] in ("KVGraphVAEDecode", "SaveImage")]
-    out = [n for n in out if n not in decode] + new_nodes + decode
-    *before, _ = columns
-    return out, [*before, sampling_column]
+    return [n for n in out if n not in decode] + sampler + decode, columns
 
 
-def ksampler(seed=42, steps=40, cfg=1.0, sampler_name="euler", latent=(4, 2), title="Sample (KSampler)"):
+def ksampler(seed=42, steps=40, cfg=1.0, sampler_name="euler", latent=(4, 2)):
     """Core's KSampler on the MODEL (scheduler simple: the model's shift at 1024x1024)."""
-    node = (5, "KSampler", [("seed", seed), ("steps", steps), ("cfg", cfg), ("sampler_name", sampler_name),
-                            ("scheduler", "simple"), ("denoise", 1.0)],
-            {"model": (1, 1), "positive": (4, 0), "negative": (4, 1), "latent_image": latent}, title)
-    return [node], [[5], [6], [7]], 5
+    return [(5, "KSampler", [("seed", seed), ("steps", steps), ("cfg", cfg), ("sampler_name", sampler_name),
+                             ("scheduler", "simple"), ("denoise", 1.0)],
+             {"model": (1, 1), "positive": (4, 0), "negative": (4, 1), "latent_image": latent}, TITLES["KSampler"])]
 
 
 def custom_advanced(seed=42, steps=40, cfg=4.0):
     """SamplerCustomAdvanced with core's noise, sampler and CFG guider, over KV-Graph Sigmas (the KV-Graph Sampler's
     schedule for the latent's size)."""
-    nodes = [
+    return [
         (30, "KVGraphSigmas", [("steps", steps), ("sigma_preset", "auto"), ("width", 1024), ("height", 1024),
                                ("denoise", 1.0)], {"model": (1, 1), "latent": (4, 2)}, TITLES["KVGraphSigmas"]),
         (31, "RandomNoise", [("noise_seed", seed)], {}, TITLES["RandomNoise"]),
@@ -224,26 +240,25 @@ def custom_advanced(seed=42, steps=40, cfg=4.0):
                                           "sigmas": (30, 0), "latent_image": (4, 2)},
          TITLES["SamplerCustomAdvanced"]),
     ]
-    return nodes, [[30], [31, 32], [33], [5], [6, 7]], 5
 
 
 def inpaint(workflow, seed=42, steps=40):
     """Inpainting with KSampler: the cut-out reference image (image 2) encoded, its transparent background as the
     noise mask (Load Image's MASK is 1 where the image is transparent), so the object stays and the rest is
-    painted anew."""
-    nodes, columns = on_the_model(workflow, ksampler(seed, steps, latent=(36, 0), title="Sample (KSampler)"))
+    painted anew. The image, its encoding and the mask stand above the prompt."""
     image = (11, "LoadImage", [("image", REFERENCE_IMAGES[1])], {}, "Image to inpaint")
     encode = (35, "KVGraphVAEEncode", [], {"vae": (3, 0), "image": (11, 0)}, TITLES["KVGraphVAEEncode"])
     mask = (36, "SetLatentNoiseMask", [], {"samples": (35, 0), "mask": (11, 1)}, TITLES["SetLatentNoiseMask"])
-    loaders, prompt, sampling = columns
-    return [*nodes[:4], image, encode, mask, *nodes[4:]], [loaders, [[11], [35], [36], *prompt], sampling]
+    nodes, columns = on_the_model(workflow, ksampler(seed, steps, latent=(36, 0)),
+                                  [[[1], [2], [3], [20]], [[11], [35], [36], [4], [6]], [[5], [7]]])
+    return [*nodes[:4], image, encode, mask, *nodes[4:]], columns
 
 
 def five_references(workflow):
-    """Five reference images need the room: the prompt goes under the loaders, the images in rows of three beside
-    them (the note beside the last two), the sampler and its output below the images."""
+    """Five reference images need the room: they stand in rows of two at the left (the note beside the last), the
+    loaders and the prompt they feed next, then the sampler, the decode and the saved image."""
     nodes, _ = workflow
-    return nodes, [[[1], [2], [3], [4]], [[10, 11, 12], [13, 14, 20], [5, 6, 7]]]
+    return nodes, [[[10, 11], [12, 13], [14, 20]], [[1], [2], [3], [4]], [[5], [6], [7]]]
 
 
 WORKFLOWS = {
@@ -265,13 +280,17 @@ WORKFLOWS = {
         negative="blurry, low quality, distorted, text, watermark", cfg=4.0, sampler_title="KV-Graph sampler (true CFG)"),
     "qwen_image_2.1_lora": with_lora(graph(
         "lora", "A lighthouse on a rocky coast at dusk, dramatic clouds, in the style the LoRA was trained on.")),
-    # Core sampling on the MODEL the transformer loader also outputs: the same captured graphs replay.
+    # Core sampling on the MODEL the transformer loader also outputs: the same captured graphs replay. Laid out as the
+    # text-to-image example.
     "qwen_image_2.1_ksampler": on_the_model(graph(
         "ksampler", "A capybara wearing a wizard hat, reading a spell book by candlelight, oil painting."),
-        ksampler()),
+        ksampler(), [[[1], [2], [3], [20]], [[4], [6]], [[5], [7]]]),
+    # The loaders and the note; the image, the prompt and the two settings nodes; the schedule and the guider, the
+    # sampler and the decode, the image saved (the short right column leaves the minimap's corner free).
     "qwen_image_2.1_edit_custom_sampler": on_the_model(graph(
         "custom_sampler", "Make the sky in image 1 a deep purple sunset and add a small sailing boat.",
-        negative="blurry, low quality, distorted", references=1), custom_advanced()),
+        negative="blurry, low quality, distorted", references=1), custom_advanced(),
+        [[[1], [2], [3], [20]], [[10], [4], [31], [32]], [[30, 33], [5, 6], [7]]]),
     "qwen_image_2.1_inpaint": inpaint(graph(
         "inpaint", "A red teapot on a wooden kitchen counter beside a window, morning light, photo.")),
     "qwen_image_2.1_edit_five_references": five_references(graph(
@@ -280,16 +299,78 @@ WORKFLOWS = {
 }
 
 
+# Each example's template card: ComfyUI's template browser titles a pack's example by its file name, so the UI-format
+# file is named by the card's title (workflow_cards.py says why); its API-format twin keeps the key as its name.
+CARDS = {
+    "qwen_image_2.1_text_to_image": Card(
+        "Qwen-Image-2.1 text to image", "Text to image", "A prompt becomes a 1024x1024 picture"),
+    "qwen_image_2.1_turbo_8_steps": Card(
+        "Qwen-Image-2.1 Turbo, 8 steps", "Turbo, 8 steps", "The Turbo checkpoint on its fixed 8-step grid"),
+    "qwen_image_2.1_edit_one_reference": Card(
+        "Qwen-Image-2.1 edit an image", "Edit an image", "A prompt says what to change in image 1"),
+    "qwen_image_2.1_edit_two_references": Card(
+        "Qwen-Image-2.1 combine images", "Combine images", "Put the object of image 2 into image 1"),
+    "qwen_image_2.1_cfg_negative_prompt": Card(
+        "Qwen-Image-2.1 negative prompt", "Negative prompt", "True CFG steers away from what you list"),
+    "qwen_image_2.1_lora": Card(
+        "Qwen-Image-2.1 with a LoRA", "With a LoRA", "A LoRA from models/loras, merged once"),
+    "qwen_image_2.1_ksampler": Card(
+        "Qwen-Image-2.1 KSampler", "KSampler", "Core's KSampler on the KV-Graph MODEL"),
+    "qwen_image_2.1_edit_custom_sampler": Card(
+        "Qwen-Image-2.1 custom sampler", "Custom sampler", "SamplerCustomAdvanced with KV-Graph Sigmas"),
+    "qwen_image_2.1_inpaint": Card(
+        "Qwen-Image-2.1 inpainting", "Inpainting", "Paint anew where the image is transparent"),
+    "qwen_image_2.1_edit_five_references": Card(
+        "Qwen-Image-2.1 five references", "Five references", "Put the objects of images 2 to 5 into image 1"),
+}
+
+
+def card(name: str) -> Card:
+    if name not in CARDS:
+        raise KeyError(f"example {name!r} has no template card: give it a title, headline and description in CARDS "
+                       "(tests/e2e/make_workflows.py)")
+    return CARDS[name]
+
+
+def ui_path(name: str) -> Path:
+    """The UI-format file of example `name` (its template card's title); its thumbnail is beside it as .jpg."""
+    return OUT / f"{card(name).title}.json"
+
+
+def api_path(name: str) -> Path:
+    return OUT / "api" / f"{name}.json"
+
+
+def note_height(text: str, width: int) -> int:
+    """The height a MarkdownNote `width` wide needs to show `text` without scrolling, as the frontend renders its
+    markdown (measured in 1.35 to 1.58: 10 px text in 12 px lines, 15 px headings 19 px high, 10 px between blocks,
+    about 6 px a character in code spans, list items indented 25 px, 22 px of the node around the text), rounded
+    up to whole lines per paragraph and list item."""
+    text_width = width - 20
+    blocks = []
+    for block in text.split("\n\n"):
+        if block.startswith("## "):
+            blocks.append(19)
+        elif block.startswith("- "):
+            per_line = (text_width - 25) // 6.2
+            blocks.append(sum(12 * math.ceil(len(item) / per_line) for item in block.split("\n")))
+        else:
+            blocks.append(12 * math.ceil(len(block) / (text_width // 6.2)))
+    return sum(blocks) + 10 * (len(blocks) - 1) + 22 + 10  # and 10 to spare
+
+
 def ui_workflow(workflow) -> dict:
     nodes, columns = workflow
-    images = [node_id for node_id, node_type, *_ in nodes if node_type == "LoadImage"]
-    sizes = {i: workflow_layout.COMPACT_IMAGE for i in images} if len(images) > 2 else {}
-    for node_id, node_type, _, node_links, _ in nodes:
-        if node_type == "KVGraphTextEncode":  # a row per reference socket
-            width, height = workflow_layout.MIN_SIZE[node_type]
-            rows = len(sockets_of(node_type, node_links)) - len(SOCKETS[node_type])
-            sizes[node_id] = (width, max(height, workflow_layout.ENCODE_BASE_HEIGHT + workflow_layout.SOCKET_ROW * rows))
-    placed = workflow_layout.place(columns, {node_id: node_type for node_id, node_type, *_ in nodes}, sizes)
+    notes = {node_id: dict(widgets)["text"] for node_id, node_type, widgets, *_ in nodes if node_type == "MarkdownNote"}
+    encode = {node_id: len(sockets_of(node_type, links)) for node_id, node_type, _, links, _ in nodes
+              if node_type == "KVGraphTextEncode"}
+
+    def height_for(node_id, width):
+        if node_id in notes:
+            return note_height(notes[node_id], width)
+        return workflow_layout.encode_height(encode[node_id]) if node_id in encode else 0
+
+    placed = workflow_layout.place(columns, {node_id: node_type for node_id, node_type, *_ in nodes}, height_for)
     links, ui_nodes, link_id = [], [], 0
     outgoing = {}
     for node_id, node_type, _, node_links, _ in nodes:
@@ -397,16 +478,22 @@ def draw_more_objects():
     return plant, mug, lamp
 
 
+def thumbnail(name: str):
+    """The template card's thumbnail of example `name` (a PIL image), drawn from its graph and the shipped inputs."""
+    return workflow_cards.draw_thumbnail(card(name), WORKFLOWS[name][0], INPUTS)
+
+
 def main() -> None:
     (OUT / "api").mkdir(parents=True, exist_ok=True)
-    for name, workflow in WORKFLOWS.items():
-        (OUT / f"{name}.json").write_text(json.dumps(ui_workflow(workflow), indent=1) + "\n")
-        (OUT / "api" / f"{name}.json").write_text(json.dumps(api_workflow(workflow), indent=1) + "\n")
-        print(f"wrote {name}")
     INPUTS.mkdir(exist_ok=True)
     for name, image in draw_reference_images().items():
         image.save(INPUTS / name, optimize=True)
         print(f"wrote inputs/{name}")
+    for name, workflow in WORKFLOWS.items():
+        ui_path(name).write_text(json.dumps(ui_workflow(workflow), indent=1) + "\n")
+        workflow_cards.save_thumbnail(thumbnail(name), ui_path(name).with_suffix(".jpg"))
+        api_path(name).write_text(json.dumps(api_workflow(workflow), indent=1) + "\n")
+        print(f"wrote {ui_path(name).name} (and its .jpg), api/{api_path(name).name}")
 
 
 if __name__ == "__main__":

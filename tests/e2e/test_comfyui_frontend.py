@@ -12,12 +12,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from comfy_server import REPO  # noqa: E402
+from comfy_server import REPO, ui_workflow_path  # noqa: E402
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.browser]
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-UI_FILES = sorted((REPO / "example_workflows").glob("*.json"))
+EXAMPLES = sorted(p.stem for p in (REPO / "example_workflows" / "api").glob("*.json"))
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +40,13 @@ def without_meta(prompt: dict) -> dict:
     return {k: {kk: vv for kk, vv in v.items() if kk != "_meta"} for k, v in prompt.items()}
 
 
-@pytest.mark.parametrize("path", UI_FILES, ids=lambda p: p.stem)
-def test_frontend_loads_the_workflow_as_its_api_twin(page, path):
-    workflow = json.loads(path.read_text())
+@pytest.mark.parametrize("name", EXAMPLES)
+def test_frontend_loads_the_workflow_as_its_api_twin(page, name):
+    workflow = json.loads(ui_workflow_path(name).read_text())
     prompt = page.evaluate("""async (workflow) => {
         await window.app.loadGraphData(workflow);
         return (await window.app.graphToPrompt()).output;
     }""", workflow)
-    twin = json.loads((REPO / "example_workflows" / "api" / path.name).read_text())
+    twin = json.loads((REPO / "example_workflows" / "api" / f"{name}.json").read_text())
     assert without_meta(prompt) == without_meta(twin)
     assert page.errors == []

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import http.client
 import json
-import re
 import shutil
 import sys
+import time
 import urllib.parse
 from pathlib import Path
 
@@ -23,7 +23,7 @@ import requests
 sys.path.insert(0, str(Path(__file__).parent))
 
 from comfy_server import (  # noqa: E402
-    REPO, SMALL, load_api_workflow, node_of, prepare_base, start_server, with_diffusers_loader,
+    REPO, SMALL, load_api_workflow, node_of, prepare_base, start_server, ui_workflow_path, with_diffusers_loader,
 )
 
 pytestmark = pytest.mark.comfyui
@@ -330,7 +330,7 @@ def eager_steps(status: dict) -> dict:
 
 def test_cache_nodes_run_after_the_sampler_they_pass_through(server, reference, websocket_log):
     """sampler -> Cache Status -> Release Caches -> VAE Decode: both run after the sampler (the report counts this
-    run's steps), pass the latent on unchanged (same image), and show their report on the node."""
+    run's steps), pass the latent on unchanged (same image), and send their report to be shown on the node."""
     before = eager_steps(server.status())
     prompt = good_prompt()
     prompt["20"] = {"class_type": "KVGraphCacheStatus", "inputs": {"passthrough": [SAMPLER, 0]}}
@@ -354,8 +354,10 @@ def test_cache_nodes_run_after_the_sampler_they_pass_through(server, reference, 
     order = [m["data"]["node"] for m in messages if m.get("type") == "executing"
              and m["data"].get("prompt_id") == prompt_id and m["data"].get("node")]
     assert order.index(SAMPLER) < order.index("20") < order.index("21") < order.index(DECODE), order
-    texts = {m["node"]: m["text"] for m in messages if m.get("type") == "binary" and m["event"] == 3}
-    assert texts.get("20") == report and texts.get("21") == released  # the text the frontend shows on the nodes
+    # The `executed` messages the web extension shows on the nodes, to this client.
+    texts = {m["data"]["node"]: m["data"]["output"].get("text") for m in messages if m.get("type") == "executed"
+             and m["data"].get("prompt_id") == prompt_id}
+    assert texts.get("20") == [report] and texts.get("21") == [released]
 
 
 def test_every_socket_of_every_node_has_a_tooltip(server):
@@ -396,10 +398,10 @@ def test_frontend_loads_the_extension_and_templates_under_the_folder_with_a_spac
     assert "kvgraph.panel" in page.evaluate("window.app.extensions.map(e => e.name)")
     page.evaluate("window.app.extensionManager.command.execute('Comfy.BrowseTemplates')")
     page.get_by_text(SPACE_FOLDER, exact=True).click()  # the pack's category in the template browser
-    page.locator(f"[data-testid='template-workflow-{T2I}']").click()
+    page.locator(f"[data-testid='template-workflow-{ui_workflow_path(T2I).stem}']").click()
     page.wait_for_function("window.app.graph.nodes.some(n => n.type === 'KVGraphSampler')", timeout=30_000)
     types = sorted(page.evaluate("window.app.graph.nodes.map(n => n.type)"))
-    expected = json.loads((REPO / "example_workflows" / f"{T2I}.json").read_text())
+    expected = json.loads(ui_workflow_path(T2I).read_text())
     assert types == sorted(n["type"] for n in expected["nodes"])
     assert page.errors == []
 
@@ -422,28 +424,33 @@ def test_frontend_retypes_the_passthrough_and_shows_the_status_text(page, server
     assert wiring["before"] == "*" and wiring["after"] == "LATENT" and wiring["linked"]
     assert wiring["decodeLatent"] == [wiring["statusId"], 1]
 
-    shown = page.evaluate("""async () => {
+    # Queued from the page: the report shows in the node's report box, and is still there once the job has ended
+    # (1.58 clears a node's progress text then); it is neither an input of the prompt nor a saved widget value.
+    page.evaluate("""async () => {
         const app = window.app, LiteGraph = window.LiteGraph ?? window.comfyAPI.litegraph.LiteGraph;
         app.graph.clear();
         const node = LiteGraph.createNode('KVGraphCacheStatus');
         app.graph.add(node);
         node.pos = [200, 200];
+        window.kvgraphStatusNode = node;
         await app.queuePrompt(0);
-        for (let i = 0; i < 600; i++) {
-            const widget = node.widgets?.find(w => w.name === '$$node-text-preview');
-            if (widget?.value) {
-                await new Promise(r => setTimeout(r, 300));  // let the canvas lay the widget out
-                const dom = Array.from(document.querySelectorAll('.dom-widget')).map(e => e.innerText).join('\\n');
-                return { value: widget.value, dom, id: String(node.id) };
-            }
-            await new Promise(r => setTimeout(r, 100));
-        }
-        return null;
     }""")
-    assert shown is not None, "the status node never showed its text"
-    history = server.get("/history?max_items=1")
-    report = next(iter(history.values()))["outputs"][shown["id"]]["text"][0]
+    page.wait_for_function("window.kvgraphStatusNode.widgets?.find(w => w.name === 'report')?.value", timeout=60_000)
+    node_id = page.evaluate("String(window.kvgraphStatusNode.id)")
+    deadline = time.time() + 30
+    while not (history := server.get("/history?max_items=1")) or node_id not in next(iter(history.values()))["outputs"]:
+        assert time.time() < deadline, "the prompt never finished"
+        time.sleep(0.2)
+    page.wait_for_timeout(1500)  # the frontend has reset the job by now
+    shown = page.evaluate("""async () => {
+        const app = window.app, node = window.kvgraphStatusNode;
+        const prompt = (await app.graphToPrompt()).output;
+        return { value: node.widgets.find(w => w.name === 'report').value,
+                 boxes: Array.from(document.querySelectorAll('[data-testid=kvgraph-report]')).map(e => e.value),
+                 inputs: Object.keys(prompt[String(node.id)].inputs), saved: node.serialize().widgets_values ?? [] };
+    }""")
+    report = next(iter(history.values()))["outputs"][node_id]["text"][0]
     assert shown["value"] == report
-    first_line = report.splitlines()[0]
-    assert re.search(re.escape(first_line[:40]), shown["dom"])  # drawn on the page, not only held by the widget
+    assert shown["boxes"] == [report]  # drawn on the page, not only held by the widget
+    assert "report" not in shown["inputs"] and report not in shown["saved"]
     assert page.errors == []

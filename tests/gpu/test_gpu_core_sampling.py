@@ -168,7 +168,7 @@ def test_bench_ksampler_step_time_against_the_kvgraph_sampler(core_env):
     assertions are that every timed step replayed a graph and nothing was captured while timing."""
     import comfy.sample
 
-    from graph_runtime.bench.model import build_transformer
+    from bench.model import build_transformer
     from graph_runtime.comfy_interop.conditioning import prompt_to_conditioning
     from graph_runtime.encoding.prompt import PromptEmbeds
     from graph_runtime.loading import default_scheduler_config

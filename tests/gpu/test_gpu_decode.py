@@ -266,7 +266,7 @@ def test_capture_records_no_blas_workspace_memsets_and_restores_the_size():
 
     import torch.nn.functional as F
 
-    from graph_runtime.bench.profile import kernel_names
+    from bench.profile import kernel_names
     from graph_runtime.decode.capture_record import CaptureRecord
 
     cuda = torch.backends.cuda

@@ -117,23 +117,25 @@ def test_second_fp8_prompt_captures_nothing(fp8_transformer, generator):
     assert second.stats["replays"] == 4 and second.stats["prefill_replays"] == 1 and not second.stats["eager_steps"]
 
 
-def test_auto_precision_here_is_fp8_attn_and_its_graph_replays_its_own_body(tiny_parts, generator):
-    """On a GPU with FP8 GEMMs the loaders' default (`auto`) converts a bf16 float model to fp8-attn, whose captured
-    graph replays exactly what its body computes (max abs difference 0) and whose second prompt captures nothing."""
+@pytest.mark.parametrize("precision", ["auto", "fp8-attn"])
+def test_the_default_and_fp8_attn_graphs_replay_their_own_body(tiny_parts, generator, precision):
+    """On a GPU with INT8 tensor cores the loaders' default (`auto`) quantizes a bf16 float model to int8 (our INT8
+    GEMM); `fp8-attn` stays one setting away. Each converted model's captured graph replays exactly what its body
+    computes (max abs difference 0) and its second prompt captures nothing."""
     from graph_runtime.fp8 import precision_of, resolve_precision
     from graph_runtime.sampling.sampler import sample
 
-    resolved = resolve_precision("auto", "cuda", dtype=torch.bfloat16, int8_file=False)
-    assert resolved.precision == "fp8-attn", resolved.reason
+    resolved = resolve_precision(precision, "cuda", dtype=torch.bfloat16, int8_file=False)
+    assert resolved.precision == ("int8" if precision == "auto" else precision), resolved.reason
     model = copy.deepcopy(tiny_parts["transformer"]).to("cuda", torch.bfloat16)
     apply_precision(model, resolved.precision)
-    assert precision_of(model) == "fp8-attn"
+    assert precision_of(model) == resolved.precision
     engine = DecodeEngine(model)
     first = sample(engine, _request(generator, "a red cube", 0))
     second = sample(engine, _request(generator, "a red cube", 1))
     assert first.paths[0] == "capture" and second.stats["captures"] == 0 and not second.stats["eager_steps"]
     (entry,) = engine.manager.entries.values()
-    assert entry.key.backend.endswith("+fp8-attn")
+    assert entry.key.backend.endswith("+" + resolved.precision)
     replayed = engine.manager.backend.replay(entry)
     with torch.no_grad(), engine.manager.backend.capture_settings():
         body = engine.step(entry.inputs)

@@ -61,34 +61,29 @@ def test_gemm_replays_in_a_cuda_graph_bit_equal():
 @pytest.mark.parametrize("cols", [4096, 12288])
 @pytest.mark.parametrize("rotate", [False, True])
 def test_row_quantizer_matches_the_reference(cols, rotate):
-    """Scales agree to fp32 rounding (tf32 in the rotation: 2^-10 relative); values equal the reference's but for
-    rare neighbours of a rounding boundary."""
+    """Scales agree to the rotation's rounding (two tf32 passes, each rounding its inputs to 10 mantissa bits: 2^-9
+    relative at worst); values equal the reference's but for rare neighbours of a rounding boundary."""
     x = torch.randn(333, cols, device="cuda", dtype=torch.bfloat16) * 4
     got = quantize_rows_int8(x, rotate)
     q, s = reference_quantize_rows_int8(x, rotate)
-    assert torch.allclose(got.scale, s, rtol=2 ** -10, atol=0)
+    assert torch.allclose(got.scale, s, rtol=2 ** -9, atol=0)
     diff = (got.data.int() - q.int()).abs()
     assert diff.max().item() <= 1
     assert diff.float().mean().item() < 1e-2
 
 
 def test_silu_mul_quantizer_matches_the_reference():
+    """The same bounds as the row quantizer's: only the rotation's tf32 passes round differently."""
     gate = torch.randn(100, 12288, device="cuda", dtype=torch.bfloat16)
     up = torch.randn(100, 12288, device="cuda", dtype=torch.bfloat16)
     got = silu_mul_int8(gate, up, True)
     q, s = reference_quantize_rows_int8(torch.nn.functional.silu(gate.float()) * up.float(), True)
-    assert torch.allclose(got.scale, s, rtol=2 ** -10, atol=0)
+    assert torch.allclose(got.scale, s, rtol=2 ** -9, atol=0)
     assert (got.data.int() - q.int()).abs().max().item() <= 1
 
 
-@pytest.mark.parametrize("n,k", [(4096, 4096), (4096, 12288), (12288, 4096)])
-def test_our_int8_linear_equals_comfy_kitchens_on_the_same_int8_weights(n, k):
-    """A ConvRot layer holding comfy-kitchen's own quantization of a weight (what an INT8 file holds) runs on our
-    kernels; comfy-kitchen's `int8_linear` on the same int8 weights and scales is ComfyUI's result. The int32
-    products are exact in both; they differ only where the activation's quantization does (comfy-kitchen rotates
-    and divides in bf16, we in fp32: some values land on the other side of a rounding boundary, by one step) and in
-    the epilogue's rounding. Tolerance: the two results are at least 4x closer to each other than either is to the
-    float product (W8A8's own error), and ours is no further from the float product than comfy-kitchen's + 2%."""
+def _convrot_layer(n, k):
+    """A ConvRot layer holding comfy-kitchen's own quantization of a weight (what an INT8 file holds)."""
     from graph_runtime.quantized import ConvRotInt8Linear
 
     torch.manual_seed(0)
@@ -96,6 +91,37 @@ def test_our_int8_linear_equals_comfy_kitchens_on_the_same_int8_weights(n, k):
     torch.nn.init.normal_(linear.weight, std=0.02)
     layer = ConvRotInt8Linear.from_linear(linear, 256)
     assert layer.our_kernel_reason(torch.device("cuda")) is None
+    return linear, layer
+
+
+SHAPES = [(4096, 4096), (4096, 12288), (12288, 4096)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_on_the_same_int8_rows_our_gemm_equals_comfy_kitchens_up_to_the_output_rounding(n, k):
+    """Given the same int8 activation rows and scales (comfy-kitchen's row quantizer) and the same int8 weights and
+    scales (its ConvRot weight quantization), our GEMM equals comfy-kitchen's int8 GEMM (`mm_int8`, int32 out) with
+    the scales applied: int32 accumulation is exact in both, so only the rounding of the bf16 output differs (2^-9
+    relative to the largest output; 2^-8 allowed)."""
+    import comfy_kitchen
+
+    _, layer = _convrot_layer(n, k)
+    x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
+    rows, row_scale = comfy_kitchen.quantize_int8_rowwise(x)
+    ours = int8_scaled_mm(rows, row_scale.reshape(-1), layer.weight, layer.weight_scale.reshape(-1)).float()
+    products = comfy_kitchen.mm_int8(rows, layer.weight.t()).double()
+    theirs = (products * row_scale.double() * layer.weight_scale.double().reshape(1, -1)).float()
+    assert (ours - theirs).abs().max().item() <= 2 ** -8 * theirs.abs().max().item()
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_our_int8_linear_is_as_close_to_the_float_product_as_comfy_kitchens(n, k):
+    """The whole layer from bf16 input: comfy-kitchen's `int8_linear` on the same int8 weights is ComfyUI's result.
+    The two differ where the activation's quantization does: comfy-kitchen rounds the rotated row to bf16 before
+    quantizing it, we keep it in fp32, and a bf16 rounding is as large as an int8 step near a row's largest values.
+    So the two W8A8 results differ by up to W8A8's own error (their distance to each other is within comfy-kitchen's
+    distance to the float product), and ours is no further from the float product than comfy-kitchen's + 2%."""
+    linear, layer = _convrot_layer(n, k)
     x = torch.randn(4096, k, device="cuda", dtype=torch.bfloat16)
     ours = layer(x).float()
     theirs = torch.ops.comfy_kitchen.int8_linear(x, layer.weight, layer.weight_scale, None, 2, True, 256).float()
@@ -105,5 +131,5 @@ def test_our_int8_linear_equals_comfy_kitchens_on_the_same_int8_weights(n, k):
         return ((a - b).norm() / b.norm()).item()
 
     w8a8 = rel(theirs, exact)
-    assert rel(ours, theirs) <= w8a8 / 4, (rel(ours, theirs), w8a8)
+    assert rel(ours, theirs) <= w8a8, (rel(ours, theirs), w8a8)
     assert rel(ours, exact) <= w8a8 * 1.02, (rel(ours, exact), w8a8)

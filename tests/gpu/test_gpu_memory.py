@@ -8,12 +8,11 @@ decode's whole-or-tiled choice see the small card. Peaks are the allocator's res
 hold, besides the CUDA context, which the targets' gap to the card size (15 GB on a 16 GiB card, 22 GB on 24 GiB)
 leaves room for. GB here are 10^9 bytes, as in the issue.
 
-Full-size weights are random and built on the GPU (no download): the transformer as the benchmark builds it, the
-VAE from diffusers' default config, the text encoder with Qwen3-VL-8B's dimensions (graph_runtime/bench/
-placement.py). The int8 variants quantize every block Linear of the transformer and every decoder-layer Linear of
-the text encoder with comfy-kitchen (`TensorWiseINT8Layout.quantize(..., per_channel=True, convrot=True,
-convrot_groupsize=256)`, ComfyUI's ConvRot format) into the runtime's `ConvRotInt8Linear`, the layer the INT8
-ConvRot files load into.
+Full-size weights are random and built on the GPU (no download): the transformer as the benchmark builds it, the VAE
+from diffusers' default config, the text encoder with Qwen3-VL-8B's dimensions (bench/placement.py). The int8 variants
+quantize every block Linear of the transformer and every decoder-layer Linear of the text encoder with comfy-kitchen
+(`TensorWiseINT8Layout.quantize(..., per_channel=True, convrot=True, convrot_groupsize=256)`, ComfyUI's ConvRot
+format) into the runtime's `ConvRotInt8Linear`, the layer the INT8 ConvRot files load into.
 
 A "prompt" is what ComfyUI runs for a queued workflow: the second prompt changes only the seed, so ComfyUI reuses
 the first one's conditioning (the text encoder does not run again) and runs the sampler and the VAE decode. The
@@ -30,10 +29,10 @@ import time
 import pytest
 import torch
 
+from bench.model import build_transformer
+from bench.placement import build_text_encoder
 from graph_runtime import budget as budgets
 from graph_runtime import memory
-from graph_runtime.bench.model import build_transformer
-from graph_runtime.bench.placement import build_text_encoder
 from graph_runtime.encoding.images import decode_latents
 from graph_runtime.encoding.prompt import PromptEncoder
 from graph_runtime.placement import PinnedWeights
