@@ -25,7 +25,7 @@ if _IN_COMFYUI:
     _server_routes.register(pack_dir=os.path.dirname(os.path.abspath(__file__)))
     # The edit examples' reference images, into ComfyUI's input folder where they are missing.
     _example_inputs.install_example_inputs(os.path.dirname(os.path.abspath(__file__)))
-    # Triton's and the CUDA libraries' one-time set-up (about 1 s), in a thread now rather than in the first prompt.
+    # Triton's and the CUDA libraries' one-time set-up, in a thread now rather than in the first prompt.
     start_kernel_preload()
 
 __all__ = ["WEB_DIRECTORY", "comfy_entrypoint"] if _IN_COMFYUI else ["WEB_DIRECTORY"]

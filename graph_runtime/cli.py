@@ -344,8 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="auto: replay CUDA graphs where possible, else eager; graph: the same, warning when a step "
                           "cannot replay; eager: never capture (default: auto)")
     gen.add_argument("--compile", choices=["blocks", "off"], default="off",
-                     help="blocks: also torch.compile the transformer blocks on CUDA (same step time in our "
-                          "benchmark, ~6 s more on the first prompt) (default: off)")
+                     help="blocks: also torch.compile the transformer blocks on CUDA (the same step time, and a "
+                          "compile on the first prompt: docs/performance.md) (default: off)")
     gen.add_argument("--reference-resolution", type=int, default=1024,
                      help="references are resized to about N x N px (default: 1024)")
     gen.add_argument("--dtype", choices=sorted(DTYPES), default=None,

@@ -41,9 +41,9 @@ VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
 PLACEMENT_TOOLTIP = (
     "Where the Qwen3-VL text encoder (16.3 GB in bf16, 9.4 GB int8) lives. On a CUDA GPU it keeps one pinned copy "
     "in host RAM (the encoder's size, page-locked): loading copies from it, offloading just drops the GPU copy. "
-    "'gpu while encoding, then offload' (default): in VRAM only while a changed prompt is encoded, ~0.4 s per "
-    "changed prompt (bf16 on an H200; 3 s there and 13-18 s back without the pinned copy); no VRAM between "
-    "prompts. 'always gpu': stays in VRAM (its full size) for instant re-encoding; ComfyUI still unloads it "
+    "'gpu while encoding, then offload' (default): in VRAM only while a changed prompt is encoded; the upload from "
+    "the pinned copy costs a fraction of a second per changed prompt, seconds without it (docs/memory.md); no VRAM "
+    "between prompts. 'always gpu': stays in VRAM (its full size) for instant re-encoding; ComfyUI still unloads it "
     "(instantly) when another model needs the room. 'cpu': encodes on the CPU: no VRAM and no pinned RAM, "
     "seconds to minutes per changed prompt."
 )
@@ -54,8 +54,8 @@ INT8_TOOLTIP = (
     "either way. int8: kept int8 and run W8A8 through comfy-kitchen, ComfyUI's own kernels, inside the captured "
     "steps; half the memory (DiT ~7 GB instead of ~14 GB, text encoder ~8.7 GB instead of ~16 GB), the choice for "
     "16-24 GB cards, and on RTX 40/50 the faster one. dequantize: expanded once at load into ordinary weights of "
-    "'dtype' (bf16 memory, the bf16 fast path); on an H200 comfy-kitchen's int8 GEMMs ran at 0.65-0.99x cuBLAS "
-    "bf16, so with the memory to spare this is the faster choice on Hopper."
+    "'dtype' (bf16 memory, the bf16 fast path): with the memory to spare, the choice for the model's own "
+    "bf16 rounding (speeds per GPU: docs/quantized.md)."
 )
 
 TRANSFORMER_OUT = "The Qwen-Image-2.1 transformer, for the KV-Graph sampler's model input."

@@ -95,8 +95,8 @@ class KVGraphSampler(io.ComfyNode):
                                        "capture (for debugging)."),
                 io.Combo.Input("compile", options=list(COMPILE_OPTIONS), default="off",
                                tooltip="off (default): the graphs record our fused kernels and PyTorch's. blocks: "
-                                       "also torch.compile the transformer blocks on CUDA; it measured the same "
-                                       "step time and adds ~6 s to the first prompt after loading."),
+                                       "also torch.compile the transformer blocks on CUDA: the same step time, "
+                                       "and a compile on the first prompt after loading (docs/performance.md)."),
             ],
             outputs=[io.Latent.Output(display_name="latent", tooltip="Raw VAE latents, for a VAE decode node.")],
         )

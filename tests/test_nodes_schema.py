@@ -5,6 +5,7 @@ Runs without ComfyUI (a small fake of comfy_api.latest.io stands in; tests/e2e c
 
 import asyncio
 import importlib.util
+import re
 import sys
 from pathlib import Path
 
@@ -63,6 +64,10 @@ def test_routes_are_registered_at_import(comfy_env):
     assert ("GET", "/kvgraph/status") in routes and ("POST", "/kvgraph/release") in routes
 
 
+# A timing ("0.4 s", "108 ms") or a named card's result ("on an H200"): what a measurement, not a setting, says.
+MEASURED_FIGURE = re.compile(r"\d(?:[\d.,-]*\d)? ?(?:ms|s)\b|\bH[12]00\b")
+
+
 @pytest.mark.parametrize("node_id", sorted(EXPECTED_NODES))
 def test_every_node_is_described_and_every_socket_has_a_tooltip(comfy_env, node_id):
     s = schema(comfy_env, node_id)
@@ -76,6 +81,11 @@ def test_every_node_is_described_and_every_socket_has_a_tooltip(comfy_env, node_
     assert s.outputs, f"{node_id} has no output"
     for item in s.outputs:
         assert item.tooltip and len(item.tooltip) > 15, f"{node_id} output {item.display_name} has no useful tooltip"
+    # Measured figures belong in the README and docs/performance.md, where they are dated and sourced; a tooltip
+    # says what a setting does and points there.
+    texts = [s.description] + [i.tooltip for i in s.inputs] + [o.tooltip for o in s.outputs]
+    for text in texts:
+        assert not MEASURED_FIGURE.search(text), f"{node_id}: a measured figure in {text!r}"
 
 
 def test_sampler_schema(comfy_env):

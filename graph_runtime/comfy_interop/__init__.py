@@ -10,8 +10,7 @@ speak ComfyUI's data formats (as core ComfyUI's Qwen-Image-2.1 support uses them
 Every name is re-exported here, so `from graph_runtime.comfy_interop import X` works for all of them.
 """
 
-# `encode_pixels_raw` / `decode_raw_latents` are the names this module has always given the runtime's raw VAE calls
-# (graph_runtime/encoding/images.py: `vae_encode`, `vae_decode`); they stay importable under them.
+# The raw VAE calls (no latent normalization), under names that say which side of the conversion they are on.
 from ..encoding.images import vae_decode as decode_raw_latents, vae_encode as encode_pixels_raw
 from .conditioning import (
     ParsedConditioning, conditioning_to, conditioning_to_prompt, prompt_to_conditioning,

@@ -1,18 +1,18 @@
 """Triton's and the CUDA libraries' one-time process set-up, done in a background thread while the models load.
 
-The first launch of any Triton kernel in a fresh process costs 0.6-0.7 s even when the on-disk kernel cache holds
-the kernel: Triton keys its cache by a hash of its own ~500 MB shared library (`triton_key`, ~0.5 s), imports its
+The first launch of any Triton kernel in a fresh process costs most of a second even when the on-disk kernel cache
+holds the kernel: Triton keys its cache by a hash of its own large shared library (`triton_key`), imports its
 gluon front end and sets up its CUDA driver utilities. Every one of those is the same for every kernel and needs
 nothing from the prompt, so `start_preload` runs them in a daemon thread at ComfyUI's start-up (and when the
 command line or a loader node starts loading models for a CUDA device); the checkpoint read and the text encoding
 hide it. hashlib releases the GIL while hashing, so the main thread loses nothing meanwhile.
 
-The libraries behind the first GEMM, attention and convolution pay a one-time set-up the same way (100-230 ms each
-on a first prompt: cuBLAS and cuDNN handles, their libraries' kernels loaded); with `libraries` the thread then runs
+The libraries behind the first GEMM, attention and convolution pay a one-time set-up the same way (cuBLAS and
+cuDNN handles, their libraries' kernels loaded; what it costs a first prompt: docs/first-prompt.md); with `libraries` the thread then runs
 one tiny matmul, attention and convolution on a stream of its own. The handles it creates go back to PyTorch's
 per-device pools when the thread ends, where the main thread picks them up. That is GPU work off the main thread,
 which a CUDA graph capture in progress would not tolerate, so a capture waits for the preload to finish
-(`CudaGraphBackend.capture`); the thread is done within about a second of the load starting.
+(`CudaGraphBackend.capture`); the thread finishes long before a checkpoint has loaded.
 
 Our kernel wrappers call `wait_for_preload()` before their first launch, so the two threads never set up Triton at
 once (its driver object is created lazily and not under a lock); after the first call that is a flag check. The
