@@ -3,7 +3,8 @@
 The 8B text encoder (16.3 GB in bf16) is needed on the GPU for a few hundred milliseconds per changed prompt, and its
 weights never change. Moving it with `module.to()` costs seconds each way (a device-to-host copy into fresh
 pageable memory, then a pageable upload); a copy from page-locked (pinned) memory back to the GPU runs at the link's
-full rate, about ten times faster (the measured times: docs/memory.md). So `PinnedWeights` keeps ONE page-locked host copy of every parameter and buffer for the module's lifetime:
+full rate, many times faster (the measured times: docs/memory.md). So `PinnedWeights` keeps ONE page-locked host
+copy of every parameter and buffer for the module's lifetime:
 
 - `load(device)` allocates one device buffer, copies the host copy into it (one non-blocking copy, then one sync)
   and points every tensor at its slice;
