@@ -263,7 +263,7 @@ def test_estimate_covers_the_sampler_peaks_of_a_first_prompt():
     transformer = build_transformer()
     dims = memory.TransformerDims.from_config(dict(transformer.config))
     weights = {"transformer": memory.module_bytes(transformer)}
-    context, channels = transformer.config.joint_attention_dim, transformer.config.in_channels
+    context, channels = transformer.config.context_in_dim, transformer.config.in_channels
     for references in (0, 1):
         engine = engine_for(transformer)
         engine.release()  # nothing of the other request held
