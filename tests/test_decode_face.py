@@ -10,7 +10,7 @@ import torch
 import graph_runtime.decode as decode
 from graph_runtime.decode import DecodeEngine, TokenLayout
 from graph_runtime.decode import eligibility as why
-from graph_runtime.decode.ownership import EntryOwners
+from graph_runtime.decode.graphs import EntryOwners
 from graph_runtime.decode.prefill import OwnerToken
 from graph_runtime.sampling.reporter import SampleReporter
 from graph_runtime.sampling.sampler import SamplingRequest, initial_noise, pack, sample
@@ -35,7 +35,7 @@ def _captured_prefix(engine, generator):
     latents = pack(initial_noise(0, 1, 64, 8, 8, torch.float32))
     with torch.no_grad():
         _, prefix = engine.prefill(layout, latents, embeds.embeds, torch.full((1,), 0.8), with_target=False)
-    assert engine.decode(prefix, latents, T).path == "capture"
+    assert engine.decode_step(prefix, latents, T).path == "capture"
     return prefix, latents
 
 
@@ -101,10 +101,10 @@ def test_a_lora_wrapped_model_gets_a_drop_verdict_and_the_engine_not_the_guard_d
     transformer.transformer_blocks[0].attn.to_q.lora_A = torch.nn.ModuleDict()  # what a LoRA wrapper exposes
     verdict = engine.guard.check(prefix.k[0].dtype, prefix.key_valid)
     assert (verdict.reason, verdict.drop_graphs) == (why.LORA, True)
-    assert len(engine.manager.entries) == 1  # judging changed nothing in the manager
-    outcome = engine.decode(prefix, latents, T)
+    assert len(engine.graphs.entries) == 1  # judging changed nothing in the manager
+    outcome = engine.decode_step(prefix, latents, T)
     assert (outcome.path, outcome.reason) == ("eager", why.LORA)
-    assert not engine.manager.entries and engine.stats.eager_steps[why.LORA] == 1
+    assert not engine.graphs.entries and engine.stats.eager_steps[why.LORA] == 1
 
 
 def test_moved_weights_are_not_a_drop_verdict_the_replay_drops_the_stale_graph(tiny_models, generator):
@@ -118,9 +118,9 @@ def test_moved_weights_are_not_a_drop_verdict_the_replay_drops_the_stale_graph(t
     weight.data = weight.data.clone()
     verdict = engine.guard.check(prefix.k[0].dtype, prefix.key_valid)
     assert verdict.ok and not verdict.drop_graphs and verdict.fingerprint != before
-    assert len(engine.manager.entries) == 1
-    assert engine.decode(prefix, latents, T).reason == why.WEIGHTS_MOVED and not engine.manager.entries
-    assert engine.decode(prefix, latents, T).path == "capture"
+    assert len(engine.graphs.entries) == 1
+    assert engine.decode_step(prefix, latents, T).reason == why.WEIGHTS_MOVED and not engine.graphs.entries
+    assert engine.decode_step(prefix, latents, T).path == "capture"
 
 
 # -- the sampler's reporter --------------------------------------------------------------------------------------
