@@ -207,7 +207,7 @@ def without_blas_workspace():
 
     Why: with a workspace, cuBLAS's Hopper GEMMs use a dynamic tile scheduler whose counters it clears with a memset
     before each GEMM, and a captured graph records all of them (a large share of a step's kernels). Without
-    one it picks the static-schedule variant of the same kernel and records none, so a replay launches a third fewer
+    one it picks the static-schedule variant of the same kernel and records none, so a replay launches fewer
     kernels and issues in less host time at the same device time (docs/performance.md). Setting the size for the
     whole process instead (`CUBLAS_WORKSPACE_CONFIG=:0:0`) would also take split-K GEMMs away from every other model
     in it. Here only the warm-up and the capture run without, the sizes are restored before the caller runs another

@@ -99,8 +99,8 @@ class PrefixInputs:
 
 # Up to this many prefix tokens (a text-only prompt) the pass is host-bound: it is captured and replayed, and its
 # masked attention runs on the memory-efficient kernel. SDPA would pick cuDNN, which generates a kernel for every
-# new prompt length: tens of milliseconds on the first prefill of each length and seconds on the first one in the
-# process, for attention that is a sliver of a short pass. A long prefix (reference images) keeps cuDNN, which is
+# new prompt length (slow on the first prefill of each length, slower on the first one in the process), for
+# attention that is a sliver of a short pass. A long prefix (reference images) keeps cuDNN, which is
 # faster there (docs/performance.md).
 SHORT_PREFIX_TOKENS = 1024
 
