@@ -125,11 +125,15 @@ class DecodeEngine:
         if check_mode(mode) == "eager":
             return None
         self.guard.new_request()
-        spec = EntrySpec.for_request(self.transformer, layout, batch, self.step.kv_heads)
+        spec = self._entry_spec(layout, batch)
         if not self._judge(spec.dtype, key_valid).ok:
             return None
         key = make_key(self.step, branch, batch, layout, spec.dtype, spec.device)
         return self.graphs.claim(key, token, lambda: spec)
+
+    def _entry_spec(self, layout: TokenLayout, batch: int) -> EntrySpec:
+        """The static buffers a graph entry of this layout and batch needs (the heads this step keeps)."""
+        return EntrySpec.for_request(self.transformer, layout, batch, self.step.kv_heads)
 
     def _prefix_pass(self, entry, inputs: PrefixInputs) -> None:
         """A claimed entry's prefix pass: replayed from its captured pass when the prefix is short (a short pass is
@@ -160,9 +164,8 @@ class DecodeEngine:
         verdict = self._judge(prefix.k[0].dtype, prefix.key_valid)
         if not verdict.ok:
             return self._eager(prefix, hidden, timestep, verdict.reason, mode)
-        spec = lambda: EntrySpec.for_request(self.transformer, prefix.layout, prefix.batch,  # noqa: E731
-                                             self.step.kv_heads)
-        output, path, reason = self.graphs.replay(self.step, prefix, hidden, timestep, verdict.fingerprint, spec)
+        output, path, reason = self.graphs.replay(self.step, prefix, hidden, timestep, verdict.fingerprint,
+                                                  lambda: self._entry_spec(prefix.layout, prefix.batch))
         if reason is not None:
             return self._eager(prefix, hidden, timestep, reason, mode)
         return DecodeOutcome(output, path, None)
