@@ -233,7 +233,7 @@ def profiled_ours(generator, device):
     module = sys.modules[type(generator).__module__]
     engine = generator.engine
     targets = [(generator.encoder, "encode", "encode"), (module, "encode_pixels", "ref VAE encode"),
-               (engine, "prefill", "prefill"), (engine, "decode", FirstCall("first step", "steps")),
+               (engine, "prefill", "prefill"), (engine, "decode_step", FirstCall("first step", "steps")),
                (module, "decode_latents", "VAE decode"), (module, "to_pil", "to PIL")]
     with FirstPromptProfile(device, targets) as profile:
         yield profile

@@ -142,7 +142,7 @@ class OursPath:
             prefix.graph_key = None
 
         def step():
-            return [engine.decode(prefixes[b.name], inputs.latents, inputs.timestep, mode).output
+            return [engine.decode_step(prefixes[b.name], inputs.latents, inputs.timestep, mode).output
                     for b in inputs.branches]
 
         return step

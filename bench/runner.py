@@ -245,14 +245,14 @@ def _measure(row, step, path, spec, transformer, inputs, prefixes, caches, refs,
 def body_as_captured(engine, prefix) -> torch.Tensor:
     """The step body of `prefix`'s graph entry run eagerly on its static buffers under the settings its capture ran
     with, so it launches the kernels a replay runs: what a replay is compared with exactly."""
-    entry = engine.manager.entries[prefix.graph_key]
-    with engine.manager.backend.capture_settings():
+    entry = engine.graphs.entries[prefix.graph_key]
+    with engine.graphs.backend.capture_settings():
         return engine.step(entry.inputs)
 
 
 def warmup_seconds(engine) -> float:
     """The eager warm-up runs of every captured entry, in seconds (compiling included, for compiled blocks)."""
-    return sum(getattr(entry, "warmup_seconds", 0.0) for entry in engine.manager.entries.values())
+    return sum(getattr(entry, "warmup_seconds", 0.0) for entry in engine.graphs.entries.values())
 
 
 def _replay_vs_body(path, inputs, prefixes) -> float:
@@ -262,7 +262,7 @@ def _replay_vs_body(path, inputs, prefixes) -> float:
     worst = 0.0
     for branch in inputs.branches:
         prefix = prefixes[branch.name]
-        replayed = path.engine.decode(prefix, inputs.latents, inputs.timestep, "graph").output
+        replayed = path.engine.decode_step(prefix, inputs.latents, inputs.timestep, "graph").output
         body = body_as_captured(path.engine, prefix)  # on torch 2.13+ without a cuBLAS workspace, as captured
         worst = max(worst, (body - replayed).abs().max().item())
     return worst

@@ -192,7 +192,7 @@ def main() -> dict:
     in_flight = env.pack.nodes.in_flight
     engine = handle.engine
     out["after"] = {"runs": in_flight.runs(), "busy": in_flight.is_busy(engine),
-                    "owned_entries": sum(engine.manager.owners.alive(k) for k in engine.manager.entries),
+                    "owned_entries": sum(engine.graphs.owners.alive(k) for k in engine.graphs.entries),
                     "stats": engine.stats.snapshot()}
     return out
 

@@ -53,7 +53,7 @@ def test_cached_decode_equals_full_forward_every_step(tiny_models, generator, re
                 hidden = latents if cond_tokens is None else torch.cat([cond_tokens, latents], 1)
                 pred, prefix = engine.prefill(layout, hidden, embeds.embeds, timestep)
             else:
-                pred = engine.decode(prefix, latents, timestep, mode="eager").output
+                pred = engine.decode_step(prefix, latents, timestep, mode="eager").output
             assert (pred - full).abs().max().item() <= ATOL, f"step {i + 1}"
             latents = euler_step(latents, pred, sigmas[i], sigmas[i + 1])
     assert prefix.layout.prefix_len == layout.prefix_len
@@ -72,9 +72,9 @@ def test_wrong_prefix_would_be_detected(tiny_models, generator):
     with torch.no_grad():
         full = _full_forward(transformer, a.embeds, a.image_mask, None, latents, t, img_shapes)
         _, prefix = engine.prefill(layout, latents, a.embeds, t)
-        right = engine.decode(prefix, latents, t, mode="eager").output
+        right = engine.decode_step(prefix, latents, t, mode="eager").output
         prefix.v[:] = [v * 2 for v in prefix.v]
-        wrong = engine.decode(prefix, latents, t, mode="eager").output
+        wrong = engine.decode_step(prefix, latents, t, mode="eager").output
     assert (right - full).abs().max().item() <= ATOL
     assert (wrong - full).abs().max().item() > 10 * ATOL
 
@@ -103,7 +103,7 @@ def test_prefix_only_prefill_gives_the_same_cache(tiny_models, generator, refere
     with torch.no_grad():
         joint_pred, joint = engine.prefill(layout, hidden, embeds.embeds, t, text_mask=text_mask)
         none, alone = engine.prefill(layout, hidden, embeds.embeds, t, text_mask=text_mask, with_target=False)
-        decoded = engine.decode(alone, latents, t, mode="eager").output
+        decoded = engine.decode_step(alone, latents, t, mode="eager").output
     assert none is None
     for a, b in zip(joint.k + joint.v, alone.k + alone.v):
         assert (a - b).abs().max().item() <= ATOL

@@ -212,7 +212,7 @@ def test_the_run_releases_its_prefixes_and_frees_their_graph_entries(tiny_models
         fn(x, s, positive, run=second, roles=[0])
         assert second.counts.eager == {"graph entry owned by another live request": 1}
     first.release()
-    assert first.released and engine.manager.owners.alive(next(iter(engine.manager.entries))) is False
+    assert first.released and engine.graphs.owners.alive(next(iter(engine.graphs.entries))) is False
     with SamplingRun(engine) as third:
         fn(x, s, positive, run=third, roles=[0])
         assert third.counts.paths == {"replay": 1}

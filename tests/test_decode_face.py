@@ -2,7 +2,10 @@
 eligibility itself), and the sampler's reporter. The recording capture backend of tests/test_graph_manager.py runs
 the graph policy for real without CUDA."""
 
+import ast
 import gc
+import threading
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -10,7 +13,7 @@ import torch
 import graph_runtime.decode as decode
 from graph_runtime.decode import DecodeEngine, TokenLayout
 from graph_runtime.decode import eligibility as why
-from graph_runtime.decode.ownership import EntryOwners
+from graph_runtime.decode.graphs import EntryOwners
 from graph_runtime.decode.prefill import OwnerToken
 from graph_runtime.sampling.reporter import SampleReporter
 from graph_runtime.sampling.sampler import SamplingRequest, initial_noise, pack, sample
@@ -35,7 +38,7 @@ def _captured_prefix(engine, generator):
     latents = pack(initial_noise(0, 1, 64, 8, 8, torch.float32))
     with torch.no_grad():
         _, prefix = engine.prefill(layout, latents, embeds.embeds, torch.full((1,), 0.8), with_target=False)
-    assert engine.decode(prefix, latents, T).path == "capture"
+    assert engine.decode_step(prefix, latents, T).path == "capture"
     return prefix, latents
 
 
@@ -47,6 +50,79 @@ def test_the_package_exports_the_engine_face():
     assert set(decode.__all__) >= {"DecodeEngine", "DecodeOutcome", "PrefixCache", "TokenLayout", "DECODE_MODES"}
     assert all(hasattr(decode, name) for name in decode.__all__)
     assert decode.DECODE_MODES == ("auto", "graph", "eager")
+
+
+def _decode_imports() -> dict[str, set[str]]:
+    """Each module of graph_runtime/decode and the modules of the package it imports (at the top or in a function)."""
+    folder = Path(decode.__file__).parent
+    graph = {}
+    for path in folder.glob("*.py"):
+        found = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level == 1:
+                found |= {node.module.split(".")[0]} if node.module else {alias.name for alias in node.names}
+        graph[path.stem] = found - {path.stem}
+    return graph
+
+
+def test_the_decode_package_has_no_import_cycle_and_nothing_imports_the_face():
+    """Inside graph_runtime/decode every import runs one way (no cycle, at the top or inside a function), and only
+    the package's `__init__` imports `engine`: the face sits on top of the mechanics, never below them."""
+    graph = _decode_imports()
+    assert {name for name, imports in graph.items() if "engine" in imports} == {"__init__"}
+    done, on_path = set(), []
+
+    def visit(name):
+        assert name not in on_path, f"import cycle in graph_runtime/decode: {' -> '.join(on_path + [name])}"
+        if name in done:
+            return
+        on_path.append(name)
+        for imported in sorted(graph.get(name, ())):
+            visit(imported)
+        on_path.pop()
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name)
+
+
+class _WatchedLock:
+    """The graphs' lock, counting how deep the current thread holds it."""
+
+    def __init__(self):
+        self._lock, self.depth = threading.RLock(), 0
+
+    def __enter__(self):
+        self._lock.__enter__()
+        self.depth += 1
+
+    def __exit__(self, *exc):
+        self.depth -= 1
+        return self._lock.__exit__(*exc)
+
+
+def test_every_capture_and_replay_runs_under_the_graphs_lock_taken_by_the_graphs(tiny_models, generator):
+    """Replays of one memory pool must be serialized: every capture and replay (decode step and prefix pass) runs
+    under `DecodeGraphs.lock`, and the engine's face takes it for its callers (no caller holds it here)."""
+    lock = _WatchedLock()
+    seen = []
+
+    class LockCheckingBackend(RecordingBackend):
+        def capture(self, entry, body):
+            seen.append(("capture", lock.depth))
+            super().capture(entry, body)
+
+        def replay(self, entry):
+            seen.append(("replay", lock.depth))
+            return super().replay(entry)
+
+    engine = DecodeEngine(tiny_models.transformer, backend=LockCheckingBackend())
+    engine.graphs.lock = lock
+    prefix, latents = _captured_prefix(engine, generator)
+    assert engine.decode_step(prefix, latents, T).path == "replay"
+    assert engine.stats.prefill_captures == 1 and engine.stats.replays == 2
+    assert len(seen) == 5 and all(depth >= 1 for _, depth in seen)  # prefix capture + replay, step capture + 2
+    assert lock.depth == 0
 
 
 # -- ownership ---------------------------------------------------------------------------------------------------
@@ -101,10 +177,10 @@ def test_a_lora_wrapped_model_gets_a_drop_verdict_and_the_engine_not_the_guard_d
     transformer.transformer_blocks[0].attn.to_q.lora_A = torch.nn.ModuleDict()  # what a LoRA wrapper exposes
     verdict = engine.guard.check(prefix.k[0].dtype, prefix.key_valid)
     assert (verdict.reason, verdict.drop_graphs) == (why.LORA, True)
-    assert len(engine.manager.entries) == 1  # judging changed nothing in the manager
-    outcome = engine.decode(prefix, latents, T)
+    assert len(engine.graphs.entries) == 1  # judging changed nothing in the manager
+    outcome = engine.decode_step(prefix, latents, T)
     assert (outcome.path, outcome.reason) == ("eager", why.LORA)
-    assert not engine.manager.entries and engine.stats.eager_steps[why.LORA] == 1
+    assert not engine.graphs.entries and engine.stats.eager_steps[why.LORA] == 1
 
 
 def test_moved_weights_are_not_a_drop_verdict_the_replay_drops_the_stale_graph(tiny_models, generator):
@@ -118,9 +194,9 @@ def test_moved_weights_are_not_a_drop_verdict_the_replay_drops_the_stale_graph(t
     weight.data = weight.data.clone()
     verdict = engine.guard.check(prefix.k[0].dtype, prefix.key_valid)
     assert verdict.ok and not verdict.drop_graphs and verdict.fingerprint != before
-    assert len(engine.manager.entries) == 1
-    assert engine.decode(prefix, latents, T).reason == why.WEIGHTS_MOVED and not engine.manager.entries
-    assert engine.decode(prefix, latents, T).path == "capture"
+    assert len(engine.graphs.entries) == 1
+    assert engine.decode_step(prefix, latents, T).reason == why.WEIGHTS_MOVED and not engine.graphs.entries
+    assert engine.decode_step(prefix, latents, T).path == "capture"
 
 
 # -- the sampler's reporter --------------------------------------------------------------------------------------

@@ -13,10 +13,9 @@ import torch
 
 from graph_runtime.decode import DecodeEngine, TokenLayout
 from graph_runtime.decode import eligibility as why
-from graph_runtime.decode.graph_entry import DecodeGraphEntry, FailedEntry
-from graph_runtime.decode.graph_manager import make_key
+from graph_runtime.decode.capture import DecodeGraphEntry, PrefixGraph
+from graph_runtime.decode.graphs import FailedEntry, make_key
 from graph_runtime.decode.prefill import run_prefill
-from graph_runtime.decode.prefix_pass import PrefixGraph
 from graph_runtime.sampling.sampler import initial_noise, pack
 
 
@@ -61,28 +60,28 @@ def _request(generator, prompt, shapes=((1, 8, 8),), seed=0, engine=None, branch
 
 
 def _eager(engine, prefix, latents, t):
-    return engine.decode(prefix, latents, t, mode="eager").output
+    return engine.decode_step(prefix, latents, t, mode="eager").output
 
 
 def test_replay_on_static_buffers_equals_eager_decode(engine, generator):
     """The static [prefix | target] K/V path gives the eager concatenating path's output exactly (CPU fp32)."""
     prefix, latents = _request(generator, "a red cube", engine=engine)
     t = torch.full((1,), 0.6)
-    first = engine.decode(prefix, latents, t)
-    second = engine.decode(prefix, latents * 0.5, t)
+    first = engine.decode_step(prefix, latents, t)
+    second = engine.decode_step(prefix, latents * 0.5, t)
     assert (first.path, second.path) == ("capture", "replay")
     assert torch.equal(first.output, _eager(engine, prefix, latents, t))
     assert torch.equal(second.output, _eager(engine, prefix, latents * 0.5, t))
-    assert engine.manager.stats.captures == 1 and engine.manager.stats.replays == 2
+    assert engine.graphs.stats.captures == 1 and engine.graphs.stats.replays == 2
 
 
 def test_claimed_prefill_writes_into_static_buffers(engine, generator):
     """A request that claims its entry at prefill keeps a single copy of its prefix: views of the static buffers."""
     prefix, latents = _request(generator, "a red cube", engine=engine)
-    entry = next(iter(engine.manager.entries.values()))
+    entry = next(iter(engine.graphs.entries.values()))
     assert prefix.k[0].data_ptr() == entry.inputs.k[0].data_ptr()
     assert prefix.k[0].shape[1] == prefix.layout.prefix_len < entry.inputs.k[0].shape[1]
-    engine.decode(prefix, latents, torch.full((1,), 0.6))
+    engine.decode_step(prefix, latents, torch.full((1,), 0.6))
     assert entry.refresh_prefix(prefix) is False
 
 
@@ -92,7 +91,7 @@ def test_unclaimed_prefix_is_copied_once_when_it_changes(engine, generator):
     makes the next step copy again."""
     owner, latents = _request(generator, "a red cube", engine=engine)
     other, _ = _request(generator, "a red cube", engine=engine, seed=1)
-    entry = next(iter(engine.manager.entries.values()))
+    entry = next(iter(engine.graphs.entries.values()))
     assert other.k[0].data_ptr() != entry.inputs.k[0].data_ptr()  # refused at prefill: its own tensors
     owner.release()
     gc.collect()
@@ -114,10 +113,10 @@ def test_equal_token_counts_with_different_layouts_get_separate_entries(engine, 
     a, la = _request(generator, "a red cube", shapes=((1, 8, 8),), engine=engine)
     b, lb = _request(generator, "a red cube", shapes=((1, 4, 16),), engine=engine)
     t = torch.full((1,), 0.6)
-    out_a = engine.decode(a, la, t)
-    out_b = engine.decode(b, lb, t)
+    out_a = engine.decode_step(a, la, t)
+    out_b = engine.decode_step(b, lb, t)
     assert out_a.path == out_b.path == "capture"
-    assert len(engine.manager.entries) == 2
+    assert len(engine.graphs.entries) == 2
     assert torch.equal(out_b.output, _eager(engine, b, lb, t))
 
 
@@ -127,16 +126,16 @@ def test_lru_eviction_bounds_entries(engine, generator):
     keys = []
     for shape in ((1, 8, 8), (1, 4, 16), (1, 16, 4)):
         prefix, latents = _request(generator, "a cat", shapes=(shape,), engine=engine)
-        engine.decode(prefix, latents, t)
+        engine.decode_step(prefix, latents, t)
         keys.append(_key(engine, prefix, latents))
-    assert list(engine.manager.entries) == keys[1:]
-    assert engine.manager.stats.evictions == 1
+    assert list(engine.graphs.entries) == keys[1:]
+    assert engine.graphs.stats.evictions == 1
 
 
 def test_idle_entries_make_room_when_the_card_is_short(tiny_models, generator):
     """A new entry that would leave less than MEMORY_HEADROOM free evicts idle entries (LRU first), never the
     entry of a request still generating; with room to spare nothing is evicted."""
-    import graph_runtime.decode.graph_manager as gm
+    import graph_runtime.decode.graphs as gm
 
     backend = RecordingBackend()
     engine = DecodeEngine(tiny_models.transformer, max_entries=4, backend=backend)
@@ -145,23 +144,23 @@ def test_idle_entries_make_room_when_the_card_is_short(tiny_models, generator):
     live, live_latents = _request(generator, "a cat", shapes=((1, 8, 8),), engine=engine)
     idle, idle_latents = _request(generator, "a cat", shapes=((1, 4, 16),), engine=engine)
     for prefix, latents in ((live, live_latents), (idle, idle_latents)):
-        engine.decode(prefix, latents, t)
+        engine.decode_step(prefix, latents, t)
     live_key, idle_key = _key(engine, live, live_latents), _key(engine, idle, idle_latents)
     idle.release()
     del idle
     gc.collect()
     third, third_latents = _request(generator, "a cat", shapes=((1, 16, 4),), engine=engine)
-    assert len(engine.manager.entries) == 3 and engine.manager.stats.evictions == 0
+    assert len(engine.graphs.entries) == 3 and engine.graphs.stats.evictions == 0
 
     backend.free_bytes = lambda device: 0  # the card is full: only idle entries may go
     third.release()
     del third
     gc.collect()
     fourth, fourth_latents = _request(generator, "a dog", shapes=((1, 2, 32),), engine=engine)
-    assert idle_key not in engine.manager.entries and live_key in engine.manager.entries
-    assert engine.manager.stats.evictions == 2  # the idle 4x16 and 16x4 entries, not the live 8x8 one
-    assert torch.equal(engine.decode(live, live_latents, t).output, _eager(engine, live, live_latents, t))
-    assert engine.decode(fourth, fourth_latents, t).path == "capture"
+    assert idle_key not in engine.graphs.entries and live_key in engine.graphs.entries
+    assert engine.graphs.stats.evictions == 2  # the idle 4x16 and 16x4 entries, not the live 8x8 one
+    assert torch.equal(engine.decode_step(live, live_latents, t).output, _eager(engine, live, live_latents, t))
+    assert engine.decode_step(fourth, fourth_latents, t).path == "capture"
 
 
 def test_second_live_request_is_refused_until_owner_released(engine, generator):
@@ -169,17 +168,17 @@ def test_second_live_request_is_refused_until_owner_released(engine, generator):
     t = torch.full((1,), 0.6)
     owner, latents = _request(generator, "a red cube", engine=engine)
     other, latents_b = _request(generator, "a red cube", engine=engine, seed=3)
-    assert engine.decode(owner, latents, t).path == "capture"
-    refused = engine.decode(other, latents_b, t)
+    assert engine.decode_step(owner, latents, t).path == "capture"
+    refused = engine.decode_step(other, latents_b, t)
     assert (refused.path, refused.reason) == ("eager", why.OWNED)
     assert torch.equal(refused.output, _eager(engine, other, latents_b, t))
     # The owner keeps replaying with its own prefix, untouched by the refused request.
-    assert torch.equal(engine.decode(owner, latents, t).output, _eager(engine, owner, latents, t))
+    assert torch.equal(engine.decode_step(owner, latents, t).output, _eager(engine, owner, latents, t))
     owner.release()
     gc.collect()
-    adopted = engine.decode(other, latents_b, t)
+    adopted = engine.decode_step(other, latents_b, t)
     assert adopted.path == "replay" and torch.equal(adopted.output, _eager(engine, other, latents_b, t))
-    assert engine.manager.stats.eager_steps[why.OWNED] == 1
+    assert engine.graphs.stats.eager_steps[why.OWNED] == 1
 
 
 def test_capture_failure_leaves_a_marker_and_stays_eager(tiny_models, generator, caplog):
@@ -189,14 +188,14 @@ def test_capture_failure_leaves_a_marker_and_stays_eager(tiny_models, generator,
     prefix, latents = _request(generator, "a red cube", engine=engine)
     t = torch.full((1,), 0.6)
     with caplog.at_level(logging.INFO, logger="kvgraph"):
-        first = engine.decode(prefix, latents, t)
-        second = engine.decode(prefix, latents, t)
+        first = engine.decode_step(prefix, latents, t)
+        second = engine.decode_step(prefix, latents, t)
     assert first.reason == second.reason == why.CAPTURE_FAILED
     assert torch.equal(first.output, _eager(engine, prefix, latents, t))
     assert backend.capture_calls == 1
-    assert isinstance(next(iter(engine.manager.entries.values())), FailedEntry)
+    assert isinstance(next(iter(engine.graphs.entries.values())), FailedEntry)
     assert sum(why.CAPTURE_FAILED in r.message for r in caplog.records) == 2  # the failure + one fallback line
-    assert engine.manager.stats.eager_steps[why.CAPTURE_FAILED] == 2
+    assert engine.graphs.stats.eager_steps[why.CAPTURE_FAILED] == 2
 
 
 def test_allocation_failure_leaves_a_marker(tiny_models, generator, monkeypatch):
@@ -209,7 +208,7 @@ def test_allocation_failure_leaves_a_marker(tiny_models, generator, monkeypatch)
     monkeypatch.setattr(DecodeGraphEntry, "__init__", oom)
     prefix, latents = _request(generator, "a red cube", engine=engine)
     t = torch.full((1,), 0.6)
-    out = engine.decode(prefix, latents, t)
+    out = engine.decode_step(prefix, latents, t)
     assert out.reason == why.ALLOCATION_FAILED
     assert torch.equal(out.output, _eager(engine, prefix, latents, t))
     assert engine.status()["entries"][0]["state"] == "failed"
@@ -225,10 +224,10 @@ def test_lora_wrappers_drop_entries_and_force_eager(tiny_models, generator):
     engine = DecodeEngine(transformer, backend=RecordingBackend())
     prefix, latents = _request(generator, "a red cube", engine=engine)
     t = torch.full((1,), 0.6)
-    assert engine.decode(prefix, latents, t).path == "capture"
+    assert engine.decode_step(prefix, latents, t).path == "capture"
     transformer.transformer_blocks[0].attn.to_q.lora_A = torch.nn.ModuleDict()  # what a LoRA wrapper exposes
-    out = engine.decode(prefix, latents, t)
-    assert out.reason == why.LORA and not engine.manager.entries
+    out = engine.decode_step(prefix, latents, t)
+    assert out.reason == why.LORA and not engine.graphs.entries
 
 
 def test_padded_text_mask_stays_eager(engine, generator):
@@ -241,8 +240,8 @@ def test_padded_text_mask_stays_eager(engine, generator):
     t = torch.full((1,), 0.6)
     with torch.no_grad():
         _, prefix = engine.prefill(layout, latents, embeds.embeds, t, text_mask=mask)
-    out = engine.decode(prefix, latents, t)
-    assert out.reason == why.PADDED_TEXT and not engine.manager.entries
+    out = engine.decode_step(prefix, latents, t)
+    assert out.reason == why.PADDED_TEXT and not engine.graphs.entries
     unmasked = generator.encoder.encode("a red cube")
     with torch.no_grad():
         _, plain = engine.prefill(layout, latents, unmasked.embeds, t)
@@ -253,9 +252,9 @@ def test_statistics_and_status(engine, generator):
     """Statistics count captures, replays and eager steps by reason; status reports bytes and owners."""
     prefix, latents = _request(generator, "a red cube", engine=engine)
     t = torch.full((1,), 0.6)
-    engine.decode(prefix, latents, t)
-    engine.decode(prefix, latents, t)
-    engine.decode(prefix, latents, t, mode="eager")
+    engine.decode_step(prefix, latents, t)
+    engine.decode_step(prefix, latents, t)
+    engine.decode_step(prefix, latents, t, mode="eager")
     status = engine.status()
     assert (status["captures"], status["replays"]) == (1, 2)
     assert status["eager_steps"] == {why.MODE_EAGER: 1}
@@ -272,14 +271,14 @@ def test_cpu_only_machine_reports_no_cuda(tiny_models, generator):
         pytest.skip("this machine has CUDA; the GPU tests cover the real backend")
     engine = DecodeEngine(tiny_models.transformer)
     prefix, latents = _request(generator, "a red cube", engine=engine)
-    out = engine.decode(prefix, latents, torch.full((1,), 0.6))
-    assert out.reason == why.NO_CUDA and engine.manager.stats.eager_steps[why.NO_CUDA] == 1
+    out = engine.decode_step(prefix, latents, torch.full((1,), 0.6))
+    assert out.reason == why.NO_CUDA and engine.graphs.stats.eager_steps[why.NO_CUDA] == 1
 
 
 def test_unknown_decode_mode_is_rejected(engine, generator):
     prefix, latents = _request(generator, "a red cube", engine=engine)
     with pytest.raises(ValueError, match="decode mode 'fast' is invalid"):
-        engine.decode(prefix, latents, torch.full((1,), 0.6), mode="fast")
+        engine.decode_step(prefix, latents, torch.full((1,), 0.6), mode="fast")
 
 
 
@@ -306,7 +305,7 @@ def test_prefix_pass_is_captured_once_and_replayed_by_the_next_prompt(engine, ge
     """The first prefix-only prefill of a key captures its prefix pass into the entry; the next prompt with the key
     replays it with its own text. Both leave exactly an eager prefix pass's K/V (CPU fp32, the same code)."""
     first, eager_first = _prefix_only(generator, engine)
-    stats = engine.manager.stats
+    stats = engine.graphs.stats
     assert (stats.prefill_captures, stats.prefill_replays) == (1, 1)
     assert _same_kv(first, eager_first)
     first.release()
@@ -314,7 +313,7 @@ def test_prefix_pass_is_captured_once_and_replayed_by_the_next_prompt(engine, ge
     second, eager_second = _prefix_only(generator, engine, text_scale=0.5)
     assert (stats.prefill_captures, stats.prefill_replays, dict(stats.eager_prefills)) == (1, 2, {})
     assert _same_kv(second, eager_second) and not _same_kv(second, eager_first)
-    entry = next(iter(engine.manager.entries.values()))
+    entry = next(iter(engine.graphs.entries.values()))
     assert entry.prefix_graph.replays == 2 and entry.nbytes > entry.prefix_graph.nbytes > 0
 
 
@@ -337,13 +336,13 @@ def test_prefix_pass_capture_failure_runs_eagerly_and_decode_still_replays(tiny_
         gc.collect()
         second, eager_second = _prefix_only(generator, engine, text_scale=0.5)
     assert _same_kv(first, eager_first) and _same_kv(second, eager_second)
-    stats = engine.manager.stats
+    stats = engine.graphs.stats
     assert (stats.prefill_captures, stats.prefill_replays) == (0, 0)
     assert dict(stats.eager_prefills) == {why.CAPTURE_FAILED: 2}
     assert backend.capture_calls == 1
     assert sum("prefix pass" in r.message for r in caplog.records) == 2  # the failure + one fallback line
     latents = pack(initial_noise(0, 1, 64, 8, 8, torch.float32))
-    assert engine.decode(second, latents, torch.full((1,), 0.6)).path == "capture"
+    assert engine.decode_step(second, latents, torch.full((1,), 0.6)).path == "capture"
 
 
 def test_prefix_pass_is_recaptured_when_the_weights_move(engine, generator):
@@ -355,8 +354,8 @@ def test_prefix_pass_is_recaptured_when_the_weights_move(engine, generator):
     weight = engine.transformer.transformer_blocks[0].attn.to_q.weight
     weight.data = weight.data.clone()  # same values, new address (what an offload and reload does)
     second, eager_second = _prefix_only(generator, engine, text_scale=0.5)
-    assert engine.manager.stats.prefill_captures == 2 and _same_kv(second, eager_second)
-    entry = next(iter(engine.manager.entries.values()))
+    assert engine.graphs.stats.prefill_captures == 2 and _same_kv(second, eager_second)
+    entry = next(iter(engine.graphs.entries.values()))
     assert entry.prefix_graph.weights_fingerprint == engine.guard.fingerprint()
 
 
@@ -388,13 +387,13 @@ def test_one_module_tree_scan_per_prompt(engine, generator, monkeypatch):
     monkeypatch.setattr(why.ModelScan, "__init__", lambda self, model: scans.append(1) or real(self, model))
     prefix, latents = _request(generator, "a red cube", engine=engine)
     for step in range(3):
-        assert engine.decode(prefix, latents, torch.full((1,), 0.6)).reason is None
+        assert engine.decode_step(prefix, latents, torch.full((1,), 0.6)).reason is None
     assert len(scans) == 1
     with torch.no_grad():
         block = engine.transformer.transformer_blocks[0]
         block.attn.to_q.weight = torch.nn.Parameter(block.attn.to_q.weight.clone(), requires_grad=False)
-    assert engine.decode(prefix, latents, torch.full((1,), 0.6)).reason == why.WEIGHTS_MOVED
-    assert engine.decode(prefix, latents, torch.full((1,), 0.6)).path == "capture"
+    assert engine.decode_step(prefix, latents, torch.full((1,), 0.6)).reason == why.WEIGHTS_MOVED
+    assert engine.decode_step(prefix, latents, torch.full((1,), 0.6)).path == "capture"
     assert len(scans) == 2
 
 
@@ -418,14 +417,14 @@ def test_an_unchanged_model_is_not_walked_again_at_the_next_prompt(tiny_models, 
     monkeypatch.setattr(why, "has_lora_wrappers", lambda modules: lora_scans.append(1) or real_lora(modules))
     for prompt in ("a red cube", "a blue cube"):
         prefix, latents = _request(generator, prompt, engine=engine)
-        assert engine.decode(prefix, latents, torch.full((1,), 0.6)).reason is None
+        assert engine.decode_step(prefix, latents, torch.full((1,), 0.6)).reason is None
         prefix.release()
         gc.collect()
-    assert (len(scans), len(lora_scans), engine.manager.backend.judged) == (1, 1, 2)
+    assert (len(scans), len(lora_scans), engine.graphs.backend.judged) == (1, 1, 2)
     handle = tiny_models.transformer.transformer_blocks[0].register_forward_hook(lambda *args: None)
     try:
         prefix, latents = _request(generator, "a green cube", engine=engine)
-        assert engine.decode(prefix, latents, torch.full((1,), 0.6)).reason == why.BLOCK_HOOKS
+        assert engine.decode_step(prefix, latents, torch.full((1,), 0.6)).reason == why.BLOCK_HOOKS
     finally:
         handle.remove()
     assert (len(scans), len(lora_scans)) == (1, 1)  # a hook is judged without walking the tree again
@@ -484,23 +483,23 @@ def test_a_lora_attribute_added_between_prompts_is_judged(tiny_models, generator
     transformer.load_state_dict(tiny_models.transformer.state_dict())
     engine = DecodeEngine(transformer, backend=RecordingBackend())
     prefix, latents = _request(generator, "a red cube", engine=engine)
-    assert engine.decode(prefix, latents, torch.full((1,), 0.6)).path == "capture"
+    assert engine.decode_step(prefix, latents, torch.full((1,), 0.6)).path == "capture"
     prefix.release()
     gc.collect()
     transformer.transformer_blocks[0].attn.lora_A = torch.zeros(1)
     prefix, latents = _request(generator, "a red cube", engine=engine)
-    assert engine.decode(prefix, latents, torch.full((1,), 0.6)).reason == why.LORA
+    assert engine.decode_step(prefix, latents, torch.full((1,), 0.6)).reason == why.LORA
 
 
 def test_long_prefix_runs_its_pass_eagerly(engine, generator, monkeypatch):
     """A prefix longer than SHORT_PREFIX_TOKENS keeps the GPU busy by itself: its pass runs eagerly (same K/V),
     counted under its own reason, and nothing is captured for it."""
-    from graph_runtime.decode import prefix_pass
+    from graph_runtime.decode import step as step_body
 
-    monkeypatch.setattr(prefix_pass, "SHORT_PREFIX_TOKENS", 4)
+    monkeypatch.setattr(step_body, "SHORT_PREFIX_TOKENS", 4)
     prefix, eager = _prefix_only(generator, engine)
-    stats = engine.manager.stats
+    stats = engine.graphs.stats
     assert _same_kv(prefix, eager)
     assert (stats.prefill_captures, stats.prefill_replays) == (0, 0)
     assert dict(stats.eager_prefills) == {why.LONG_PREFIX: 1}
-    assert next(iter(engine.manager.entries.values())).prefix_graph is None
+    assert next(iter(engine.graphs.entries.values())).prefix_graph is None

@@ -102,7 +102,7 @@ def test_libraries_false_sets_up_triton_alone(fresh, monkeypatch):
 
 def test_a_capture_waits_for_the_preload_before_anything_else(fresh, monkeypatch):
     """`CudaGraphBackend.capture` calls `wait_for_preload` first (checked without a GPU by stopping at that call)."""
-    from graph_runtime.decode import graph_entry
+    from graph_runtime.decode import capture
 
     class Stop(Exception):
         pass
@@ -110,8 +110,8 @@ def test_a_capture_waits_for_the_preload_before_anything_else(fresh, monkeypatch
     def stop():
         raise Stop
 
-    monkeypatch.setattr(graph_entry, "wait_for_preload", stop)
-    backend = graph_entry.CudaGraphBackend()
+    monkeypatch.setattr(capture, "wait_for_preload", stop)
+    backend = capture.CudaGraphBackend()
     backend.capture_without_blas_workspace = False
     with pytest.raises(Stop):
         backend.capture(entry=None, body=None)

@@ -285,7 +285,7 @@ _FORCED_KERNELS_SCRIPT = textwrap.dedent("""
         pred, joint = DecodeEngine(transformer).prefill(layout, hidden, text, t)
         engine = DecodeEngine(transformer, backend=RecordingBackend())
         _, alone = engine.prefill(layout, hidden, text, t, with_target=False)
-        out = engine.decode(alone, latents, t)
+        out = engine.decode_step(alone, latents, t)
     assert out.path == "capture" and {"qk", "norm", "residual", "silu_mul"} <= set(calls)
     for a, b in zip(alone.k + alone.v, joint.k + joint.v):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=0)

@@ -99,26 +99,26 @@ def test_guards_accept_an_in_place_merge_and_refuse_moved_or_wrapped_weights(mod
     engine = DecodeEngine(model, backend=RecordingBackend())
     prefix, latents = _request(generator, "a red cube", engine=engine)
     t = torch.full((1,), 0.6)
-    assert engine.decode(prefix, latents, t).path == "capture"
+    assert engine.decode_step(prefix, latents, t).path == "capture"
     scan = engine.guard.scan
     fingerprint = scan.fingerprint()
-    before = engine.decode(prefix, latents, t).output
+    before = engine.decode_step(prefix, latents, t).output
     merge_state(model).apply([LoraChoice(loras["a"][0], 1.0)])
     assert not scan.changed() and scan.fingerprint() == fingerprint and not why.has_lora_wrappers(model.modules())
-    merged = engine.decode(prefix, latents, t)
+    merged = engine.decode_step(prefix, latents, t)
     assert merged.path == "replay" and not torch.equal(merged.output, before)
     assert torch.equal(merged.output, _eager(engine, prefix, latents, t))
 
     attn = model.transformer_blocks[0].attn
     attn.to_q.weight = torch.nn.Parameter(attn.to_q.weight.detach() + 0.01, requires_grad=False)  # a new tensor
     assert scan.changed()
-    moved = engine.decode(prefix, latents, t)
+    moved = engine.decode_step(prefix, latents, t)
     assert moved.reason == why.WEIGHTS_MOVED and torch.equal(moved.output, _eager(engine, prefix, latents, t))
-    assert engine.decode(prefix, latents, t).path == "capture"  # captured again against the new addresses
+    assert engine.decode_step(prefix, latents, t).path == "capture"  # captured again against the new addresses
 
     attn.to_k.lora_A = torch.nn.ModuleDict()  # what a dynamic LoRA wrapper hangs on a Linear
-    wrapped = engine.decode(prefix, latents, t)
-    assert wrapped.reason == why.LORA and not engine.manager.entries
+    wrapped = engine.decode_step(prefix, latents, t)
+    assert wrapped.reason == why.LORA and not engine.graphs.entries
 
 
 def test_a_run_never_sees_the_weights_change(model, loras):

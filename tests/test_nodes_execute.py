@@ -356,7 +356,7 @@ def test_release_waits_for_a_running_sampler(comfy_env, models, monkeypatch):
     monkeypatch.setattr(engine, "release", lambda: released.append(1) or {"entries": 0})
     with nodes.in_flight.sampling(engine, "p", "1", 10):
         result = nodes.status.release()
-        assert {"model": engine.manager.name, "result": "deferred"}.items() <= next(
+        assert {"model": engine.graphs.name, "result": "deferred"}.items() <= next(
             g for g in result["graphs"] if g["engine_id"] == f"{id(engine):x}").items()
         assert released == []
     assert released == [1]

@@ -74,7 +74,7 @@ def test_refusal_names_the_setting_and_the_next_fitting_request_runs(comfy_env, 
     beyond_free = small["available_bytes"] - DEFAULT_FREE
     free_memory(small["total_bytes"] - beyond_free + (1 << 20))  # room for this request and 1 MiB more
 
-    loads, entries = len(comfy_env.fake.load_calls), dict(transformer.engine.manager.entries)
+    loads, entries = len(comfy_env.fake.load_calls), dict(transformer.engine.graphs.entries)
     big = {"samples": torch.zeros(1, 64, 64, 64)}  # 1024x1024
     from_pack = sys.modules[f"{comfy_env.pack.__name__}.graph_runtime.budget"]
     with pytest.raises(from_pack.MemoryBudgetError) as info:
@@ -83,7 +83,7 @@ def test_refusal_names_the_setting_and_the_next_fitting_request_runs(comfy_env, 
     assert "width x height at most" in message and "(fits)" in message and "Nothing was allocated" in message
     assert "of models ComfyUI can unload" in message
     # Refused before anything was loaded or allocated.
-    assert len(comfy_env.fake.load_calls) == loads and dict(transformer.engine.manager.entries) == entries
+    assert len(comfy_env.fake.load_calls) == loads and dict(transformer.engine.graphs.entries) == entries
 
     out = sample(comfy_env, transformer, positive, latent)  # the fitting request, with the same free memory
     assert out["samples"].shape == (1, 64, 6, 8) and torch.isfinite(out["samples"]).all()

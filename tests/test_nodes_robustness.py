@@ -426,7 +426,7 @@ def test_a_release_mid_prompt_waits_for_the_models_the_prompt_is_using(monkeypat
         reference = sampled(**inputs).args[0]["samples"]
         offloads.clear()
         engine = transformer.engine
-        monkeypatch.setattr(engine, "decode", release_during("transformer", engine.decode))
+        monkeypatch.setattr(engine, "decode_step", release_during("transformer", engine.decode_step))
         again = sampled(**inputs).args[0]["samples"]
         assert released["transformer"] == ({"transformer": False}, []) and offloads == ["transformer"]
         assert torch.equal(again, reference)

@@ -115,7 +115,7 @@ def test_graph_path_per_rank_keys_buffers_and_reuse(tiny_models, generator):
         assert first.stats["captures"] == 1 and first.stats["replays"] == 3 and not first.stats["eager_steps"]
         assert second.stats["captures"] == 0 and second.stats["replays"] == 3
         assert _max_diff(first.latents, single) <= ATOL and torch.equal(first.latents, second.latents)
-        (key, entry), = engine.local.manager.entries.items()
+        (key, entry), = engine.local.graphs.entries.items()
         assert dict(key.parallel) == {"world": 2, "rank": rank, "cfg_groups": 1, "sp": 2, "sp_rank": rank}
         assert entry.inputs.k[0].shape[2] == heads // 2
 

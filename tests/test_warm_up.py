@@ -19,7 +19,7 @@ def _prompt(generator, engine, prompt):
     t = torch.full((1,), 0.8)
     with torch.no_grad():
         _, prefix = engine.prefill(layout, latents, embeds.embeds, t, with_target=False)
-        outcome = engine.decode(prefix, latents, t)
+        outcome = engine.decode_step(prefix, latents, t)
     prefix.release()
     return embeds.embeds.shape[1], outcome
 
@@ -28,8 +28,8 @@ def test_uncaptured_warm_up_keeps_no_entry_and_counts_nothing(tiny_models):
     engine = DecodeEngine(tiny_models.transformer, backend=RecordingBackend())
     done = engine.warm_up([(8, 8), (4, 16)], prompt_tokens=20)
     assert [(d["latent"], d["path"]) for d in done["sizes"]] == [([8, 8], "uncaptured"), ([4, 16], "uncaptured")]
-    stats = engine.manager.stats.snapshot()
-    assert not engine.manager.entries
+    stats = engine.graphs.stats.snapshot()
+    assert not engine.graphs.entries
     assert (stats["captures"], stats["replays"], stats["prefill_captures"], stats["eager_total"]) == (0, 0, 0, 0)
 
 
@@ -38,12 +38,12 @@ def test_capturing_warm_up_makes_a_prompt_of_that_length_replay_only(tiny_models
     tokens, _ = _prompt(generator, DecodeEngine(tiny_models.transformer, backend=RecordingBackend()), "a red cube")
     done = engine.warm_up([(8, 8)], prompt_tokens=tokens, capture=True)
     assert done["sizes"][0]["path"] == "capture"
-    before = engine.manager.stats.snapshot()
+    before = engine.graphs.stats.snapshot()
     assert (before["captures"], before["prefill_captures"]) == (1, 1)
     _, outcome = _prompt(generator, engine, "a red cube")
-    after = engine.manager.stats.delta(before)
+    after = engine.graphs.stats.delta(before)
     assert outcome.path == "replay" and after["captures"] == 0 and after["prefill_captures"] == 0
-    assert after["prefill_replays"] == 1 and len(engine.manager.entries) == 1
+    assert after["prefill_replays"] == 1 and len(engine.graphs.entries) == 1
     _, other = _prompt(generator, engine, "a red cube on a table, photo")  # another length: its own capture
     assert other.path == "capture"
 

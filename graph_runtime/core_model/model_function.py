@@ -63,7 +63,7 @@ class ModelFunction:
             sigma = sigma.reshape(-1).to(device)
             timestep = sigma_timestep(sigma.expand(batch) if sigma.numel() == 1 else sigma, dtype)
             prefix = run.prefix(source, roles, (height, width), hidden, timestep)
-            outcome = self.engine.decode(prefix, hidden, timestep, run.mode)
+            outcome = self.engine.decode_step(prefix, hidden, timestep, run.mode)
             run.count(sigma, outcome.path, outcome.reason)
             # On the caller's device: where the weights are not on it (an eager step, counted), the step ran on theirs.
             return unpack(outcome.output, height, width).to(x.device)

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..decode import DecodeEngine, PrefixCache, TokenLayout
-from ..decode.outcome import check_mode
+from ..decode.engine import check_mode
 from ..errors import InputError
 from ..validation import check_finite, check_positions
 from .prefix_source import PrefixSource

@@ -1,14 +1,13 @@
-"""Prefill and graph-replayed decode for a loaded transformer. `DecodeEngine` is the package's one entry; the other
-names are the data it takes and returns (and the capture backend it can be given). docs/decode.md explains the
-pieces behind it."""
+"""Prefill and graph-replayed decode for a loaded transformer. `DecodeEngine` is the package's one entry
+(`prefill`, `decode_step`, `release`); the other names are the data it takes and returns (and the capture backend it
+can be given). docs/decode.md explains the pieces behind it."""
 
-from .engine import DecodeEngine
-from .graph_entry import CudaGraphBackend
+from .capture import CudaGraphBackend
+from .engine import DECODE_MODES, DecodeEngine, DecodeOutcome, check_mode
 from .layout import TOKENS_PER_SLOT, TokenLayout
-from .outcome import DECODE_MODES, DecodeOutcome
 from .prefill import PrefixCache
 from .stats import DecodeStats
 from .step import DecodeInputs
 
 __all__ = ["DECODE_MODES", "TOKENS_PER_SLOT", "CudaGraphBackend", "DecodeEngine", "DecodeInputs", "DecodeOutcome",
-           "DecodeStats", "PrefixCache", "TokenLayout"]
+           "DecodeStats", "PrefixCache", "TokenLayout", "check_mode"]

@@ -67,9 +67,8 @@ def request_reason(kv_dtype: torch.dtype, key_valid) -> str | None:
 class ModelScan:
     """One walk of the model's module tree, shared by the whole-model checks of a request start.
 
-    Each walk of the full module tree costs milliseconds of host time at every request start, and the checks of a
-    request start (weights' addresses, devices, LoRA wrappers) once took four, close to half of a short prompt's
-    prefill; they now read this one walk.
+    A walk of the full module tree is a noticeable share of a short prompt's host time, so the checks of a request
+    start (weights' addresses, devices, LoRA wrappers) read one walk instead of each taking its own.
     """
 
     def __init__(self, model: torch.nn.Module):
@@ -95,8 +94,8 @@ class ModelScan:
 
     def stale(self) -> bool:
         """Whether a request start must walk the module tree again: anything `changed` sees, or any module added,
-        removed, replaced, retyped or given a new attribute since the scan. On the full model and a 2-core host this
-        costs ~0.5 ms, where the walk and the LoRA scan it saves cost ~4 ms."""
+        removed, replaced, retyped or given a new attribute since the scan. Far cheaper than the walk and the LoRA
+        scan it saves (docs/performance.md)."""
         return self.changed() or self.tree.changed()
 
     @functools.cached_property
@@ -117,7 +116,7 @@ class StructureWatch:
         self._grandchildren = [child._modules for child in self._children]
 
     def changed(self) -> bool:
-        # map() and list comparison loop in C (modules compare by identity): a few microseconds for 32 blocks.
+        # map() and list comparison loop in C (modules compare by identity), cheap enough for every step.
         return list(map(dict.get, self._parents, self._names)) != self._children or any(self._grandchildren)
 
 
@@ -144,7 +143,7 @@ class TreeWatch:
         self._snapshot = self._take()
 
     def _take(self) -> tuple:
-        # Sizes, not names: comparing ~11k attribute names cost ~1 ms of host time, sizes a fifth of that. A name
+        # Sizes, not names: comparing every attribute name of the full model costs several times more. A name
         # removed and another added between two requests is the one change this misses, unless it swaps a child
         # module or a parameter, which the slots and `ModelScan.changed` compare by identity.
         modules = self._modules
@@ -181,8 +180,8 @@ def _peft_tuner_layer():
 
 
 def _has_member(module: torch.nn.Module, name: str) -> bool:
-    """`hasattr(module, name)` without its cost: a miss goes through `Module.__getattr__` and raises, which was
-    half the time of a LoRA scan of the full model. Looks where `hasattr` would find it: submodules, parameters,
+    """`hasattr(module, name)` without its cost: a miss goes through `Module.__getattr__` and raises, the bulk of a
+    LoRA scan of the full model. Looks where `hasattr` would find it: submodules, parameters,
     buffers, the instance and its class."""
     return (name in module._modules or name in module._parameters or name in module._buffers
             or name in module.__dict__ or hasattr(type(module), name))

@@ -1,36 +1,49 @@
-"""The decode package's one face: prefill and decode for one loaded transformer, with its graphs and statistics.
+"""The decode package's one face: `prefill`, `decode_step` and `release` for one loaded transformer.
 
-A request flows through it as prefill (claim an entry, run the prefix pass into its buffers, bind the prefix), then
-one `decode` per step (the model guard's verdict, then replay or an eager step with a counted, logged-once reason),
-then the prefix's `release()`. The engine wires the pieces together: the graph manager keeps the entries
-(`graph_manager.py`), `ownership.py` who owns each, `eligibility.py` judges the model, `prefix_pass.py` runs the
-prefix pass, `replay.py` replays a step, `step.py` is the step body. docs/decode.md draws the whole flow.
+A request runs `prefill` once (claim a graph entry, run the prefix pass into its buffers, bind the prefix), then
+`decode_step` for every step, then its prefix's `release()`. Each step's path reads top to bottom in
+`decode_step`: the mode, the model guard's verdict (`eligibility.py`), a replay from the request's graph entry
+(`graphs.py`, which owns the entries, their owners and the lock), and otherwise an eager step whose reason is
+counted and logged once. `step.py` is the body that runs (eagerly or captured); docs/decode.md draws the flow.
 
-The engine is attached to the transformer (see `registry.engine_for`), so the compiled blocks and the captured
-graphs survive from one generation to the next as long as the model stays loaded.
+The engine lives as long as the loaded model, so the compiled blocks and the captured graphs survive from one
+generation to the next.
 """
 
 from __future__ import annotations
 
 import logging
 import weakref
+from typing import NamedTuple
 
 import torch
 
 from . import eligibility as why
-from . import prefix_pass
+from . import step as step_body
+from .capture import CudaGraphBackend, EntrySpec
 from .eligibility import ModelGuard, Verdict
-from .graph_entry import CudaGraphBackend, DecodeGraphEntry, EntrySpec
-from .graph_manager import DecodeGraphManager, make_key
+from .graphs import DecodeGraphs, make_key
 from .layout import TokenLayout
-from .outcome import DecodeOutcome, check_mode
 from .prefill import OwnerToken, PrefixCache, run_prefill
-from .prefix_pass import PrefixPassRunner
-from .replay import StepReplayer
-from .stats import DecodeStats, LoggedOnce
-from .step import DecodeInputs, DecodeStep
+from .stats import DecodeStats
+from .step import DecodeInputs, DecodeStep, PrefixInputs
+from .warm_up import warm_up
 
 logger = logging.getLogger("kvgraph")
+
+DECODE_MODES = ("auto", "graph", "eager")
+
+
+class DecodeOutcome(NamedTuple):
+    output: torch.Tensor
+    path: str  # "replay", "capture" (captured then replayed) or "eager"
+    reason: str | None  # why eager, else None
+
+
+def check_mode(mode: str) -> str:
+    if mode not in DECODE_MODES:
+        raise ValueError(f"decode mode {mode!r} is invalid: expected one of {', '.join(DECODE_MODES)}")
+    return mode
 
 
 class DecodeEngine:
@@ -43,14 +56,10 @@ class DecodeEngine:
         self._transformer = weakref.ref(transformer)
         backend = backend if backend is not None else CudaGraphBackend()
         self.stats = DecodeStats()
-        self.manager = DecodeGraphManager(type(transformer).__name__, backend, self.stats, max_entries)
+        self.graphs = DecodeGraphs(type(transformer).__name__, backend, self.stats, max_entries)
         self.guard = ModelGuard(transformer, backend)
         self.step = step if step is not None else DecodeStep(transformer, kernels=kernels)
         self.compiles = 0
-        self._logged = LoggedOnce()
-        self._prefix_pass = PrefixPassRunner(self.step.run_prefix, backend, self.guard, self.stats, self._logged,
-                                             self.manager.lock)
-        self._replayer = StepReplayer(transformer, self.manager, self.stats)
 
     @property
     def transformer(self):
@@ -59,7 +68,7 @@ class DecodeEngine:
     @property
     def name(self) -> str:
         """The model's class name, as status reports it."""
-        return self.manager.name
+        return self.graphs.name
 
     @property
     def compiled(self) -> bool:
@@ -88,95 +97,94 @@ class DecodeEngine:
 
     # -- prefill ---------------------------------------------------------------------------------------------------
 
+    @torch.no_grad()
     def prefill(self, layout: TokenLayout, latents, encoder_hidden_states, timestep, text_mask=None,
                 branch="cond", mode="auto", with_target=True) -> tuple[torch.Tensor | None, PrefixCache]:
         """Step 1. When this request can own a graph entry, the prefix goes straight into its static buffers.
 
         `with_target=False` (what the sampler does) runs only the prefix rows and returns no prediction; the caller
-        then predicts step 1 with `decode`, like every later step, so step 1 replays the graph too: at 1024x1024
-        that is a 128-token forward plus one graph step instead of a 4224-token eager forward, for the same math.
+        then predicts step 1 with `decode_step`, like every later step, so step 1 replays the graph too: a
+        prefix-only forward plus one graph step instead of an eager forward over the whole joint sequence, for the
+        same math.
         """
         token = OwnerToken()
         entry = self._claim(token, branch, layout, latents.shape[0], layout.joint_key_valid(text_mask), mode)
         static_kv = None if entry is None else (entry.inputs.k, entry.inputs.v)
-        # The prefix pass of a claimed entry is captured once and replayed by later prompts with this key.
-        runner = self.step.run_prefix if entry is None else (lambda inputs: self._prefix_pass.run(entry, inputs))
+        runner = self.step.run_prefix if entry is None else (lambda inputs: self._prefix_pass(entry, inputs))
         out, prefix = run_prefill(self.transformer, layout, latents, encoder_hidden_states, timestep, text_mask,
                                   branch, static_kv=static_kv, with_target=with_target, prefix_runner=runner,
                                   kv_heads=self.step.kv_heads)
         prefix.owner = token
         if entry is not None:
-            self._bind(entry, prefix)
+            self.graphs.bind(entry, prefix)
         return out, prefix
 
-    @torch.no_grad()
-    def _claim(self, token: OwnerToken, branch: str, layout, batch: int, key_valid,
-               mode: str) -> DecodeGraphEntry | None:
-        """Reserve the entry for this request's key, so its prefill can write the prefix into the static buffers.
-
-        Returns None when the request will not replay (ineligible, owned by another live request, failed key);
-        its decode steps then say why.
-        """
+    def _claim(self, token: OwnerToken, branch: str, layout, batch: int, key_valid, mode: str):
+        """The graph entry this request's prefill writes into, or None when the request will not replay
+        (ineligible, owned by another live request, failed key); its decode steps then say why."""
         if check_mode(mode) == "eager":
             return None
         self.guard.new_request()
-        spec = EntrySpec.for_request(self.transformer, layout, batch, self.step.kv_heads)
+        spec = self._entry_spec(layout, batch)
         if not self._judge(spec.dtype, key_valid).ok:
             return None
         key = make_key(self.step, branch, batch, layout, spec.dtype, spec.device)
-        manager = self.manager
-        with manager.lock:
-            entry = manager.lookup_or_register(key, lambda: spec)
-            if not isinstance(entry, DecodeGraphEntry) or manager.owners.owned_by_other(key, token):
-                return None
-            manager.owners.claim(key, token)
-            entry.forget_prefix()
-            return entry
+        return self.graphs.claim(key, token, lambda: spec)
 
-    @torch.no_grad()
-    def _bind(self, entry: DecodeGraphEntry, prefix: PrefixCache) -> None:
-        """After a prefill into `entry`'s buffers: the buffers hold `prefix`, and the rope tables are set."""
-        with self.manager.lock:
-            entry.set_rope(prefix.cos, prefix.sin)
-            entry.mark_current(prefix)
+    def _entry_spec(self, layout: TokenLayout, batch: int) -> EntrySpec:
+        """The static buffers a graph entry of this layout and batch needs (the heads this step keeps)."""
+        return EntrySpec.for_request(self.transformer, layout, batch, self.step.kv_heads)
+
+    def _prefix_pass(self, entry, inputs: PrefixInputs) -> None:
+        """A claimed entry's prefix pass: replayed from its captured pass when the prefix is short (a short pass is
+        host-bound, so a graph pays off), else eagerly, the reason counted and logged once."""
+        if not self.captures_prefix_pass(inputs.hidden.shape[1]):
+            reason = why.LONG_PREFIX
+        else:
+            reason = self.graphs.replay_prefix(entry, inputs, self.guard.fingerprint(), self.step.run_prefix)
+            if reason is None:
+                return
+        if self.graphs.count_eager(reason, prefill=True):
+            logger.info("KV-Graph: prefix pass runs eagerly: %s.", reason)
+        self.step.run_prefix(inputs)  # outside the graphs' lock: other requests' replays need not wait
+
+    @staticmethod
+    def captures_prefix_pass(prefix_len: int) -> bool:
+        """Whether a prefix of this many tokens has its pass captured (and replayed from the graph pool)."""
+        return prefix_len <= step_body.SHORT_PREFIX_TOKENS
 
     # -- decode ----------------------------------------------------------------------------------------------------
 
     @torch.no_grad()
-    def decode(self, prefix: PrefixCache, hidden: torch.Tensor, timestep: torch.Tensor,
-               mode: str = "auto") -> DecodeOutcome:
-        """One decode step for `prefix`'s request: replay its graph when it may, else run eagerly."""
+    def decode_step(self, prefix: PrefixCache, hidden: torch.Tensor, timestep: torch.Tensor,
+                    mode: str = "auto") -> DecodeOutcome:
+        """One decode step for `prefix`'s request: replay its graph when it may, else run eagerly and say why."""
         if check_mode(mode) == "eager":
             return self._eager(prefix, hidden, timestep, why.MODE_EAGER, mode)
         verdict = self._judge(prefix.k[0].dtype, prefix.key_valid)
-        reason = verdict.reason
-        if verdict.ok:
-            with self.manager.lock:
-                outcome = self._replayer.replay(self.step, prefix, hidden, timestep, verdict.fingerprint)
-            if outcome.reason is None:
-                return outcome
-            reason = outcome.reason
-        return self._eager(prefix, hidden, timestep, reason, mode)
+        if not verdict.ok:
+            return self._eager(prefix, hidden, timestep, verdict.reason, mode)
+        output, path, reason = self.graphs.replay(self.step, prefix, hidden, timestep, verdict.fingerprint,
+                                                  lambda: self._entry_spec(prefix.layout, prefix.batch))
+        if reason is not None:
+            return self._eager(prefix, hidden, timestep, reason, mode)
+        return DecodeOutcome(output, path, None)
 
     def decode_all(self, prefixes: dict[str, PrefixCache], hidden: torch.Tensor, timestep: torch.Tensor,
                    mode: str = "auto") -> dict[str, DecodeOutcome]:
         """One step of every branch of a request (`{"cond": prefix, "uncond": prefix}`), in order. CFG parallelism
         (graph_runtime/parallel) runs the branches on different devices instead."""
-        return {name: self.decode(prefix, hidden, timestep, mode) for name, prefix in prefixes.items()}
+        return {name: self.decode_step(prefix, hidden, timestep, mode) for name, prefix in prefixes.items()}
 
     def _judge(self, kv_dtype, key_valid) -> Verdict:
         """The guard's verdict, acted on: graphs captured before LoRA wrappers appeared are dropped."""
         verdict = self.guard.check(kv_dtype, key_valid)
-        if verdict.drop_graphs and self.manager.entries:
-            with self.manager.lock:
-                self.manager.remove(list(self.manager.entries))
+        if verdict.drop_graphs and self.graphs.entries:
+            self.graphs.drop_all_graphs()
         return verdict
 
     def _eager(self, prefix, hidden, timestep, reason, mode) -> DecodeOutcome:
-        with self.manager.lock:
-            self.stats.eager_steps[reason] += 1
-            first = self._logged.first(reason)
-        if first:
+        if self.graphs.count_eager(reason):
             level = logging.WARNING if mode == "graph" and reason != why.MODE_EAGER else logging.INFO
             logger.log(level, "KV-Graph: decoding eagerly: %s.", reason)
         attn_mask = None if prefix.key_valid is None else prefix.key_valid[:, None, None, :]
@@ -191,30 +199,24 @@ class DecodeEngine:
         """Set up, before a first prompt, what decoding these latent sizes `[(height, width), ...]` runs (kernels,
         cuBLAS/cuDNN plans, buffer memory); `capture=True` also keeps the graphs of a `prompt_tokens`-token text
         prompt. See `warm_up.py`."""
-        from .warm_up import warm_up
-
         return warm_up(self, sizes, prompt_tokens=prompt_tokens, capture=capture)
-
-    @staticmethod
-    def captures_prefix_pass(prefix_len: int) -> bool:
-        """Whether a prefix of this many tokens has its pass captured (and replayed from the graph pool)."""
-        return prefix_len <= prefix_pass.SHORT_PREFIX_TOKENS
 
     # -- reporting and release -------------------------------------------------------------------------------------
 
     def bytes_held(self) -> int:
         """What the entries' static buffers and graphs hold."""
-        return self.manager.bytes_held()
+        return self.graphs.bytes_held()
 
     def pool_bytes(self) -> int:
         """What the captured graphs hold in their private memory pool (reserved, reusable only by them)."""
-        return self.manager.pool_bytes()
+        return self.graphs.pool_bytes()
 
     def release(self) -> dict:
-        return self.manager.release()
+        """Drop every graph and static buffer this engine holds; returns what was held."""
+        return self.graphs.release()
 
     def status(self) -> dict:
-        status = self.manager.status()
+        status = self.graphs.status()
         status.update(compiled=bool(self.step.compiled), compiles=self.compiles)
         return status
 

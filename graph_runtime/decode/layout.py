@@ -20,8 +20,8 @@ import torch
 TOKENS_PER_SLOT = 4
 
 # RoPE tables per model (its `pos_embed` module) and layout: diffusers' table builder walks every token in Python
-# and syncs on its masks (~2 ms of host time per 1024x1024 prompt), for a table that is the same for every prompt
-# of a layout. The few most recent layouts are kept (a 1024x1024 table is 2 MB).
+# and syncs on its masks, for a table that is the same for every prompt of a layout. The few most recent layouts
+# are kept (a table is small next to the model).
 ROTARY_TABLES_KEPT = 8
 _rotary_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 _rotary_lock = threading.Lock()

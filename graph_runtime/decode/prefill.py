@@ -6,21 +6,18 @@ prefix pass, which the sampler uses, runs the prefix rows alone through the deco
 then a decode step. With `causal_condition` no prefix row attends to a target row, so both give the same K/V.
 
 Where the request has claimed a graph entry, the prefix K/V are written straight into the entry's static buffers
-and the request's prefix tensors are views of them: one copy of the prefix in memory instead of two (2.1 GB per
-1024x1024 reference image and CFG branch in bf16).
+and the request's prefix tensors are views of them: one copy of the prefix in memory instead of two.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVLayerCache
 
 from .layout import TokenLayout
-from .prefix_pass import PrefixInputs, run_prefix_eagerly
-from .step import rope_tables
+from .step import PrefixInputs, TargetDecodeBlock, rope_tables, run_prefix_blocks
 
 
 class OwnerToken:
@@ -34,7 +31,7 @@ class PrefixCache:
     """One request branch's prefix K/V and everything its decode steps need.
 
     The request owns these tensors: dropping the cache (or `release()`) frees them and kills `owner`, which is how
-    the entry's owner record (`ownership.py`) learns that the request is gone.
+    the entry's owner record (`graphs.EntryOwners`) learns that the request is gone.
     """
 
     branch: str
@@ -45,7 +42,7 @@ class PrefixCache:
     sin: torch.Tensor
     key_valid: torch.Tensor | None  # [B, P + T] bool when the text is padded, else None
     owner: OwnerToken | None = field(default_factory=OwnerToken)
-    graph_key: object = None  # the manager's key for this request, computed at its first graph step
+    graph_key: object = None  # the graphs' key for this request, computed at its first graph step
 
     @property
     def batch(self) -> int:
@@ -54,9 +51,6 @@ class PrefixCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
-
-    def owner_ref(self) -> weakref.ReferenceType:
-        return weakref.ref(self.owner)
 
     def release(self) -> None:
         self.k.clear()
@@ -112,7 +106,7 @@ def run_prefill(
     `with_target=False` runs the prefix rows alone and returns no prediction: with `causal_condition` no prefix row
     attends to a target row, so the prefix K/V are the same, and the target's step-1 prediction is then exactly a
     decode step over them (the property tests/test_cached_decode.py checks), which can replay a graph. The prefix
-    rows then go through the decode step's own block code (`prefix_pass.py`) rather than diffusers' blocks:
+    rows then go through the decode step's own block code (`step.run_prefix_blocks`) rather than diffusers' blocks:
     `prefix_runner(inputs)` runs them (a graph entry's captured pass, or the decode step's own pass), else they run
     eagerly. `kv_heads`: the heads whose K/V fresh buffers keep (default all; a sequence-parallel rank keeps its
     share).
@@ -146,7 +140,7 @@ def run_prefill(
                                 modulation[-1:].expand(batch, -1), rotary[:layout.prefix_len], key_valid, static_kv,
                                 kv_heads)
         if prefix_runner is None:
-            run_prefix_eagerly(model, inputs)
+            run_prefix_blocks([TargetDecodeBlock(block) for block in model.transformer_blocks], inputs)
         else:
             prefix_runner(inputs)
         k, v = list(inputs.k), list(inputs.v)

@@ -1,4 +1,4 @@
-"""Counters the decode engine keeps (its graph manager counts evictions into them), readable as one plain dict (for
+"""Counters the decode engine keeps (its graphs count evictions and replays into them), readable as one plain dict (for
 logs, the CLI and the HTTP status route), and the record of which fallback reasons were already logged."""
 
 from __future__ import annotations

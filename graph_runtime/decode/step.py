@@ -1,4 +1,5 @@
-"""The target-only decode step: the body that runs eagerly and that the engine captures into a graph entry.
+"""The target-only decode step: the body that runs eagerly and that the engine captures into a graph entry, and the
+prefix pass (the prefix rows through the same block code, K/V kept).
 
 It is the math of diffusers' `kv_cache_mode="cached"` forward, called through the model's own modules (so LoRA
 layers and weight swaps are seen), with the per-step host work hoisted out:
@@ -14,8 +15,7 @@ layers and weight swaps are seen), with the per-step host work hoisted out:
   `kernels=False` (or a replaced module) keeps the modules' own code. The benchmark's
   `compile+graph-inductor-only` path measures the difference.
 - Each block hands its MLP residual to the next block instead of adding it, so the add shares a pass with the next
-  LayerNorm (or the final norm): one read and write of the residual stream per block fewer, ~33 us per block at
-  1024x1024.
+  LayerNorm (or the final norm): one read and write of the residual stream per block fewer.
 - FP8 blocks (`graph_runtime/fp8`, Linears converted with `apply_precision`): where a norm or the SwiGLU product
   feeds FP8 Linears, our kernel writes its output as per-token e4m3 + scales (`Fp8Rows`) instead of bf16, so the
   FP8 GEMMs need no quantization pass; any other input (the attention output into `to_out`) is quantized by the
@@ -24,11 +24,13 @@ layers and weight swaps are seen), with the per-step host work hoisted out:
 
 from __future__ import annotations
 
+import contextlib
 import weakref
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21SwiGLUFeedForward
 
@@ -79,6 +81,40 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
         rotated = torch.view_as_real(torch.view_as_complex(pairs) * torch.complex(cos, sin))
         return rotated.flatten(-2).to(x.dtype)
     return rotate_pairs(x, cos, sin).to(x.dtype)
+
+
+@dataclass
+class PrefixInputs:
+    """What the prefix pass reads. Everything but `hidden` and `modulation` follows from the token layout, which a
+    graph entry's key pins, so a captured pass copies only those two per prompt."""
+
+    hidden: torch.Tensor  # [B, P, D] prefix rows after txt_in / img_in
+    modulation: torch.Tensor  # [B, 4D] the t = 0 row diffusers modulates prefix rows with
+    cos: torch.Tensor  # [P, 1, head_dim / 2] fp32
+    sin: torch.Tensor
+    mask: torch.Tensor  # [B or 1, 1, P, P] bool: the prefix's block-causal mask (and valid keys)
+    k: list[torch.Tensor]  # per block, [B, P, H, head_dim]: where the block's K land
+    v: list[torch.Tensor]
+
+
+# Up to this many prefix tokens (a text-only prompt) the pass is host-bound: it is captured and replayed, and its
+# masked attention runs on the memory-efficient kernel. SDPA would pick cuDNN, which generates a kernel for every
+# new prompt length (slow on the first prefill of each length, slower on the first one in the process), for
+# attention that is a sliver of a short pass. A long prefix (reference images) keeps cuDNN, which is
+# faster there (docs/performance.md).
+SHORT_PREFIX_TOKENS = 1024
+
+
+def run_prefix_blocks(blocks, inputs: PrefixInputs) -> None:
+    """The pass itself, over `TargetDecodeBlock`s: prefix rows are decoded like target rows with a zero timestep."""
+    x = inputs.hidden
+    short = x.is_cuda and x.shape[1] <= SHORT_PREFIX_TOKENS
+    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if short else contextlib.nullcontext():
+        pending, last = None, len(blocks) - 1
+        for i, (block, k_rows, v_rows) in enumerate(zip(blocks, inputs.k, inputs.v)):
+            # Only the K/V rows are kept: the last block stops once it has written them.
+            x, pending = block(x, pending, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True,
+                               inputs.mask, kv_only=i == last)
 
 
 class TargetDecodeBlock(torch.nn.Module):
@@ -290,10 +326,8 @@ class DecodeStep(torch.nn.Module):
         return [self.block_factory(b, True) for b in self.model.transformer_blocks]
 
     def run_prefix(self, inputs) -> None:
-        """The prefix pass (`prefix_pass.PrefixInputs`) over this step's kind of block: K/V rows written, eagerly;
-        the prefix pass runner calls it, for its captures too."""
-        from .prefix_pass import run_prefix_blocks
-
+        """The prefix pass (`PrefixInputs`) over this step's kind of block: K/V rows written, eagerly; the engine
+        calls it, and captures it for a short prefix."""
         run_prefix_blocks(self.prefix_blocks(), inputs)
 
     def compile_blocks(self) -> None:

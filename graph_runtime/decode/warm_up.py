@@ -5,7 +5,7 @@ Triton's on-disk cache), every GEMM's cuBLAS kernel, cuDNN's attention plan for 
 the graph entry's buffers. `warm_up` runs one prefix pass and one decode step per size, on a graph entry's static
 buffers and under the capture's settings (so exactly the kernels a replay runs), with a random prompt of
 `prompt_tokens` tokens, and drops them: the next prompt of those sizes then only pays its own captures. With
-`capture=True` it goes through the engine's prefill and decode instead and keeps the captured graphs of that exact
+`capture=True` it goes through the engine's prefill and decode_step instead and keeps the captured graphs of that exact
 layout (a text prompt of `prompt_tokens` tokens): a first prompt of that length replays at once. Those graphs are an
 idle entry, evicted first when memory runs short.
 """
@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from .graph_entry import CudaGraphBackend, DecodeGraphEntry, EntrySpec
+from .capture import CudaGraphBackend, DecodeGraphEntry, EntrySpec
 from .layout import TokenLayout
 from .prefill import run_prefill
 
@@ -38,7 +38,7 @@ def warm_up(engine, sizes, prompt_tokens: int = 128, capture: bool = False, batc
     graphs and the model off CUDA nothing happens (nothing would replay)."""
     transformer = engine.transformer
     device = next(transformer.parameters()).device
-    if device.type != "cuda" and isinstance(engine.manager.backend, CudaGraphBackend):
+    if device.type != "cuda" and isinstance(engine.graphs.backend, CudaGraphBackend):
         return {"skipped": f"the model is on {device.type}, not CUDA"}
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda device: None)
     done = []
@@ -49,7 +49,7 @@ def warm_up(engine, sizes, prompt_tokens: int = 128, capture: bool = False, batc
             layout, embeds, latents, timestep = _random_request(transformer, height, width, prompt_tokens, batch)
             if capture:
                 _, prefix = engine.prefill(layout, latents, embeds, timestep, with_target=False)
-                outcome = engine.decode(prefix, latents, timestep)
+                outcome = engine.decode_step(prefix, latents, timestep)
                 prefix.release()
                 path = outcome.path if outcome.reason is None else f"eager: {outcome.reason}"
             else:
@@ -63,9 +63,9 @@ def warm_up(engine, sizes, prompt_tokens: int = 128, capture: bool = False, batc
 
 def _run_on_static_buffers(engine, layout, latents, embeds, timestep) -> None:
     """The prefix pass and one step body exactly as a graph entry runs them, on a throwaway entry's buffers (never
-    registered with the manager: no statistics, nothing kept; the memory stays with the allocator for the real
+    registered with the engine's graphs: no statistics, nothing kept; the memory stays with the allocator for the real
     entry)."""
-    settings = getattr(engine.manager.backend, "capture_settings", contextlib.nullcontext)
+    settings = getattr(engine.graphs.backend, "capture_settings", contextlib.nullcontext)
     with settings():  # captures run both passes under these (no cuBLAS workspace): load the same GEMM kernels
         inputs = prefilled_static_inputs(engine.transformer, layout, latents, embeds, timestep, latents)
         engine.step(inputs)

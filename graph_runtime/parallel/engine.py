@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from ..decode import DecodeEngine, DecodeOutcome, PrefixCache
-from ..decode.graph_entry import CudaGraphBackend
+from ..decode.capture import CudaGraphBackend
 from .comm import Comm
 from .plan import BRANCHES, ParallelPlan
 from .ulysses import RehearsingBackend, UlyssesDecodeStep, UlyssesExchange

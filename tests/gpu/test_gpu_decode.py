@@ -15,7 +15,7 @@ import torch
 
 from graph_runtime.decode import CudaGraphBackend, DecodeEngine, TokenLayout
 from graph_runtime.decode import eligibility as why
-from graph_runtime.decode.graph_entry import DecodeGraphEntry
+from graph_runtime.decode.capture import DecodeGraphEntry
 from graph_runtime.generate import QwenImageGenerator
 from graph_runtime.sampling.sampler import initial_noise, pack
 from graph_runtime.sampling.schedule import build_schedule, euler_step
@@ -52,7 +52,7 @@ def _steps(engine, generator, prompt, seed, mode, steps=6, shape=(1, 8, 8)):
             if i == 0:
                 pred, prefix = engine.prefill(layout, latents, embeds.embeds.cuda(), timestep, mode=mode)
             else:
-                outcome = engine.decode(prefix, latents, timestep, mode)
+                outcome = engine.decode_step(prefix, latents, timestep, mode)
                 outcomes.append(outcome)
                 pred = outcome.output
             latents = euler_step(latents, pred, sigmas[i], sigmas[i + 1])
@@ -77,7 +77,7 @@ def test_replay_equals_eager_and_second_generation_captures_nothing(cuda_models,
     assert diff <= GRAPH_ATOL
     again, outcomes = _run(engine, cuda_generator, "a red cube", 2, "graph")  # equal shapes, new request
     assert [o.path for o in outcomes] == ["replay"] * 5
-    assert engine.manager.stats.captures == 1
+    assert engine.graphs.stats.captures == 1
 
 
 def test_equal_token_counts_different_layouts_separate_entries(cuda_models, cuda_generator):
@@ -86,7 +86,7 @@ def test_equal_token_counts_different_layouts_separate_entries(cuda_models, cuda
     _run(engine, cuda_generator, "a red cube", 1, "graph", shape=(1, 8, 8))
     _, outcomes = _run(engine, cuda_generator, "a red cube", 1, "graph", shape=(1, 4, 16))
     assert outcomes[0].path == "capture"
-    assert len(engine.manager.entries) == 2 and engine.manager.stats.captures == 2
+    assert len(engine.graphs.entries) == 2 and engine.graphs.stats.captures == 2
 
 
 def test_compile_and_graph_match_eager(cuda_models, cuda_generator):
@@ -220,9 +220,9 @@ def test_prefix_pass_into_static_buffers_equals_joint_forward(cuda_models, cuda_
     with torch.no_grad():
         pred, joint = DecodeEngine(transformer).prefill(layout, latents, text, t, mode="eager")
         _, alone = engine.prefill(layout, latents, text, t, with_target=False)
-        entry = next(iter(engine.manager.entries.values()))
+        entry = next(iter(engine.graphs.entries.values()))
         assert alone.k[0].data_ptr() == entry.inputs.k[0].data_ptr()  # written into the static buffers
-        outcome = engine.decode(alone, latents, t)
+        outcome = engine.decode_step(alone, latents, t)
     assert outcome.path == "capture"
     for a, b in zip(alone.k + alone.v, joint.k + joint.v):
         assert (a - b).abs().max().item() <= GRAPH_ATOL * 10
@@ -250,7 +250,7 @@ def test_next_prompt_replays_the_captured_prefix_pass(cuda_models, cuda_generato
         second_text = first_text.flip(1) * 0.5  # another prompt of the same length: same key
         _, second = engine.prefill(layout, latents, second_text, t, with_target=False)
         _, eager = run_prefill(transformer, layout, latents, second_text, t, with_target=False)
-    stats = engine.manager.stats
+    stats = engine.graphs.stats
     assert (stats.prefill_captures, stats.prefill_replays, dict(stats.eager_prefills)) == (1, 2, {})
     for a, b in zip(second.k + second.v, eager.k + eager.v):
         assert (a - b).abs().max().item() <= GRAPH_ATOL
@@ -267,7 +267,7 @@ def test_capture_records_no_blas_workspace_memsets_and_restores_the_size():
     import torch.nn.functional as F
 
     from bench.profile import kernel_names
-    from graph_runtime.decode.capture_record import CaptureRecord
+    from graph_runtime.decode.capture import CaptureRecord
 
     cuda = torch.backends.cuda
     if not hasattr(cuda, "cublas_workspace_size"):

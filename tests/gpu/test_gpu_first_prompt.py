@@ -121,7 +121,7 @@ def _request(generator, engine, prompt, mode="auto", steps=4):
                                    with_target=False)
         for i in range(steps):
             t = torch.full((1,), 1.0 - i / steps, device="cuda")
-            outcomes.append(engine.decode(prefix, latents, t, mode))
+            outcomes.append(engine.decode_step(prefix, latents, t, mode))
     prefix.release()
     return embeds.embeds.shape[1], outcomes
 
@@ -130,15 +130,15 @@ def test_decode_capture_of_plain_blocks_takes_one_warm_up(cuda_transformer, gene
     engine = DecodeEngine(cuda_transformer)
     _, outcomes = _request(generator, engine, "a red cube")
     assert outcomes[0].path == "capture"
-    (entry,) = engine.manager.entries.values()
+    (entry,) = engine.graphs.entries.values()
     assert entry.warmups == 1 and entry.warmup_seconds > 0
 
 
 def test_uncaptured_warm_up_keeps_nothing(cuda_transformer, generator):
     engine = DecodeEngine(cuda_transformer)
     done = engine.warm_up([(8, 8)], prompt_tokens=20)
-    assert done["sizes"][0]["path"] == "uncaptured" and not engine.manager.entries
-    assert engine.manager.stats.captures == 0 and engine.manager.stats.prefill_captures == 0
+    assert done["sizes"][0]["path"] == "uncaptured" and not engine.graphs.entries
+    assert engine.graphs.stats.captures == 0 and engine.graphs.stats.prefill_captures == 0
     _, outcomes = _request(generator, engine, "a red cube")
     assert outcomes[0].path == "capture"
 
@@ -149,10 +149,10 @@ def test_capturing_warm_up_lets_the_first_prompt_of_that_length_replay_and_match
     engine = DecodeEngine(cuda_transformer)
     assert engine.warm_up([(8, 8)], prompt_tokens=tokens, capture=True)["sizes"][0]["path"] == "capture"
     # The warm-up's own prefix pass is captured and then replayed once to fill the entry; the prompt adds one replay.
-    captures, prefill_replays = engine.manager.stats.captures, engine.manager.stats.prefill_replays
+    captures, prefill_replays = engine.graphs.stats.captures, engine.graphs.stats.prefill_replays
     _, outcomes = _request(generator, engine, "a red cube")
     assert [o.path for o in outcomes] == ["replay"] * 4
-    assert engine.manager.stats.captures == captures and engine.manager.stats.prefill_captures == 1
-    assert engine.manager.stats.prefill_replays == prefill_replays + 1
+    assert engine.graphs.stats.captures == captures and engine.graphs.stats.prefill_captures == 1
+    assert engine.graphs.stats.prefill_replays == prefill_replays + 1
     for graph, reference in zip(outcomes, eager):
         assert (graph.output - reference.output).abs().max().item() <= GRAPH_ATOL

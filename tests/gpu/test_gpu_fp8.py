@@ -97,11 +97,11 @@ def test_fp8_graph_replays_its_own_eager_body_exactly(fp8_transformer, generator
     result = sample(engine, _request(generator, "a red cube", 0))
     assert result.paths[0] == "capture" and set(result.paths[1:]) == {"replay"}
     assert torch.isfinite(result.latents).all()
-    (entry,) = engine.manager.entries.values()
+    (entry,) = engine.graphs.entries.values()
     assert "+fp8" in entry.key.backend
     entry.inputs.timestep.fill_(0.5)
-    replayed = engine.manager.backend.replay(entry)
-    with torch.no_grad(), engine.manager.backend.capture_settings():
+    replayed = engine.graphs.backend.replay(entry)
+    with torch.no_grad(), engine.graphs.backend.capture_settings():
         body = engine.step(entry.inputs)
     assert (replayed - body).abs().max().item() == 0.0
 
@@ -134,9 +134,9 @@ def test_the_default_and_fp8_attn_graphs_replay_their_own_body(tiny_parts, gener
     first = sample(engine, _request(generator, "a red cube", 0))
     second = sample(engine, _request(generator, "a red cube", 1))
     assert first.paths[0] == "capture" and second.stats["captures"] == 0 and not second.stats["eager_steps"]
-    (entry,) = engine.manager.entries.values()
+    (entry,) = engine.graphs.entries.values()
     assert entry.key.backend.endswith("+" + resolved.precision)
-    replayed = engine.manager.backend.replay(entry)
-    with torch.no_grad(), engine.manager.backend.capture_settings():
+    replayed = engine.graphs.backend.replay(entry)
+    with torch.no_grad(), engine.graphs.backend.capture_settings():
         body = engine.step(entry.inputs)
     assert (replayed - body).abs().max().item() == 0.0

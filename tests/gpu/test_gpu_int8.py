@@ -87,12 +87,12 @@ def test_replay_equals_its_eager_body_bit_for_bit(models, embeds, kind):
     with torch.no_grad():
         t0 = (timesteps[0].expand(1) / 1000).to(torch.bfloat16)
         _, prefix = engine.prefill(layout, latents, embeds.embeds, t0, mode="graph", with_target=False)
-        assert engine.decode(prefix, latents, t0, "graph").path == "capture"
+        assert engine.decode_step(prefix, latents, t0, "graph").path == "capture"
         t1 = (timesteps[1].expand(1) / 1000).to(torch.bfloat16)
-        replayed = engine.decode(prefix, latents, t1, "graph")
+        replayed = engine.decode_step(prefix, latents, t1, "graph")
         assert replayed.path == "replay"
-        entry = engine.manager.entries[prefix.graph_key]
-        with engine.manager.backend.capture_settings():
+        entry = engine.graphs.entries[prefix.graph_key]
+        with engine.graphs.backend.capture_settings():
             body = engine.step(entry.inputs)
     assert torch.equal(body, replayed.output)
     if kind == "int8":
@@ -111,15 +111,15 @@ def test_int8_layer_requantized_in_place_keeps_a_captured_graph_valid(models, em
     t = torch.full((1,), 0.5, device="cuda", dtype=torch.bfloat16)
     with torch.no_grad():
         _, prefix = engine.prefill(layout, latents, embeds.embeds, t, mode="graph", with_target=False)
-        before = engine.decode(prefix, latents, t, "graph")
+        before = engine.decode_step(prefix, latents, t, "graph")
         layer = model.transformer_blocks[1].img_mlp.out
         pointer = layer.weight.data_ptr()
         layer.requantize_(layer.dequantized_weight() * 1.5)
         assert layer.weight.data_ptr() == pointer
-        after = engine.decode(prefix, latents, t, "graph")
+        after = engine.decode_step(prefix, latents, t, "graph")
         assert after.path == "replay" and not torch.equal(after.output, before.output)
-        entry = engine.manager.entries[prefix.graph_key]
-        with engine.manager.backend.capture_settings():
+        entry = engine.graphs.entries[prefix.graph_key]
+        with engine.graphs.backend.capture_settings():
             assert torch.equal(engine.step(entry.inputs), after.output)
     prefix.release()
     engine.release()

@@ -96,4 +96,4 @@ def test_switching_lora_sets_between_prompts_captures_nothing_and_matches_eager(
         outputs[name] = graph.latents
     assert (outputs["A"] - outputs["B"]).abs().max() > 1e3 * GRAPH_ATOL
     assert (outputs["A"] - outputs["none"]).abs().max() > 1e3 * GRAPH_ATOL
-    assert engine.manager.stats.captures == 1
+    assert engine.graphs.stats.captures == 1

@@ -183,7 +183,7 @@ def test_a_budget_over_the_card_is_refused_before_anything_is_allocated():
             budgets.check_runtime_request(transformer, request, vae)
         assert torch.cuda.memory_allocated() == allocated
     print(info.value)
-    assert "weights mode int8" in str(info.value) and not engine_for(transformer).manager.entries
+    assert "weights mode int8" in str(info.value) and not engine_for(transformer).graphs.entries
 
 
 def _copies(run) -> list[str]:

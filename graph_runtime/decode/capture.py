@@ -1,4 +1,8 @@
-"""One captured decode graph: its key, static buffers, the graph and its capture/replay mechanics."""
+"""What a captured graph holds and how it is captured and replayed: the decode entry's static buffers, a prefix
+pass's static inputs, and the CUDA graph backend that captures and replays both into one memory pool.
+
+Nothing here decides whether to replay or who may use an entry: `graphs.py` does, under its lock.
+"""
 
 from __future__ import annotations
 
@@ -12,50 +16,29 @@ import torch
 
 from ..kernels.preload import wait_for_preload
 from ..memory import device_free_bytes
-from .capture_record import CaptureRecord
+from .eligibility import static_reason
 from .prefill import PrefixCache
-from .prefix_pass import PrefixGraph
-from .step import DecodeInputs
+from .step import DecodeInputs, PrefixInputs
 
 
-@dataclass(frozen=True)
-class GraphKey:
-    """Everything a captured step's shapes and addresses depend on.
+class CaptureRecord:
+    """What a backend reads and writes on anything it captures and replays (a decode entry or a prefix pass).
 
-    `layout` is the full token layout signature (prefix runs and every image shape), so equal token counts with
-    different layouts, whose RoPE tables differ, never share an entry. `parallel` names a sequence-parallel rank's
-    group (world size, rank, ...; empty on one device): its graph records that group's collectives.
-    """
+    The backend reads `inputs` (the static buffers the body reads, set by the subclass) and `warmups`; capture sets
+    `graph`, `output` (None when the body's results are buffers it writes), the counters and timings, and
+    `graphs.py` records the weights' fingerprint it was captured against."""
 
-    branch: str
-    batch: int
-    layout: tuple
-    dtype: str
-    device: str
-    backend: str
-    parallel: tuple = ()
+    warmups = 1  # eager runs before capture
 
-    def describe(self) -> dict:
-        prefix_len, target_tokens, shapes, _ = self.layout
-        return {
-            "branch": self.branch,
-            "batch": self.batch,
-            "prefix_tokens": prefix_len,
-            "target_tokens": target_tokens,
-            "image_shapes": [list(s) for s in shapes],
-            "dtype": self.dtype,
-            "device": self.device,
-            "backend": self.backend,
-            **({"parallel": dict(self.parallel)} if self.parallel else {}),
-        }
-
-
-@dataclass
-class FailedEntry:
-    """Marker left where an allocation or capture failed: the key stays eager, holding no tensors."""
-
-    reason: str
-    detail: str
+    def __init__(self):
+        self.graph = None
+        self.output = None
+        self.captures = 0
+        self.replays = 0
+        self.pool_bytes = 0
+        self.warmup_seconds = 0.0
+        self.capture_seconds = 0.0
+        self.weights_fingerprint: tuple | None = None
 
 
 @dataclass(frozen=True)
@@ -99,12 +82,13 @@ class DecodeGraphEntry(CaptureRecord):
 
     # Eager runs before the capture: one does the lazy set-up (kernels loaded, cuBLAS and cuDNN plans made, Triton
     # binaries compiled or read from their cache); compiled blocks may compile on the first call and settle on the
-    # second, so the replay gives a compiled step `COMPILED_WARMUPS`. Each warm-up is a whole step (~110-130 ms at
-    # 1024x1024), paid on the first prompt of every new shape.
+    # second, so a compiled step gets `COMPILED_WARMUPS`. Each warm-up is a whole step, paid on the first prompt of
+    # every new shape.
     warmups = 1
     COMPILED_WARMUPS = 2
 
-    def __init__(self, key: GraphKey, spec: EntrySpec):
+    def __init__(self, key, spec: EntrySpec):
+        """`key`: the `graphs.GraphKey` it is stored under (None for a throwaway entry)."""
         super().__init__()
         self.key = key
         with torch.inference_mode(False):
@@ -190,13 +174,40 @@ class DecodeGraphEntry(CaptureRecord):
 _deref = weakref.ReferenceType.__call__
 
 
+class PrefixGraph(CaptureRecord):
+    """One graph entry's captured prefix pass: static copies of the per-prompt inputs, and the graph.
+
+    The backend captures and replays it like a decode entry; the pass returns nothing (its results are
+    the K/V rows). One warm-up before capture is enough: an eager pass has no state that a second call would
+    settle.
+    """
+
+    def __init__(self, like: PrefixInputs):
+        super().__init__()
+        # Outside inference mode, so copy_ into them is legal from any grad mode (as the decode entry's buffers).
+        with torch.inference_mode(False):
+            self.inputs = PrefixInputs(hidden=torch.empty_like(like.hidden),
+                                       modulation=torch.empty_like(like.modulation), cos=like.cos.clone(),
+                                       sin=like.sin.clone(), mask=like.mask.clone(),
+                                       k=list(like.k), v=list(like.v))  # own lists: a request's release clears its
+
+    def load(self, inputs: PrefixInputs) -> None:
+        self.inputs.hidden.copy_(inputs.hidden)
+        self.inputs.modulation.copy_(inputs.modulation)
+
+    @property
+    def nbytes(self) -> int:
+        own = (self.inputs.hidden, self.inputs.modulation, self.inputs.cos, self.inputs.sin, self.inputs.mask)
+        return sum(t.numel() * t.element_size() for t in own) + self.pool_bytes
+
+
 @contextlib.contextmanager
 def without_blas_workspace():
     """cuBLAS / cuBLASLt given no workspace while a graph is warmed up and captured; yields whether it applied.
 
     Why: with a workspace, cuBLAS's Hopper GEMMs use a dynamic tile scheduler whose counters it clears with a memset
-    before each GEMM, and a captured graph records all of them (257 of a 1024x1024 step's 662 kernels). Without
-    one it picks the static-schedule variant of the same kernel and records none, so a replay launches a third fewer
+    before each GEMM, and a captured graph records all of them (a large share of a step's kernels). Without
+    one it picks the static-schedule variant of the same kernel and records none, so a replay launches fewer
     kernels and issues in less host time at the same device time (docs/performance.md). Setting the size for the
     whole process instead (`CUBLAS_WORKSPACE_CONFIG=:0:0`) would also take split-K GEMMs away from every other model
     in it. Here only the warm-up and the capture run without, the sizes are restored before the caller runs another
@@ -220,10 +231,10 @@ def without_blas_workspace():
 
 
 class CudaGraphBackend:
-    """Captures and replays with `torch.cuda.CUDAGraph`, every entry of a manager sharing one memory pool.
+    """Captures and replays with `torch.cuda.CUDAGraph`, every entry of one engine sharing one memory pool.
 
-    Sharing the pool is safe because replays are serialized by the manager's lock and each replay's output is
-    cloned before the lock is released; intermediates of one graph may be overwritten by the next replay.
+    Sharing the pool is safe because replays are serialized by the graphs' lock (`graphs.py`) and each replay's
+    output is cloned before the lock is released; intermediates of one graph may be overwritten by the next replay.
     """
 
     name = "cuda-graph"
@@ -243,8 +254,6 @@ class CudaGraphBackend:
         return device_free_bytes(device)
 
     def unavailable_reason(self, transformer, params=None) -> str | None:
-        from .eligibility import static_reason
-
         return static_reason(transformer, params)
 
     def capture_settings(self):
