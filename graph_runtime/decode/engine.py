@@ -6,8 +6,8 @@ then the prefix's `release()`. The engine wires the pieces together: the graph m
 (`graph_manager.py`), `ownership.py` who owns each, `eligibility.py` judges the model, `prefix_pass.py` runs the
 prefix pass, `replay.py` replays a step, `step.py` is the step body. docs/decode.md draws the whole flow.
 
-The engine is attached to the transformer (see `registry.engine_for`), so the compiled blocks and the captured
-graphs survive from one generation to the next as long as the model stays loaded.
+The loaded model's owner (graph_runtime/loaded.py) holds the engine, so the compiled blocks and the captured graphs
+survive from one generation to the next as long as the model stays loaded.
 """
 
 from __future__ import annotations
@@ -64,11 +64,6 @@ class DecodeEngine:
     @property
     def compiled(self) -> bool:
         return bool(self.step.compiled)
-
-    def __reduce__(self):
-        # A deep copy or pickle of the transformer must not share (or try to serialize) this engine's graphs and
-        # lock: the copy gets no engine and creates its own on first use.
-        return (_no_engine, ())
 
     def enable_compile(self) -> bool:
         """Compile the blocks once per loaded model (lazily: the first decode of each shape compiles).
@@ -218,6 +213,3 @@ class DecodeEngine:
         status.update(compiled=bool(self.step.compiled), compiles=self.compiles)
         return status
 
-
-def _no_engine():
-    return None

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.preload import wait_for_preload
-from ..memory import device_free_bytes
+from ..free_memory import device_free_bytes
 from .capture_record import CaptureRecord
 from .prefill import PrefixCache
 from .prefix_pass import PrefixGraph

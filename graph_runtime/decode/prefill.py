@@ -12,15 +12,14 @@ and the request's prefix tensors are views of them: one copy of the prefix in me
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVLayerCache
 
 from .layout import TokenLayout
-from .prefix_pass import PrefixInputs, run_prefix_eagerly
-from .step import rope_tables
+from .prefix_pass import PrefixInputs, run_prefix_blocks
+from .step import TargetDecodeBlock, rope_tables
 
 
 class OwnerToken:
@@ -54,9 +53,6 @@ class PrefixCache:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
-
-    def owner_ref(self) -> weakref.ReferenceType:
-        return weakref.ref(self.owner)
 
     def release(self) -> None:
         self.k.clear()
@@ -146,7 +142,8 @@ def run_prefill(
                                 modulation[-1:].expand(batch, -1), rotary[:layout.prefix_len], key_valid, static_kv,
                                 kv_heads)
         if prefix_runner is None:
-            run_prefix_eagerly(model, inputs)
+            # No graph entry, no step to ask: the pass over the transformer's own blocks.
+            run_prefix_blocks([TargetDecodeBlock(block) for block in model.transformer_blocks], inputs)
         else:
             prefix_runner(inputs)
         k, v = list(inputs.k), list(inputs.v)

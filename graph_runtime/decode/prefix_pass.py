@@ -21,7 +21,6 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import eligibility as why
 from .capture_record import CaptureRecord
-from .step import TargetDecodeBlock
 
 logger = logging.getLogger("kvgraph")
 
@@ -58,11 +57,6 @@ def run_prefix_blocks(blocks, inputs: PrefixInputs) -> None:
             # Only the K/V rows are kept: the last block stops once it has written them.
             x, pending = block(x, pending, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True,
                                inputs.mask, kv_only=i == last)
-
-
-def run_prefix_eagerly(transformer, inputs: PrefixInputs) -> None:
-    """The pass over the transformer's own blocks (no graph entry, no step to ask)."""
-    run_prefix_blocks([TargetDecodeBlock(block) for block in transformer.transformer_blocks], inputs)
 
 
 class PrefixGraph(CaptureRecord):
