@@ -27,7 +27,7 @@ import torch
 
 from graph_runtime.decode import DecodeEngine
 from graph_runtime.decode.warm_up import prefilled_static_inputs
-from graph_runtime.fp8.convert import GROUPS, groups_of
+from graph_runtime.fp8.precisions import GROUPS, groups_of
 
 from .int8_reference import KitchenInt8Linear, convrot_group
 from .model import fp32_copy

@@ -30,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from graph_runtime.lora import LoraChoice, LoraFile, WeightPatch, merge_state
+from graph_runtime.lora import LoraChoice, LoraFile, LoraMerge, WeightPatch
 
 from .model import build_transformer
 from .paths import OursPath, PathSpec
@@ -57,7 +57,7 @@ def random_lora(transformer, rank: int, seed: int, std: float = 0.016) -> LoraFi
 
 
 def merge_times(transformer, loras: list[LoraFile], device) -> list[dict]:
-    state = merge_state(transformer)
+    state = LoraMerge(transformer)
     rows = []
     for label, choices in (("first merge (host copies + merge)", [LoraChoice(loras[0], 1.0)]),
                            ("switch strength 1.0 -> 0.5", [LoraChoice(loras[0], 0.5)]),
@@ -78,7 +78,7 @@ def step_times(transformer, lora: LoraFile, scenario, device, iters: int) -> dic
     inputs = build_inputs(scenario, config.context_in_dim, config.in_channels, device, dtype)
     spec = PathSpec("graph") if torch.device(device).type == "cuda" else PathSpec("eager", mode="eager")
     path = OursPath(spec, transformer)
-    state = merge_state(transformer)
+    state = LoraMerge(transformer)
     with torch.no_grad():
         prefixes = _prefixes(path.engine, inputs, with_target=False)
         step = path.step(inputs, prefixes)

@@ -273,14 +273,14 @@ AFTER_IDLE = f"after {IDLE_S:g} s idle"
 
 
 def amortization(transformer, device, context, channels):
-    """Two sampler runs back to back, equal shapes, through the process-wide engine (like two queued prompts),
+    """Two sampler runs back to back, equal shapes, through one loaded model's engine (like two queued prompts),
     with the product's default settings (decode "auto", blocks not compiled)."""
     from graph_runtime.encoding.prompt import PromptEmbeds
-    from graph_runtime.registry import engine_for
+    from graph_runtime.loaded import LoadedTransformer
     from graph_runtime.sampling.sampler import SamplingRequest, sample
     from .scenarios import Scenario
 
-    engine = engine_for(transformer)
+    engine = LoadedTransformer(transformer).engine
     results = []
     size = 1024 if device != "cpu" else 128
     for label, steps, preset, refs in [("t2i-40", 40, "dynamic", 0), ("t2i-40", 40, "dynamic", 0),

@@ -17,7 +17,7 @@ from . import memory
 from .errors import KVGraphError
 from .memory import (
     GenerationShape, MemoryBudget, TransformerDims, VaeDims, available_bytes, estimate, fitting_estimate, gib,
-    host_available_bytes, module_bytes,
+    graph_bytes_held, host_available_bytes, module_bytes,
 )
 
 logger = logging.getLogger("kvgraph")
@@ -172,7 +172,7 @@ class RequestPlan:
         return budget
 
 
-def check_runtime_request(transformer, request, vae=None, text_encoder=None,
+def check_runtime_request(loaded, request, vae=None, text_encoder=None,
                           image_bytes_per_pixel: int = 3) -> MemoryBudget | None:
     """The runtime's own check (no ComfyUI to unload anything), for the whole request: sampling, the VAE decode and
     the decoded images (`image_bytes_per_pixel`: 3 for RGB, 4 for RGBA, kept on the host until the request ends).
@@ -180,11 +180,11 @@ def check_runtime_request(transformer, request, vae=None, text_encoder=None,
     On CUDA the request must fit in what the device has free plus what its models and graphs already hold there, and
     the decoded images in the host's available memory; on the CPU everything must fit in the host's available memory
     plus what its models already hold. Returns the device budget, or None where the device reports no free memory.
+    `loaded`: the transformer's owner (graph_runtime/loaded.py), whose graphs count as memory it holds.
     """
-    from .registry import engine_for
-
+    transformer = loaded.transformer
     device = next(transformer.parameters()).device
-    free = available_bytes(device)
+    free = available_bytes(device, loaded.engines())
     if free is None:
         return None
     on_cpu = device.type == "cpu"
@@ -197,7 +197,7 @@ def check_runtime_request(transformer, request, vae=None, text_encoder=None,
         plan.shape = dataclasses.replace(plan.shape, decoded_bytes_per_pixel=image_bytes_per_pixel)
     models = [m for m in (transformer, vae) if m is not None] + ([text_encoder] if others else [])
     resident = sum(module_bytes(m) for m in models if next(m.parameters()).device == device)
-    available = Available(free, (("of its models", resident), ("of graphs", engine_for(transformer).bytes_held())))
+    available = Available(free, (("of its models", resident), ("of graphs", graph_bytes_held(loaded.engines()))))
     budget = plan.check_available(available, device)
     logger.info("KV-Graph: memory budget %s of %s available on %s.", budget.describe(), gib(available.total), device)
     if not on_cpu:

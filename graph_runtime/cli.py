@@ -258,10 +258,8 @@ def cmd_generate(args) -> int:
     if args.gpus == 1:
         print("graph manager: " + json.dumps(generator.engine.status()))
     else:
-        from .parallel import runtime_for, shutdown_runtime
-
-        print("ranks: " + json.dumps(runtime_for(models.transformer, args.gpus).status()))
-        shutdown_runtime(models.transformer)
+        print("ranks: " + json.dumps(generator.loaded.parallel_runtime(args.gpus).status()))
+        generator.loaded.shutdown_parallel()
     return 0
 
 

@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Hashable
 
-from .host_memory import host_total_bytes
+from .free_memory import host_total_bytes
 from .memory import GiB
 
 logger = logging.getLogger("kvgraph")

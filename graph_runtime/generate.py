@@ -13,7 +13,7 @@ import torch
 from .encoding.images import decode_latents, encode_pixels, prepare_references, reference_size, to_pil
 from .encoding.prompt import PromptEncoder
 from .budget import check_runtime_request
-from .registry import engine_for
+from .loaded import LoadedTransformer
 from .parallel import sample_on_devices
 from .sampling.sampler import SamplingRequest, check_schedule, sample
 from .validation import check_cfg, check_count, check_reference_resolution, check_seed, check_size
@@ -37,14 +37,17 @@ class QwenImageGenerator:
     """Holds loaded models (anything with .transformer, .vae, .text_encoder, .processor, .scheduler_config).
     `gpus` > 1 decodes each image on that many devices (graph_runtime/parallel)."""
 
-    def __init__(self, models, gpus: int = 1):
+    def __init__(self, models, gpus: int = 1, loaded: LoadedTransformer | None = None):
         self.models = models
         self.gpus = gpus
         self.encoder = PromptEncoder(models.text_encoder, models.processor)
+        # The transformer's owner (engine, graphs, LoRA state, ranks); one per loaded model: pass it when another
+        # object already owns this transformer.
+        self.loaded = loaded if loaded is not None else LoadedTransformer(models.transformer)
 
     @property
     def engine(self):
-        return engine_for(self.models.transformer)
+        return self.loaded.engine
 
     def generate(self, prompt: str, negative_prompt: str | None = None, cfg: float = 1.0, images=(),
                  width: int | None = None, height: int | None = None, steps: int = 40, seed: int = 0,
@@ -90,13 +93,13 @@ class QwenImageGenerator:
         check_schedule(request)
         # Refused here, before anything is allocated, when the whole request (the decoded images included) cannot fit
         # on its device (the GPU, or the CPU's memory).
-        check_runtime_request(self.models.transformer, request, self.models.vae, self.models.text_encoder,
+        check_runtime_request(self.loaded, request, self.models.vae, self.models.text_encoder,
                               image_bytes_per_pixel=4 if keep_alpha else 3)
         start = time.perf_counter()
         if self.gpus == 1:
             result = sample(self.engine, request, on_step=on_step, on_event=on_event)
         else:
-            result = sample_on_devices(self.models.transformer, request, self.gpus, on_step=on_step, on_event=on_event)
+            result = sample_on_devices(self.loaded, request, self.gpus, on_step=on_step, on_event=on_event)
         timings["sample_ms"] = (time.perf_counter() - start) * 1e3
         timings.update(result.timings)
 
@@ -106,7 +109,7 @@ class QwenImageGenerator:
         vae_name = (getattr(self.models, "sources", None) or {}).get("vae")
         count, pil = result.latents.shape[0], []
         for i in range(count):
-            pixels = decode_latents(self.models.vae, result.latents[i:i + 1])
+            pixels = decode_latents(self.models.vae, result.latents[i:i + 1], self.loaded.engines())
             # The latents were finite after every step (the sampler checks), so a bad image comes from the VAE.
             check_decoded(pixels, vae_name, (i, count))
             pil += to_pil(pixels, keep_alpha=keep_alpha)

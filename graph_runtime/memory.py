@@ -8,8 +8,8 @@ The estimate adds up, for one request:
 - the sampler's latent-sized tensors (noise, latents, predictions: LATENT_COPIES), which grow with the batch;
 - the decoded images the request keeps on the device until it ends (the command line's images, on the CPU);
 - each graph entry's other static buffers: the target rows of K/V for every block, the target hidden state, the
-  timestep and the RoPE tables (graph_runtime/decode/graph_entry.py); a short prefix's captured pass adds its own
-  inputs (prefix_pass.py);
+  timestep and the RoPE tables (graph_runtime/decode/capture.py); a short prefix's captured pass adds its own
+  inputs (decode/step.py);
 - the graph pool, which keeps one decode step's activations (below) for as long as a graph is held;
 - the largest eager phase after that: the prefill, or the VAE decode of one image at the output size (sequential,
   so they share the allocator's cache; the graph pool is private to the graphs, so it is not shared with them);
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .host_memory import host_available_bytes, host_total_bytes  # noqa: F401 - the CPU's side of the budget
+from .free_memory import device_free_bytes, host_available_bytes, host_total_bytes  # noqa: F401 - read here and by callers
 
 GiB = 2**30
 MiB = 2**20
@@ -190,7 +190,7 @@ def entry_buffer_bytes(d: TransformerDims, batch: int, prefix: int, target: int)
 
 
 def _is_captured(prefix: int) -> bool:
-    """Whether a prefix of this length is captured (its pass replays from the graph pool): decode/prefix_pass.py."""
+    """Whether a prefix of this length is captured (its pass replays from the graph pool): decode/engine.py."""
     from .decode import DecodeEngine  # here: the decode package imports this module
 
     return DecodeEngine.captures_prefix_pass(prefix)
@@ -346,38 +346,21 @@ def fitting_estimate(dims, shape, weights, vae, available: int) -> MemoryBudget:
 # -- what the device has -------------------------------------------------------------------------------------------
 
 
-def device_free_bytes(device, exclude: int = 0) -> int | None:
-    """Memory a new allocation on `device` can get: what the driver has free (capped by the process's memory
-    fraction) plus what PyTorch's allocator holds unused, less `exclude` (e.g. graph pools, which only their graphs
-    reuse). None off CUDA."""
-    device = torch.device(device)
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return None
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    free, total = torch.cuda.mem_get_info(index)
-    reserved = torch.cuda.memory_reserved(index)
-    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
-    if fraction is not None:
-        free = min(free, max(0, int(fraction(index) * total) - reserved))
-    return max(0, free + reserved - torch.cuda.memory_allocated(index) - exclude)
-
-
-def available_bytes(device) -> int | None:
-    """What eager work on `device` can allocate: `eager_free_bytes` on CUDA, the host's available memory on the CPU,
-    None elsewhere."""
+def available_bytes(device, engines=()) -> int | None:
+    """What eager work on `device` can allocate: `eager_free_bytes` on CUDA (`engines`: the loaded models' decode
+    engines, whose graph pools it leaves out), the host's available memory on the CPU, None elsewhere."""
     device = torch.device(device)
     if device.type == "cuda":
-        return eager_free_bytes(device)
+        return eager_free_bytes(device, engines)
     if device.type == "cpu":
         return host_available_bytes()
     return None
 
 
-def eager_free_bytes(device) -> int | None:
-    """`device_free_bytes` for eager work (a prefill, a VAE decode): the process's graph pools left out."""
-    from .registry import process_registry
-
-    return device_free_bytes(device, exclude=graph_pool_bytes(process_registry().engines()))
+def eager_free_bytes(device, engines=()) -> int | None:
+    """`device_free_bytes` for eager work (a prefill, a VAE decode): the graph pools of `engines` (every loaded
+    model's, as the caller that holds them passes them) left out."""
+    return device_free_bytes(device, exclude=graph_pool_bytes(engines))
 
 
 def graph_bytes_held(engines) -> int:

@@ -1,28 +1,6 @@
-"""The KV-Graph node pack: ComfyUI glue over graph_runtime. Imported only inside ComfyUI (it imports comfy_api).
+"""The KV-Graph node pack: ComfyUI glue over graph_runtime. Imported only inside ComfyUI (its modules import
+comfy_api); the node list and the entry point ComfyUI calls are extension.py's. This __init__ imports nothing, so
+the modules here import each other without running back up through it.
 
 Everything here uses relative imports: inside ComfyUI a top-level `nodes` module is ComfyUI's own.
 """
-
-from __future__ import annotations
-
-from comfy_api.latest import ComfyExtension, io
-
-from .cache import CACHE_NODES
-from .encode import KVGraphTextEncode
-from .loaders import LOADER_NODES
-from .lora import LORA_NODES
-from .sampler import KVGraphSampler
-from .sigmas import KVGraphSigmas
-from .vae import VAE_NODES
-
-NODE_LIST: list[type[io.ComfyNode]] = [*LOADER_NODES, *LORA_NODES, KVGraphTextEncode, KVGraphSampler, KVGraphSigmas,
-                                       *VAE_NODES, *CACHE_NODES]
-
-
-class KVGraphExtension(ComfyExtension):
-    async def get_node_list(self) -> list[type[io.ComfyNode]]:
-        return list(NODE_LIST)
-
-
-async def comfy_entrypoint() -> KVGraphExtension:
-    return KVGraphExtension()

@@ -23,9 +23,7 @@ import comfy.supported_models_base
 from ..graph_runtime.comfy_interop.latents import LATENT_CHANNELS, latent_stats, normalized_to_raw, raw_to_normalized
 from ..graph_runtime.core_model import ModelFunction, PrefixSource, SamplingRun
 from ..graph_runtime.errors import InputError, KVGraphError
-from ..graph_runtime.lora import loras_in_use
 from ..graph_runtime.memory import GenerationShape, TransformerDims, compute_dtype, estimate
-from ..graph_runtime.registry import engine_for
 from ..graph_runtime.sampling.schedule import dynamic_shift
 from . import events, in_flight
 from .patcher import FullLoadPatcher
@@ -71,7 +69,8 @@ class QwenImage21KVModel(comfy.model_base.BaseModel):
     """Core's model over the pack's runtime. `diffusion_model` is the diffusers transformer (ComfyUI sizes, moves and
     lists its weights); every model call goes through `model_function`."""
 
-    def __init__(self, transformer: torch.nn.Module, scheduler_config: dict | None, variant: str | None, device):
+    def __init__(self, loaded, scheduler_config: dict | None, variant: str | None, device):
+        transformer = loaded.transformer
         config = QwenImage21Config({"disable_unet_model_creation": True})
         config.sampling_settings = {"shift": dynamic_shift(scheduler_config, 1024, 1024)}
         config.set_inference_dtype(compute_dtype(transformer), None)
@@ -79,7 +78,8 @@ class QwenImage21KVModel(comfy.model_base.BaseModel):
         self.diffusion_model = transformer
         self.scheduler_config = scheduler_config
         self.variant = variant
-        self.model_function = ModelFunction(engine_for(transformer))
+        self.loaded = loaded  # the transformer's owner (graph_runtime/loaded.py): engine, LoRA state, runs
+        self.model_function = ModelFunction(loaded.engine)
         self._ignored = set()
 
     @property
@@ -147,9 +147,10 @@ class KVGraphModelPatcher(FullLoadPatcher):
         raise KVGraphError(CORE_PATCHES_REFUSED.format(what="hook LoRAs"))
 
 
-def make_model_patcher(transformer, scheduler_config, variant, load_device, offload_device, size: int):
-    """The MODEL over a loaded transformer, with the wrapper that opens a sampling run around core's sampling."""
-    model = QwenImage21KVModel(transformer, scheduler_config, variant, torch.device(offload_device))
+def make_model_patcher(loaded, scheduler_config, variant, load_device, offload_device, size: int):
+    """The MODEL over a loaded transformer (its owner, graph_runtime/loaded.py), with the wrapper that opens a sampling
+    run around core's sampling."""
+    model = QwenImage21KVModel(loaded, scheduler_config, variant, torch.device(offload_device))
     patcher = KVGraphModelPatcher(model, load_device=torch.device(load_device),
                                   offload_device=torch.device(offload_device), size=size)
     patcher.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.OUTER_SAMPLE, WRAPPER, sampling_run_wrapper)
@@ -180,13 +181,12 @@ def sampling_run_wrapper(executor, noise, latent_image, sampler, sigmas, *args, 
     guider = executor.class_obj
     patcher = guider.model_patcher
     model = kv_model(patcher)
-    transformer = model.diffusion_model
     loras = patcher.attachments.get(LORAS, ())
-    run = SamplingRun(model.engine, on_first_call=lambda: loras_in_use(transformer, loras))
+    run = SamplingRun(model.engine, on_first_call=lambda: model.loaded.loras_in_use(loras))
     options = guider.model_options.setdefault("transformer_options", {})
     prompt_id, node_id = events.executing_ids()
     total = max(0, int(sigmas.shape[-1]) - 1)
-    with in_flight.sampling(model.engine, prompt_id, node_id, total) as record:
+    with in_flight.sampling(model.loaded, prompt_id, node_id, total) as record:
         args, kwargs = _with_progress(args, kwargs, record)
         options[RUN] = run
         try:

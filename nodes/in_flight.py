@@ -1,10 +1,11 @@
 """Sampling runs in progress and models in use, and the releases that wait for them.
 
-Route handlers run on ComfyUI's server thread while a prompt samples on the worker thread. Releasing an engine's
-graphs mid-run would throw away the entry the run is replaying (it would capture again on its next step), so a
-release that finds the engine busy is deferred until the run ends: a prompt in flight keeps its entries. Likewise a
-model a node is computing with (the transformer sampling, the text encoder encoding, the VAE encoding or decoding)
-is not moved off its device mid-use: an offload asked for meanwhile happens when its last use ends.
+Route handlers run on ComfyUI's server thread while a prompt samples on the worker thread. Releasing a model's
+graphs mid-run would throw away the entry the run is replaying (it would capture again on its next step), so the
+loaded model (graph_runtime/loaded.py) counts its runs and defers a release that finds it busy until they end: a
+prompt in flight keeps its entries. Likewise a model a node is computing with (the transformer sampling, the text
+encoder encoding, the VAE encoding or decoding) is not moved off its device mid-use: an offload asked for meanwhile
+happens when its last use ends. This module keeps the runs' public progress and those uses.
 """
 
 from __future__ import annotations
@@ -14,14 +15,11 @@ import threading
 import time
 from contextlib import contextmanager
 
-from ..graph_runtime.report import mib
-
 logger = logging.getLogger("kvgraph")
 
+# Guards the tables below (the worker thread's nodes and the server thread's routes read and change them).
 _lock = threading.RLock()
 _runs: dict[int, dict] = {}  # run id -> public progress of that run
-_busy: dict[int, int] = {}  # id(engine) -> runs using it
-_pending: dict[int, tuple[object, str]] = {}  # id(engine) -> (engine, why) released when its last run ends
 _uses: dict[int, int] = {}  # id(patcher) -> nodes computing with that model now (LoRA chains share the patcher)
 _offloads: dict[int, object] = {}  # id(patcher) -> handle to offload when its last use ends
 _next_id = [0]
@@ -59,7 +57,7 @@ def _offload_idle() -> None:
     """Offload every handle released while in use that nothing uses any more."""
     with _lock:
         idle = [h for h in _offloads.values() if not _uses.get(id(h.patcher), 0)
-                and not (h.kind == "transformer" and _busy.get(id(h.engine), 0))]
+                and not (h.kind == "transformer" and h.loaded.busy)]
         for handle in idle:
             _offloads.pop(id(handle.patcher), None)
     for handle in idle:
@@ -72,7 +70,7 @@ def in_use(handle) -> bool:
     """Whether a node is computing with the model of `handle` (for a transformer: also a run on its engine)."""
     with _lock:
         used = _uses.get(id(handle.patcher), 0) > 0
-    return used or (handle.kind == "transformer" and is_busy(handle.engine))
+    return used or (handle.kind == "transformer" and handle.loaded.busy)
 
 
 def offload_when_idle(handle) -> bool:
@@ -88,28 +86,21 @@ def offload_when_idle(handle) -> bool:
 
 
 @contextmanager
-def sampling(engine, prompt_id: str | None, node_id: str | None, total_steps: int):
-    """Mark `engine` busy for the duration of one sampling run; yields the run's progress record."""
+def sampling(loaded, prompt_id: str | None, node_id: str | None, total_steps: int):
+    """One sampling run on `loaded` (graph_runtime/loaded.py), busy for its duration (a graph release waits for its
+    end); yields the run's progress record."""
     with _lock:
         _next_id[0] += 1
         run_id = _next_id[0]
-        record = {"run": run_id, "prompt_id": prompt_id, "node": node_id, "model": engine.name,
+        record = {"run": run_id, "prompt_id": prompt_id, "node": node_id, "model": loaded.engine.name,
                   "step": 0, "total": total_steps, "started": time.time()}
         _runs[run_id] = record
-        _busy[id(engine)] = _busy.get(id(engine), 0) + 1
     try:
-        yield record
+        with loaded.running():
+            yield record
     finally:
         with _lock:
             _runs.pop(run_id, None)
-            left = _busy.get(id(engine), 1) - 1
-            if left:
-                _busy[id(engine)] = left
-            else:
-                _busy.pop(id(engine), None)
-            pending = _pending.pop(id(engine), None) if not left else None
-        if pending is not None:
-            _release_now(engine, pending[1])
         _offload_idle()
 
 
@@ -121,25 +112,3 @@ def update(record: dict, step: int, total: int) -> None:
 def runs() -> list[dict]:
     with _lock:
         return [dict(r) for r in _runs.values()]
-
-
-def is_busy(engine) -> bool:
-    with _lock:
-        return _busy.get(id(engine), 0) > 0
-
-
-def release_graphs(engine, reason: str = "requested") -> str:
-    """Release the engine's graphs now, or when its running sampler finishes. Returns "released" or "deferred"."""
-    with _lock:
-        if _busy.get(id(engine), 0):
-            _pending[id(engine)] = (engine, reason)
-            return "deferred"
-    _release_now(engine, reason)
-    return "released"
-
-
-def _release_now(engine, reason: str) -> None:
-    held = engine.release()
-    if held.get("entries"):
-        logger.info("KV-Graph: released %d decode graph entries (%s) of %s: %s.", held["entries"],
-                    mib(held.get("bytes", 0)), engine.name, reason)

@@ -16,7 +16,6 @@ import torch
 import comfy.model_management as mm
 
 from ..graph_runtime import budget as budgets, memory
-from ..graph_runtime.registry import process_registry
 from ..graph_runtime.report import budget_record
 from ..graph_runtime.validation import VAE_SCALE
 from . import model_cache
@@ -28,7 +27,8 @@ logger = logging.getLogger("kvgraph")
 def free_bytes(device) -> int | None:
     """Memory a new allocation on `device` (a GPU, or the CPU: the host's memory) can get now; None when nothing
     reports it."""
-    runtime = memory.available_bytes(device)
+    engines = [engine for loaded in model_cache.loaded_transformers() for engine in loaded.engines()]
+    runtime = memory.available_bytes(device, engines)
     comfy = mm.get_free_memory(device) if hasattr(mm, "get_free_memory") else None
     known = [int(v) for v in (runtime, comfy) if v is not None]
     return min(known) if known else None
@@ -98,7 +98,8 @@ def check_request(model, request, device) -> memory.MemoryBudget:
     available = budgets.Available(free, (
         ("of this request's models", _resident_bytes(model, device) + _resident_bytes(vae, device)),
         ("of models ComfyUI can unload", _unloadable_bytes(device, keep=(model, vae))),
-        ("of decode graphs", memory.graph_bytes_held(process_registry().engines())),
+        ("of decode graphs", memory.graph_bytes_held(
+            engine for loaded in model_cache.loaded_transformers() for engine in loaded.engines())),
     ))
     try:
         budget = plan.check_available(available, device)

@@ -33,6 +33,9 @@ _lock = threading.RLock()
 _handles: OrderedDict[tuple, object] = OrderedDict()  # least recently used first
 _evicted: dict[tuple, weakref.ref] = {}  # key -> an evicted handle, for as long as something else holds it
 _loads: Counter = Counter()  # key -> how many times it was loaded from disk (the status route reports it)
+# Every transformer this cache loaded that is still alive (cached, evicted or released but held elsewhere, e.g. by
+# ComfyUI's output cache): the status and release routes reach their graphs through it.
+_transformers: "weakref.WeakSet" = weakref.WeakSet()
 
 
 def cache_key(kind: str, path: str, dtype_name: str, *options) -> tuple:
@@ -58,6 +61,8 @@ def get_or_load(key: tuple, load: Callable[[], object]):
     handle.key = key
     _mark_prompt(handle)
     with _lock:
+        if handle.kind == "transformer":
+            _transformers.add(handle.loaded)
         stale = [k for k in _handles if k[0] == key[0] and k[1][0] == key[1][0] and k[2:] == key[2:] and k != key]
         dropped = [_drop(k, "file changed on disk") for k in stale]
         _handles[key] = handle
@@ -90,6 +95,12 @@ def adopt(handle) -> None:
 def handles() -> list:
     with _lock:
         return list(_handles.values())
+
+
+def loaded_transformers() -> list:
+    """The owners (graph_runtime/loaded.py) of every transformer loaded here that is still alive."""
+    with _lock:
+        return list(_transformers)
 
 
 def load_count(key: tuple) -> int:

@@ -20,10 +20,9 @@ import torch
 import comfy.model_management as mm
 
 from ..graph_runtime.encoding.prompt import PromptEncoder
-from ..graph_runtime.lora import merged_loras
 from ..graph_runtime.memory import gib, module_bytes
 from ..graph_runtime.placement import PinnedWeights
-from ..graph_runtime.registry import engine_for
+from ..graph_runtime.loaded import LoadedTransformer
 from ..graph_runtime.report import storage_text
 from .core_model import make_model_patcher, with_loras
 from .patcher import FullLoadPatcher, ModuleHost, same_device  # noqa: F401 - same_device: other nodes import it here
@@ -156,12 +155,19 @@ class TransformerHandle(ModelHandle):
     def make_patcher(module, load_device, offload_device, extra: dict) -> FullLoadPatcher:
         # The handle's patcher is the core MODEL the loaders output: one patcher, one set of weights for ComfyUI's
         # model management whichever sampler runs them.
-        return make_model_patcher(module, extra.get("scheduler_config"), extra.get("info", {}).get("variant"),
-                                  load_device, offload_device, size=module_bytes(module))
+        return make_model_patcher(LoadedTransformer(module), extra.get("scheduler_config"),
+                                  extra.get("info", {}).get("variant"), load_device, offload_device,
+                                  size=module_bytes(module))
+
+    @property
+    def loaded(self) -> LoadedTransformer:
+        """The transformer's owner (engine, graphs, LoRA state, runs): the core MODEL's, shared by every handle and
+        MODEL clone of this loaded model."""
+        return self.patcher.model.loaded
 
     @property
     def engine(self):
-        return engine_for(self.module)
+        return self.loaded.engine
 
     @property
     def model(self):
@@ -173,14 +179,12 @@ class TransformerHandle(ModelHandle):
         return dataclasses.replace(self, loras=(*self.loras, choice), base=self.base or self)
 
     def describe(self) -> dict:
-        return {**super().describe(), "loras": merged_loras(self.module)["loras"]}
+        return {**super().describe(), "loras": self.loaded.merged_loras()["loras"]}
 
     def _weights_leaving(self, patcher) -> None:
         # Captured graphs and their static buffers are worthless once the weights move; free the buffers with
         # the model (a sampler in flight keeps its entries until it finishes).
-        from . import in_flight
-
-        in_flight.release_graphs(self.engine, reason=f"{self.kind} unloaded by ComfyUI")
+        self.loaded.release_graphs(reason=f"{self.kind} unloaded by ComfyUI")
 
 
 @dataclass(eq=False)

@@ -18,7 +18,6 @@ from ..graph_runtime.comfy_interop.latents import (
 from ..graph_runtime.decode import DECODE_MODES
 from ..graph_runtime.errors import InputError
 from ..graph_runtime.loading.variant import AUTO, TURBO, sigma_preset_for
-from ..graph_runtime.lora import loras_in_use
 from ..graph_runtime.parallel import sample_on_devices
 from ..graph_runtime.report import run_summary
 from ..graph_runtime.sampling.sampler import Cancelled, SamplingRequest, check_schedule
@@ -110,15 +109,15 @@ class KVGraphSampler(io.ComfyNode):
         # ComfyUI is then asked to make room for all of it beyond the transformer's own weights.
         budget = memory_budget.check_request(model, request, model.patcher.load_device)
         model.ensure_loaded(max(0, budget.total - budget.part("transformer weights")))
-        engine = model.engine
+        loaded = model.loaded
         prompt_id, node_id = events.executing_ids()
         total = len(TURBO_SIGMAS) if request.sigma_preset == TURBO else int(steps)
 
         # The handle's LoRA set is merged (or the originals restored) before the run and held until it ends.
-        with loras_in_use(model.module, model.loras), in_flight.sampling(engine, prompt_id, node_id, total) as record:
+        with loaded.loras_in_use(model.loras), in_flight.sampling(loaded, prompt_id, node_id, total) as record:
             progress = SamplerProgress(total, record)
             try:
-                result = sample_on_devices(model.module, request, model.gpus, on_step=progress.on_step,
+                result = sample_on_devices(loaded, request, model.gpus, on_step=progress.on_step,
                                            should_stop=progress.should_stop, on_event=events.sender(prompt_id, node_id))
             except Cancelled:
                 # The sampler stopped between steps (its caches are released): end the node the way ComfyUI

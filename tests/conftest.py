@@ -38,9 +38,9 @@ def reference_pipeline(tiny_parts):
 
 @pytest.fixture(scope="session")
 def generator(tiny_models):
-    from graph_runtime.generate import QwenImageGenerator
+    from tests.owners import generator_for
 
-    return QwenImageGenerator(tiny_models)
+    return generator_for(tiny_models)
 
 
 @pytest.fixture(scope="session")

@@ -191,7 +191,7 @@ def main() -> dict:
     # Nothing of a run outlives it: no run in progress, the engine not busy, no prefix left owning an entry.
     in_flight = env.pack.nodes.in_flight
     engine = handle.engine
-    out["after"] = {"runs": in_flight.runs(), "busy": in_flight.is_busy(engine),
+    out["after"] = {"runs": in_flight.runs(), "busy": handle.loaded.busy,
                     "owned_entries": sum(engine.graphs.owners.alive(k) for k in engine.graphs.entries),
                     "stats": engine.stats.snapshot()}
     return out

@@ -24,7 +24,7 @@ from graph_runtime.quantized import (
     ConvRotInt8Embedding, ConvRotInt8Linear, dequantize_weight, group_size_problem, int8_modules, quantize_linears_,
     quantize_weight, record_tensor,
 )
-from graph_runtime.registry import engine_for
+from tests.owners import loaded_for
 from graph_runtime.sampling.sampler import SamplingRequest, initial_noise, sample
 from graph_runtime.tiny import INT8_FILES, TINY_CONVROT_GROUP, write_comfyui_files, write_comfyui_int8_files
 
@@ -265,7 +265,7 @@ def _latents(model, embeds, steps=4, dtype=BF16, trajectory=None):
     request = SamplingRequest(positive=embeds, latent_height=8, latent_width=8, seed=3, steps=steps,
                               decode_mode="eager")
     on_step = None if trajectory is None else (lambda i, n, x: trajectory.append(x.clone()))
-    return sample(engine_for(model), request, on_step=on_step).latents
+    return sample(loaded_for(model).engine, request, on_step=on_step).latents
 
 
 @pytest.fixture(scope="module")

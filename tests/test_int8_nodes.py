@@ -2,6 +2,7 @@
 weight modes, the cache key, Turbo detection and the sampler's auto preset, which runs the Turbo grid as ComfyUI's
 Turbo template does (CPU, the small ComfyUI fake)."""
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -22,7 +23,7 @@ TEMPLATE_TURBO_SIGMAS = [1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.
 
 def pack_module(env, name):
     """A module of the pack as ComfyUI imported it (its classes are not the top-level graph_runtime's)."""
-    return sys.modules[f"{env.pack.__name__}.{name}"]
+    return importlib.import_module(f"{env.pack.__name__}.{name}")
 
 
 def run(env, node_id, **inputs):

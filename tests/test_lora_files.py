@@ -16,7 +16,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from lora_layouts import LAYOUTS, reference_weights, write_keys, write_layout  # noqa: E402
 
 from graph_runtime.errors import CheckpointError  # noqa: E402
-from graph_runtime.lora import LoraChoice, merge_state, read_lora  # noqa: E402
+from graph_runtime.lora import LoraChoice, read_lora  # noqa: E402
+from tests.owners import loaded_for  # noqa: E402
 from graph_runtime.lora.weights import PlainWeight, QuantizedWeight, weight_slot  # noqa: E402
 
 
@@ -47,7 +48,7 @@ def test_every_layout_merges_to_the_reference_weights(model, tmp_path, layout):
     assert set(lora.patches) == set(expected)
     before = _snapshot(model)
     reference = reference_weights(model, [(0.7, expected)])
-    assert merge_state(model).apply([LoraChoice(lora, 0.7)]) is True
+    assert loaded_for(model).lora_state().apply([LoraChoice(lora, 0.7)]) is True
     _assert_weights(model, before, reference)
     if layout == "diff":
         assert any("diff_b" in note for note in lora.notes)  # the zero bias difference is reported, not merged
@@ -58,7 +59,7 @@ def test_the_sum_is_rounded_once(model, tmp_path):
     expected = write_layout(tmp_path / "k.safetensors", "kohya", model, dtype=torch.bfloat16)
     name = "transformer_blocks.0.img_mlp.out.weight"
     original = model.get_parameter(name).detach().clone()
-    merge_state(model).apply([LoraChoice(read_lora(tmp_path / "k.safetensors", model), 1.0)])
+    loaded_for(model).lora_state().apply([LoraChoice(read_lora(tmp_path / "k.safetensors", model), 1.0)])
     (_, up, down, scale), = expected[name]
     twice = original + (scale * (up.float() @ down.float())).to(torch.bfloat16)
     assert not torch.equal(model.get_parameter(name), twice)
@@ -68,7 +69,7 @@ def test_strength_zero_and_unload_restore_the_original_bits(model, tmp_path):
     write_layout(tmp_path / "k.safetensors", "kohya", model, dtype=torch.bfloat16)
     lora = read_lora(tmp_path / "k.safetensors", model)
     before = _snapshot(model)
-    state = merge_state(model)
+    state = loaded_for(model).lora_state()
     assert state.apply([LoraChoice(lora, 0.0)]) is False  # strength 0 is no LoRA: nothing to do
     _assert_weights(model, before, {})
     assert state.apply([LoraChoice(lora, 1.0)]) is True
@@ -85,12 +86,12 @@ def test_negative_strength_and_two_loras_on_one_weight(model, tmp_path):
     choices = [LoraChoice(read_lora(tmp_path / "a.safetensors", model), -0.5),
                LoraChoice(read_lora(tmp_path / "b.safetensors", model), 1.25)]
     reference = reference_weights(model, [(-0.5, a), (1.25, b)])
-    merge_state(model).apply(choices)
+    loaded_for(model).lora_state().apply(choices)
     for name, want in reference.items():
         # Two deltas on one weight are summed in the merge's own order: fp32 round-off (~1e-7 relative) can move a
         # bf16 rounding by one step (2**-8 relative) on a few elements.
         torch.testing.assert_close(model.get_parameter(name), want, rtol=2**-7, atol=1e-6)
-    assert merge_state(model).apply(list(reversed(choices))) is False  # the chain's order is not part of the set
+    assert loaded_for(model).lora_state().apply(list(reversed(choices))) is False  # the chain's order is not part of the set
 
 
 def test_a_quantized_module_merges_by_dequantize_add_requantize(tmp_path):
@@ -139,7 +140,7 @@ def test_weights_replaced_by_a_device_move_are_found_again(model, tmp_path):
     module holds now, not into the one it held when it was merged."""
     write_layout(tmp_path / "k.safetensors", "kohya", model, dtype=torch.bfloat16)
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
-    state = merge_state(model)
+    state = loaded_for(model).lora_state()
     state.apply([LoraChoice(read_lora(tmp_path / "k.safetensors", model), 1.0)])
     attn = model.transformer_blocks[0].attn.to_q
     attn._parameters["weight"] = torch.nn.Parameter(attn.weight.detach().clone(), requires_grad=False)
@@ -154,7 +155,7 @@ def test_forget_after_the_weights_were_reloaded(model, tmp_path):
     original = {name: p.detach().clone() for name, p in model.named_parameters()}
     reference = reference_weights(model, [(1.0, expected)])
     choice = [LoraChoice(read_lora(tmp_path / "k.safetensors", model), 1.0)]
-    state = merge_state(model)
+    state = loaded_for(model).lora_state()
     state.apply(choice)
     model.load_state_dict(original)  # a reload from the file
     state.forget()
@@ -316,7 +317,7 @@ def test_a_refused_file_leaves_the_model_and_the_next_lora_working(model, tmp_pa
     _assert_weights(model, before, {})
     expected = write_layout(tmp_path / "good.safetensors", "peft", model, dtype=torch.bfloat16)
     reference = reference_weights(model, [(1.0, expected)])
-    merge_state(model).apply([LoraChoice(read_lora(tmp_path / "good.safetensors", model), 1.0)])
+    loaded_for(model).lora_state().apply([LoraChoice(read_lora(tmp_path / "good.safetensors", model), 1.0)])
     _assert_weights(model, before, reference)
 
 
@@ -330,7 +331,7 @@ def test_weights_loaded_under_inference_mode_merge_and_restore(tiny_models, tmp_
     expected = write_layout(tmp_path / "k.safetensors", "kohya", model, dtype=torch.bfloat16)
     before = _snapshot(model)
     reference = reference_weights(model, [(1.0, expected)])
-    state = merge_state(model)
+    state = loaded_for(model).lora_state()
     state.apply([LoraChoice(read_lora(tmp_path / "k.safetensors", model), 1.0)])
     _assert_weights(model, before, reference)
     state.apply([])

@@ -18,7 +18,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from lora_layouts import write_layout  # noqa: E402
 
 from graph_runtime.loading import load_transformer  # noqa: E402
-from graph_runtime.lora import LoraChoice, merge_state, read_lora  # noqa: E402
+from graph_runtime.lora import LoraChoice, read_lora  # noqa: E402
+from tests.owners import loaded_for  # noqa: E402
 from graph_runtime.quantized.int8_convrot import ConvRotInt8Linear, dequantize_weight, quantize_weight  # noqa: E402
 from graph_runtime.tiny import write_comfyui_int8_files  # noqa: E402
 
@@ -56,7 +57,7 @@ def test_int8_layers_merge_in_their_own_storage_and_restore_exactly(int8_model, 
     lora = read_lora(tmp_path / "k.safetensors", int8_model)
     before = _int8_tensors(int8_model)
     groups = {name: m.group_size for name, m in int8_model.named_modules() if isinstance(m, ConvRotInt8Linear)}
-    state = merge_state(int8_model)
+    state = loaded_for(int8_model).lora_state()
     assert state.apply([LoraChoice(lora, 0.8)]) is True
     touched = 0
     for name, module in int8_model.named_modules():
@@ -88,7 +89,7 @@ def test_a_merged_int8_model_samples_like_one_quantized_from_the_merged_weights(
                                                                                 tiny_models):
     """The sampler over the merged int8 model equals the sampler over an int8 model whose layers were set, by the
     reference math, to the re-quantized merged weights (same int8 GEMMs on the same tensors: exact)."""
-    from graph_runtime.generate import QwenImageGenerator
+    from tests.owners import generator_for
 
     expected = write_layout(tmp_path / "p.safetensors", "peft", int8_model, seed=3)
     reference = load_transformer(int8_file, dtype=torch.float32, quantized="int8")
@@ -98,14 +99,14 @@ def test_a_merged_int8_model_samples_like_one_quantized_from_the_merged_weights(
             q, s = _reference((module.weight, module.weight_scale, module.group_size), patches, 1.0)
             module.weight.data.copy_(q)
             module.weight_scale.copy_(s)
-    merge_state(int8_model).apply([LoraChoice(read_lora(tmp_path / "p.safetensors", int8_model), 1.0)])
+    loaded_for(int8_model).lora_state().apply([LoraChoice(read_lora(tmp_path / "p.safetensors", int8_model), 1.0)])
 
     def run(transformer):
         models = type(tiny_models)(**{**vars(tiny_models), "transformer": transformer})
-        return QwenImageGenerator(models).generate("a lighthouse", width=64, height=64, steps=2, seed=4,
+        return generator_for(models).generate("a lighthouse", width=64, height=64, steps=2, seed=4,
                                                    decode_mode="eager").latents
 
     merged, want = run(int8_model), run(reference)
     assert torch.equal(merged, want)
-    merge_state(int8_model).apply([])
+    loaded_for(int8_model).lora_state().apply([])
     assert not torch.equal(run(int8_model), merged)  # the LoRA changed the output; restoring undid it

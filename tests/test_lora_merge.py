@@ -23,7 +23,8 @@ from test_graph_manager import RecordingBackend, _eager, _request  # noqa: E402
 
 from graph_runtime.decode import eligibility as why  # noqa: E402
 from graph_runtime.decode import DecodeEngine  # noqa: E402
-from graph_runtime.lora import LoraChoice, loras_in_use, merge_state, read_lora  # noqa: E402
+from graph_runtime.lora import LoraChoice, read_lora  # noqa: E402
+from tests.owners import loaded_for  # noqa: E402
 from graph_runtime.lora.file import WeightPatch  # noqa: E402
 from graph_runtime.sampling.sampler import SamplingRequest, sample  # noqa: E402
 
@@ -74,7 +75,7 @@ def test_switching_lora_sets_between_prompts_captures_nothing(model, loras, gene
     engine = DecodeEngine(model, backend=RecordingBackend())
     outputs = []
     for i, name in enumerate(["none", "A", "A", "B", "A", "B", "none"]):
-        with loras_in_use(model, sets[name][0]):
+        with loaded_for(model).loras_in_use(sets[name][0]):
             result = sample(engine, request)
         captures = (result.stats["captures"], result.stats["prefill_captures"])
         assert captures == ((1, 1) if i == 0 else (0, 0)), (name, result.stats)
@@ -84,13 +85,13 @@ def test_switching_lora_sets_between_prompts_captures_nothing(model, loras, gene
         torch.testing.assert_close(result.latents, references[name], rtol=0, atol=atol)
         outputs.append(result.latents)
     assert torch.equal(outputs[1], outputs[2]) and torch.equal(outputs[0], outputs[-1])
-    assert merge_state(model).merges == 5  # none->A, A->B, B->A, A->B, B->none: the repeated A did nothing
+    assert loaded_for(model).lora_state().merges == 5  # none->A, A->B, B->A, A->B, B->none: the repeated A did nothing
 
 
 def test_a_model_without_loras_gets_no_lora_state(model):
-    with loras_in_use(model, []) as changed:
+    with loaded_for(model).loras_in_use([]) as changed:
         assert changed is False
-    assert merge_state(model, create=False) is None
+    assert loaded_for(model).lora_state(create=False) is None
 
 
 def test_guards_accept_an_in_place_merge_and_refuse_moved_or_wrapped_weights(model, loras, generator):
@@ -103,7 +104,7 @@ def test_guards_accept_an_in_place_merge_and_refuse_moved_or_wrapped_weights(mod
     scan = engine.guard.scan
     fingerprint = scan.fingerprint()
     before = engine.decode_step(prefix, latents, t).output
-    merge_state(model).apply([LoraChoice(loras["a"][0], 1.0)])
+    loaded_for(model).lora_state().apply([LoraChoice(loras["a"][0], 1.0)])
     assert not scan.changed() and scan.fingerprint() == fingerprint and not why.has_lora_wrappers(model.modules())
     merged = engine.decode_step(prefix, latents, t)
     assert merged.path == "replay" and not torch.equal(merged.output, before)
@@ -123,7 +124,7 @@ def test_guards_accept_an_in_place_merge_and_refuse_moved_or_wrapped_weights(mod
 
 def test_a_run_never_sees_the_weights_change(model, loras):
     """While a run holds set A, a run wanting set B waits for it to end; a run wanting A again joins at once."""
-    state = merge_state(model)
+    state = loaded_for(model).lora_state()
     a, b = [LoraChoice(loras["a"][0], 1.0)], [LoraChoice(loras["b"][0], 1.0)]
     weight = model.transformer_blocks[0].attn.to_v.weight
     events, order = {k: threading.Event() for k in ("a_in", "a_done", "b_in")}, []
@@ -167,7 +168,7 @@ def test_a_merge_that_fails_halfway_restores_the_originals(model, loras, monkeyp
         return real(self, device, strength)
 
     monkeypatch.setattr(WeightPatch, "delta", failing)
-    state = merge_state(model)
+    state = loaded_for(model).lora_state()
     with pytest.raises(torch.OutOfMemoryError):
         state.apply([LoraChoice(loras["a"][0], 1.0)])
     assert all(torch.equal(p, before[name]) for name, p in model.named_parameters())
@@ -179,14 +180,14 @@ def test_a_merge_that_fails_halfway_restores_the_originals(model, loras, monkeyp
 
 
 def test_a_deep_copy_of_a_merged_model_has_no_lora_state(model, loras):
-    merge_state(model).apply([LoraChoice(loras["a"][0], 1.0)])
+    loaded_for(model).lora_state().apply([LoraChoice(loras["a"][0], 1.0)])
     twin = copy.deepcopy(model)
-    assert merge_state(twin, create=False) is None
+    assert loaded_for(twin).lora_state(create=False) is None
     assert torch.equal(twin.transformer_blocks[0].attn.to_q.weight, model.transformer_blocks[0].attn.to_q.weight)
 
 
 def test_merge_time_is_reported(model, loras):
-    state = merge_state(model)
+    state = loaded_for(model).lora_state()
     started = time.perf_counter()
     state.apply([LoraChoice(loras["a"][0], 1.0)])
     described = state.describe()

@@ -260,10 +260,10 @@ def test_the_budget_covers_a_traced_sampling_run_of_a_batch(tiny_models, batch, 
     traced: its peak of live tensors is within the estimate (without its margin and the weights), and the estimate is
     not more than 1.5x that peak (its latent copies are counted for the step they are all alive in). Before the
     sampler's latent-sized tensors were counted, a batch's estimate fell short of the trace."""
-    from graph_runtime.generate import QwenImageGenerator
+    from tests.owners import generator_for
     from graph_runtime.sampling.sampler import SamplingRequest, sample
 
-    generator = QwenImageGenerator(tiny_models)
+    generator = generator_for(tiny_models)
     positive = generator.encoder.encode("a red cube")
     request = SamplingRequest(positive=positive, negative=positive if cfg else None, cfg=2.0 if cfg else 1.0,
                               latent_height=32, latent_width=32, batch_size=batch, steps=3, decode_mode="eager",

@@ -9,6 +9,7 @@ transformer options. Tolerance: the fp32 tiny model; core's Euler against the KV
 round-off (tests/test_core_model.py), so 2e-5 on raw latents of magnitude ~5.
 """
 
+import importlib
 import copy
 import sys
 import types
@@ -33,7 +34,7 @@ def setup(comfy_env):
 
 
 def pack_module(env, name):
-    return sys.modules[f"{env.pack.__name__}.{name}"]
+    return importlib.import_module(f"{env.pack.__name__}.{name}")
 
 
 def core_sample(env, patcher, conditioning, latent, sigmas, seed, during=None):
@@ -99,7 +100,7 @@ def test_core_euler_over_kvgraph_sigmas_equals_the_kvgraph_sampler(comfy_env, se
     ours = sampler(comfy_env, handle, positive, latent, sigma_preset="auto")["samples"]
     assert (core - ours).abs().max() <= ATOL
     in_flight = pack_module(comfy_env, "nodes.in_flight")
-    assert in_flight.runs() == [] and not in_flight.is_busy(handle.engine)
+    assert in_flight.runs() == [] and not handle.loaded.busy
 
 
 def test_the_run_is_open_for_the_sampling_call_only(comfy_env, setup):
@@ -107,11 +108,10 @@ def test_the_run_is_open_for_the_sampling_call_only(comfy_env, setup):
     status), and it is released when the call ends, also when the call fails."""
     handle, model, positive, _, latent = setup
     core_model = pack_module(comfy_env, "nodes.core_model")
-    in_flight = pack_module(comfy_env, "nodes.in_flight")
     seen = []
 
     def during(options):
-        seen.append((options[core_model.RUN], in_flight.is_busy(handle.engine)))
+        seen.append((options[core_model.RUN], handle.loaded.busy))
 
     core_sample(comfy_env, model, positive, latent, sigmas_node(comfy_env, model, latent), 1, during)
     runs = {id(run) for run, _ in seen}
@@ -124,7 +124,7 @@ def test_the_run_is_open_for_the_sampling_call_only(comfy_env, setup):
 
     with pytest.raises(RuntimeError, match="interrupted"):
         core_sample(comfy_env, model, positive, latent, sigmas_node(comfy_env, model, latent), 1, fail)
-    assert seen[-1].released and not in_flight.is_busy(handle.engine)
+    assert seen[-1].released and not handle.loaded.busy
 
 
 def test_equal_conditioning_is_one_prefix(comfy_env, setup):

@@ -5,6 +5,7 @@ runtime it wraps, CFG / denoise / turbo, interruption, progress and previews, we
 text encoder's placement policy, ComfyUI memory management hooks, the cache nodes and the HTTP routes.
 """
 
+import importlib
 import asyncio
 import logging
 import sys
@@ -85,7 +86,7 @@ def test_loader_fingerprint_follows_the_file(comfy_env, tmp_path):
 
 
 def test_missing_model_file_names_the_file_and_the_input(comfy_env):
-    from_pack = sys.modules[f"{comfy_env.pack.__name__}.graph_runtime.errors"]
+    from_pack = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.errors")
     with pytest.raises(from_pack.CheckpointError) as err:
         run(comfy_env, "KVGraphLoadTransformer", transformer_name="qwen_image_2.1_fp8.safetensors", dtype="bf16")
     assert "qwen_image_2.1_fp8.safetensors" in str(err.value) and "transformer_name" in str(err.value)
@@ -127,7 +128,7 @@ def test_encode_text_to_image(comfy_env, models):
 
 @pytest.mark.parametrize("name, value", [("width", 100), ("height", 8)])
 def test_encode_rejects_sizes_off_the_16px_grid(comfy_env, models, name, value):
-    from_pack = sys.modules[f"{comfy_env.pack.__name__}.graph_runtime.errors"]
+    from_pack = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.errors")
     with pytest.raises(from_pack.InputError) as err:
         encode(comfy_env, models[1], **{name: value})
     assert f"{name}={value}" in str(err.value) and "multiple of 16" in str(err.value)
@@ -159,8 +160,8 @@ def test_encode_with_references(comfy_env, models):
 
 
 def test_sampler_equals_the_runtime_and_reports_progress_and_events(comfy_env, models, caplog):
-    rt = sys.modules[f"{comfy_env.pack.__name__}.graph_runtime.sampling.sampler"]
-    ci = sys.modules[f"{comfy_env.pack.__name__}.graph_runtime.comfy_interop"]
+    rt = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.sampling.sampler")
+    ci = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.comfy_interop")
     transformer, text_encoder, _ = models
     positive, _, latent = encode(comfy_env, text_encoder)
     fake = comfy_env.fake
@@ -283,7 +284,7 @@ def test_interrupt_stops_the_run_and_the_next_prompt_works(comfy_env, models):
             sampler(comfy_env, transformer, positive, latent, steps=20)
     finally:
         comfy_env.fake.interrupt_at_step = None
-    assert in_flight.runs() == [] and not in_flight.is_busy(transformer.engine)
+    assert in_flight.runs() == [] and not transformer.loaded.busy
     assert comfy_env.fake.interrupted is False  # consumed by the exception, as ComfyUI's check does
     assert sampler(comfy_env, transformer, positive, latent)["samples"].shape == (1, 64, 6, 8)
 
@@ -354,7 +355,7 @@ def test_release_waits_for_a_running_sampler(comfy_env, models, monkeypatch):
     engine = models[0].engine
     released = []
     monkeypatch.setattr(engine, "release", lambda: released.append(1) or {"entries": 0})
-    with nodes.in_flight.sampling(engine, "p", "1", 10):
+    with nodes.in_flight.sampling(models[0].loaded, "p", "1", 10):
         result = nodes.status.release()
         assert {"model": engine.graphs.name, "result": "deferred"}.items() <= next(
             g for g in result["graphs"] if g["engine_id"] == f"{id(engine):x}").items()
@@ -400,15 +401,17 @@ def test_status_route_and_node_report_the_graph_cache(comfy_env, models):
 
 
 def test_status_survives_an_engine_that_cannot_report(comfy_env, models):
-    from graph_runtime.registry import process_registry
-
-    class Broken:  # e.g. an engine of another pack built against an older runtime
+    class Broken:  # e.g. an engine built against an older runtime
         @property
         def transformer(self):
             raise AttributeError("no transformer here")
 
-    broken = Broken()
-    process_registry().add(broken)
+    class Owner:  # a loaded model whose engine is that one
+        def engines(self):
+            return [broken]
+
+    broken, owner = Broken(), Owner()
+    comfy_env.pack.nodes.model_cache._transformers.add(owner)
     try:
         payload = comfy_env.pack.nodes.status.status_payload()
         assert {"engine_id": f"{id(broken):x}", "error": "AttributeError: no transformer here"} in payload["models"]
@@ -416,7 +419,7 @@ def test_status_survives_an_engine_that_cannot_report(comfy_env, models):
         assert "unreadable" in comfy_env.pack.nodes.status.status_report()
         assert any(g["result"].startswith("failed") for g in comfy_env.pack.nodes.status.release()["graphs"])
     finally:
-        del broken
+        comfy_env.pack.nodes.model_cache._transformers.discard(owner)
 
 
 def test_release_route_validates_its_body(comfy_env):
@@ -458,7 +461,7 @@ def test_summary_line_says_how_the_prefill_ran(comfy_env, stats, expected):
     eagerly and why (nothing when the request had no graph entry: its eager steps say why)."""
     import types
 
-    report = sys.modules[f"{comfy_env.pack.__name__}.graph_runtime.report"]
+    report = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.report")
     result = types.SimpleNamespace(stats={"captures": 0, "replays": 8, "eager_steps": {}, **stats},
                                    timings={"steps": 8, "prefill_ms": 18.0, "decode_ms_per_step": 107.0})
     line = report.run_summary(1024, 1024, 1, result, "turbo", 1.0)

@@ -1,5 +1,6 @@
 """The transformer loaders' `precision` input (CPU, with the fake ComfyUI pieces of tests/comfy_fake)."""
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def test_precision_is_optional_cached_apart_and_converts_at_load(comfy_env):  # 
 def _fp8_capable(comfy_env, monkeypatch):
     """Make the pack's own copy of fp8/auto.py see a device with FP8 GEMMs and no INT8 path of ours (the fake ComfyUI
     computes on the CPU, where the FP8 Linears then run their dequantized fallback)."""
-    auto = sys.modules[comfy_env.pack.__name__ + ".graph_runtime.fp8.auto"]
+    auto = importlib.import_module(comfy_env.pack.__name__ + ".graph_runtime.fp8.auto")
     monkeypatch.setattr(auto, "fp8_gemm_reason", lambda device: None)
     monkeypatch.setattr(auto, "int8_tensor_core_reason", lambda device: "no int8 tensor cores")
 

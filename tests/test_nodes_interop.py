@@ -16,7 +16,7 @@ import torch
 from graph_runtime import comfy_interop as ci
 from graph_runtime.encoding.images import encode_pixels, prepare_references
 from graph_runtime.errors import InputError
-from graph_runtime.registry import engine_for
+from tests.owners import loaded_for
 from graph_runtime.sampling.sampler import SamplingRequest, sample
 
 C = 64
@@ -128,7 +128,7 @@ def test_round_trip_is_lossless_for_sampling(generator, tiny_models, two_referen
     normalized_direct = [encode_pixels(tiny_models.vae, r.vae_pixels) for r in refs]
     normalized_parsed = [ci.raw_to_normalized(r, stats) for r in parsed.reference_latents]
     assert all(torch.equal(a, b) for a, b in zip(normalized_direct, normalized_parsed))
-    engine = engine_for(tiny_models.transformer)
+    engine = loaded_for(tiny_models.transformer).engine
 
     def run(prompt, references):
         request = SamplingRequest(positive=prompt, latent_height=4, latent_width=6, reference_latents=references,

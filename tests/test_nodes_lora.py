@@ -1,6 +1,7 @@
 """KV-Graph Load LoRA in the pack (CPU, the ComfyUI fake): chaining onto the shared model, the sampler merging each
 prompt's set, the status it reports, and files that fail at the LoRA node with their name."""
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -101,7 +102,7 @@ def test_each_prompt_merges_its_own_set_without_reloading(comfy_env, setup):
 
 
 def test_missing_and_foreign_files_fail_at_the_lora_node(comfy_env, setup):
-    from_pack = sys.modules[f"{comfy_env.pack.__name__}.graph_runtime.errors"]
+    from_pack = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.errors")
     transformer = setup[0]
     with pytest.raises(from_pack.CheckpointError) as err:
         with_lora(comfy_env, transformer, "kvgraph_missing.safetensors")

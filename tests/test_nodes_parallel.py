@@ -7,6 +7,7 @@ runtime as the top-level `graph_runtime`) receives the model and requests across
 Tolerance as in test_parallel_decode.py: 1e-5 absolute on fp32 latents.
 """
 
+import importlib
 import sys
 from pathlib import Path
 
@@ -23,7 +24,7 @@ from test_nodes_execute import T_FILE, encode, load_all, run, sampler  # noqa: E
 def loaded(comfy_env):
     transformer, text_encoder, _ = load_all(comfy_env)
     yield transformer, text_encoder
-    comfy_env.pack.graph_runtime.parallel.shutdown_runtime(transformer.module)
+    transformer.loaded.shutdown_parallel()
 
 
 def _inputs(node):
@@ -54,7 +55,7 @@ def test_gpus_rides_on_the_same_loaded_model(comfy_env, loaded):
 @pytest.mark.parametrize("gpus, expected", [(0, "a whole number from 1"), (4, "divides the transformer's 2 "
                                                                              "attention heads")])
 def test_counts_it_cannot_run_are_refused_by_name(comfy_env, loaded, gpus, expected):
-    errors = sys.modules[f"{comfy_env.pack.__name__}.graph_runtime.errors"]
+    errors = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.errors")
     with pytest.raises(errors.InputError) as err:
         run(comfy_env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32", gpus=gpus)
     assert f"gpus={gpus}" in str(err.value) and expected in str(err.value)
@@ -70,5 +71,5 @@ def test_sampler_on_two_processes_equals_one(comfy_env, loaded):
         expected = sampler(comfy_env, one, positive, latent, **extra)["samples"]
         got = sampler(comfy_env, two, positive, latent, **extra)["samples"]
         assert (got - expected).abs().max().item() <= 1e-5 and got.shape == expected.shape
-    runtime = comfy_env.pack.graph_runtime.parallel.runtime_for(one.module, 2)
+    runtime = one.loaded.parallel_runtime(2)
     assert runtime.starts == 1 and runtime.status()["running"]

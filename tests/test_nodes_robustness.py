@@ -5,6 +5,7 @@ text on the node, and the web routes for a pack folder whose name needs URL quot
 tests/e2e/test_comfyui_robustness.py checks the same against a real ComfyUI, with the next good prompt after each.
 """
 
+import importlib
 import asyncio
 import json
 import re
@@ -30,7 +31,7 @@ def run(env, node_id, **inputs):
 
 def from_pack(env, module: str):
     """A module of the pack as loaded in `env` (its classes are not the test process's graph_runtime ones)."""
-    return sys.modules[f"{env.pack.__name__}.graph_runtime.{module}"]
+    return importlib.import_module(f"{env.pack.__name__}.graph_runtime.{module}")
 
 
 def refusal(env, node_id, **inputs) -> str:
@@ -384,7 +385,7 @@ def test_a_release_mid_prompt_waits_for_the_models_the_prompt_is_using(monkeypat
     the node's output equals the one a run without the release gives."""
     env = make_env()
     try:
-        status, images = env.pack.nodes.status, sys.modules[f"{env.pack.__name__}.graph_runtime.encoding.images"]
+        status, images = env.pack.nodes.status, importlib.import_module(f"{env.pack.__name__}.graph_runtime.encoding.images")
         text_encoder, = run(env, "KVGraphLoadTextEncoder", text_encoder_name="qwen3vl_8b_bf16.safetensors",
                             dtype="fp32", text_encoder_placement="always gpu")
         vae, = run(env, "KVGraphLoadVAE", vae_name=VAE_FILE, dtype="fp32")

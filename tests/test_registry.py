@@ -1,4 +1,6 @@
-"""Exactly one engine registry (and one kernel preload) per process, whichever way the code is imported."""
+"""One `graph_runtime` per process, whichever way the code is imported: the pack loaded by folder name as ComfyUI
+loads it and the top-level `graph_runtime` (CLI, tests, benchmarks) are the same module objects, so every piece of
+module-level state (custom ops, the kernel preload) exists once; engines belong to the loaded model that owns them."""
 
 import importlib.util
 import sys
@@ -25,36 +27,76 @@ def test_pack_imports_outside_comfyui():
     assert pack.WEB_DIRECTORY == "./web"
 
 
-def test_one_registry_for_two_import_paths(tiny_models):
-    """The pack's relative copy and the installed top-level `graph_runtime` share one registry and one engine."""
-    import graph_runtime.registry as top_level
+def test_one_graph_runtime_for_two_import_paths():
+    """The pack loaded by folder name resolves `<folder>.graph_runtime[.x]` (what the nodes import relatively) to
+    the top-level modules themselves, not to second copies."""
+    import graph_runtime
+    import graph_runtime.decode.engine as top_engine
+    import graph_runtime.generate as top_generate
 
     name, _ = _load_pack_like_comfyui()
-    pack_registry = importlib.import_module(f"{name}.graph_runtime.registry")
-    assert pack_registry is not top_level  # really two module copies...
-    assert pack_registry.process_registry() is top_level.process_registry()  # ...one registry
-    transformer = tiny_models.transformer
-    assert pack_registry.engine_for(transformer) is top_level.engine_for(transformer)
-    assert top_level.engine_for(transformer) in top_level.process_registry().engines()
+    assert importlib.import_module(f"{name}.graph_runtime") is graph_runtime
+    assert importlib.import_module(f"{name}.graph_runtime.decode.engine") is top_engine
+    assert importlib.import_module(f"{name}.graph_runtime.generate") is top_generate
+    from_pack = importlib.import_module(f"{name}.graph_runtime.errors")
+    assert from_pack is sys.modules["graph_runtime.errors"] is sys.modules[f"{name}.graph_runtime.errors"]
 
 
-def test_engine_lives_as_long_as_its_transformer():
+def test_a_different_copy_of_graph_runtime_is_refused_with_a_clear_error(tmp_path, monkeypatch):
+    """A top-level `graph_runtime` imported from another place than the pack's folder is an install mistake: the
+    pack's import names both places instead of running on two copies."""
+    import types
+
+    other = tmp_path / "graph_runtime" / "__init__.py"
+    other.parent.mkdir()
+    other.write_text("")
+    monkeypatch.setitem(sys.modules, "graph_runtime", types.ModuleType("graph_runtime"))
+    sys.modules["graph_runtime"].__file__ = str(other)
+    try:
+        _load_pack_like_comfyui()
+    except ImportError as error:
+        assert str(other) in str(error) and str(REPO) in str(error)
+    else:
+        raise AssertionError("a second copy of graph_runtime was accepted")
+
+
+def test_the_engine_belongs_to_the_loaded_model_and_lives_as_long_as_it():
+    """The transformer's owner makes its engine once and keeps it; nothing is attached to the transformer (a third
+    party's module), so the engine, its graphs and its LoRA state go with the owner."""
     import gc
+    import weakref
 
     from diffusers import QwenImage21Transformer2DModel
 
-    from graph_runtime.registry import engine_for, process_registry
+    from graph_runtime.loaded import LoadedTransformer
     from graph_runtime.tiny import TINY_TRANSFORMER
 
-    import weakref
-
     transformer = QwenImage21Transformer2DModel(**TINY_TRANSFORMER)
-    engine = engine_for(transformer)
-    assert engine_for(transformer) is engine and engine in process_registry().engines()
+    before = set(vars(transformer))
+    loaded = LoadedTransformer(transformer)
+    engine = loaded.engine
+    assert loaded.engine is engine and loaded.engines() == [engine] and loaded.lora_state() is loaded.lora_state()
+    assert set(vars(transformer)) == before  # nothing stuck onto the transformer
     engine_ref = weakref.ref(engine)
-    del transformer, engine
+    del loaded, engine
     gc.collect()
-    assert engine_ref() is None  # freed with its transformer, so the registry no longer lists it
+    assert engine_ref() is None  # freed with its owner
+
+
+def test_a_release_asked_for_during_a_run_waits_for_its_end(tiny_models):
+    """The owner counts its runs: a release of its graphs while one runs is deferred, then done when the last run
+    ends (a prompt in flight keeps the entries it replays)."""
+    from graph_runtime.loaded import LoadedTransformer
+
+    loaded = LoadedTransformer(tiny_models.transformer)
+    released = []
+    loaded.engine.release = lambda: released.append(1) or {"entries": 0}
+    with loaded.running():
+        with loaded.running():
+            assert loaded.busy and loaded.release_graphs("test") == "deferred" and released == []
+        assert released == []  # one run still holds the graphs
+    assert released == [1] and not loaded.busy
+    assert loaded.release_graphs("test") == "released" and released == [1, 1]
 
 
 def test_installed_distribution_exposes_no_top_level_nodes():
@@ -80,7 +122,7 @@ def test_one_definition_of_each_kernel_op_for_two_import_paths():
     name, _ = _load_pack_like_comfyui()
     pack_norms = importlib.import_module(f"{name}.graph_runtime.kernels.norm_modulate")
     pack_qk = importlib.import_module(f"{name}.graph_runtime.kernels.qk_norm_rope")
-    assert pack_norms is not top_norms
+    assert pack_norms is top_norms
     assert pack_norms.norm_modulate is top_norms.norm_modulate
     assert pack_norms.residual_norm_modulate is top_norms.residual_norm_modulate
     assert pack_qk.qk_norm_rope_write is top_qk.qk_norm_rope_write
@@ -96,5 +138,5 @@ def test_one_kernel_preload_for_two_import_paths():
 
     name, _ = _load_pack_like_comfyui()
     pack_preload = importlib.import_module(f"{name}.graph_runtime.kernels.preload")
-    assert pack_preload is not top_level
+    assert pack_preload is top_level
     assert pack_preload._state() is top_level._state()

@@ -25,7 +25,7 @@ from PIL import Image
 from graph_runtime.decode import DecodeEngine
 from graph_runtime.encoding.prompt import PromptEmbeds
 from graph_runtime.errors import CheckpointError, InputError, NonFiniteError
-from graph_runtime.generate import QwenImageGenerator
+from tests.owners import generator_for
 from graph_runtime.sampling.sampler import SamplingRequest, sample
 from graph_runtime.sampling.schedule import build_schedule
 from graph_runtime.validation import MAX_PROMPT_TOKENS, MAX_SEED, check_positions
@@ -37,7 +37,7 @@ GOOD = dict(prompt="a red cube", width=64, height=64, steps=2, seed=7, decode_mo
 @pytest.fixture(scope="module")
 def good_reference(tiny_models):
     """The good run's latents from a generator that has seen no bad input."""
-    return QwenImageGenerator(tiny_models).generate(**GOOD).latents
+    return generator_for(tiny_models).generate(**GOOD).latents
 
 
 def assert_next_run_is_good(generator, reference):
@@ -156,7 +156,7 @@ def test_nan_transformer_weights_stop_the_run_with_an_error_not_a_black_image(ti
     models = types.SimpleNamespace(**dict(vars(tiny_models), transformer=broken))
     steps = []
     with pytest.raises(NonFiniteError, match="latents after step 1 of 2 holds NaN .* transformer's weights"):
-        QwenImageGenerator(models).generate(**GOOD, on_step=lambda s, t, l: steps.append(s))
+        generator_for(models).generate(**GOOD, on_step=lambda s, t, l: steps.append(s))
     assert steps == []  # stopped at the first bad step, before its latents were handed on
     assert_next_run_is_good(generator, good_reference)
 
@@ -167,7 +167,7 @@ def test_nan_vae_weights_are_an_error_naming_the_vae(tiny_models, generator, goo
         next(p for p in broken.decoder.parameters() if p.dim() > 1).fill_(float("nan"))
     models = types.SimpleNamespace(**dict(vars(tiny_models), vae=broken))
     with pytest.raises(NonFiniteError, match="decoded image holds NaN .* VAE's weights"):
-        QwenImageGenerator(models).generate(**GOOD)
+        generator_for(models).generate(**GOOD)
     assert_next_run_is_good(generator, good_reference)
 
 
@@ -434,7 +434,7 @@ def test_an_all_zero_vae_is_an_error_naming_the_vae_file_not_a_grey_image(tiny_m
             p.zero_()
     with pytest.raises(FlatOutputError, match=r"the decoded image is one flat colour: .*VAE's weights "
                                               r"\(zero_vae.safetensors\)"):
-        QwenImageGenerator(_with_vae(tiny_models, zero, "zero_vae.safetensors")).generate(**GOOD)
+        generator_for(_with_vae(tiny_models, zero, "zero_vae.safetensors")).generate(**GOOD)
     assert_next_run_is_good(generator, good_reference)
 
 
@@ -443,7 +443,7 @@ def test_nan_vae_weights_name_the_vae_file(tiny_models):
     with torch.no_grad():
         next(p for p in broken.decoder.parameters() if p.dim() > 1).fill_(float("nan"))
     with pytest.raises(NonFiniteError, match=r"VAE's weights \(models/vae/nan.safetensors\)"):
-        QwenImageGenerator(_with_vae(tiny_models, broken, "models/vae/nan.safetensors")).generate(**GOOD)
+        generator_for(_with_vae(tiny_models, broken, "models/vae/nan.safetensors")).generate(**GOOD)
 
 
 def test_the_decoded_image_check_passes_real_images_and_flat_white(tiny_models):
@@ -572,7 +572,7 @@ import json, sys, torch
 from graph_runtime.encoding.prompt import PromptEmbeds
 from graph_runtime.loading import load_text_encoder, load_transformer, load_vae
 from graph_runtime.quantized import int8_modules
-from graph_runtime.registry import engine_for
+from graph_runtime.loaded import LoadedTransformer
 from graph_runtime.sampling.sampler import SamplingRequest, sample
 files, tokenizer = json.loads(sys.argv[1]), sys.argv[2]
 models = {"transformer": load_transformer(files["transformer"], dtype=torch.bfloat16),
@@ -588,7 +588,7 @@ for name in ("transformer", "int8"):
     model = models[name]
     embeds = PromptEmbeds(torch.randn(1, 8, model.config.context_in_dim), torch.zeros(1, 8, dtype=torch.bool))
     request = SamplingRequest(positive=embeds, latent_height=4, latent_width=4, steps=1, decode_mode="eager")
-    total += float(sample(engine_for(model), request).latents.float().sum())
+    total += float(sample(LoadedTransformer(model).engine, request).latents.float().sum())
 print("finite" if total == total else "nan")
 """
 

@@ -23,23 +23,31 @@ RUNTIME = ROOT / "graph_runtime"
 NODES = ROOT / "nodes"
 
 
+def package_of(path: Path) -> str:
+    """The package the module at `path` is in (for a package's __init__.py: that package)."""
+    if path.name == "__init__.py":
+        return ".".join(path.relative_to(ROOT).parts[:-1])
+    return ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+
+
+def absolute_module(node: ast.ImportFrom, package: str) -> str:
+    """The absolute name of the module a `from ... import` statement in `package` imports from."""
+    if not node.level:
+        return node.module or ""
+    base = package.split(".")[:len(package.split(".")) - node.level + 1]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
 def imported_modules(path: Path, package: str | None = None) -> set[str]:
     """Every module `path` imports, anywhere in it (function-level imports included), as an absolute dotted name.
     `package`: the package `path` is in (default: read off its place under the repository root)."""
-    if package is None:
-        package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
-        if path.name == "__init__.py":
-            package = ".".join(path.relative_to(ROOT).parts[:-1])
+    package = package_of(path) if package is None else package
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[:len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
+            module = absolute_module(node, package)
             found.add(module)
             # `from .. import tiny` names the module in the imported names.
             found.update(f"{module}.{alias.name}" for alias in node.names)
@@ -200,3 +208,124 @@ def test_nodes_word_no_byte_sizes():
     found = [f"{path.relative_to(ROOT)}:{node.lineno}" for path in sorted(NODES.rglob("*.py"))
              for node in ast.walk(ast.parse(path.read_text(), str(path))) if is_size_unit(node)]
     assert found == [], f"byte sizes worded in nodes/ (use graph_runtime.report.mib / memory.gib): {found}"
+
+
+def pack_modules() -> dict[str, Path]:
+    """{dotted name: file} of every module in graph_runtime/ and nodes/."""
+    files = [p for folder in (RUNTIME, NODES) for p in folder.rglob("*.py")]
+    names = {}
+    for path in files:
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        names[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return names
+
+
+def import_edges(path: Path, modules) -> set[str]:
+    """The modules of `modules` that the module at `path` depends on, by this rule:
+
+    - `from pkg import name` is an edge to `pkg.name` when that is a module, else to `pkg` (a name its __init__
+      defines or re-exports); `import pkg.mod` and `from pkg.mod import x` are edges to `pkg.mod`;
+    - importing a submodule runs its package's __init__ first, but that is Python's doing, not a dependency: a
+      module importing a sibling (`from . import sibling`) does not depend on its package. So a package __init__ that
+      re-exports its submodules is an edge from the package down to each of them, and forms a cycle only when a
+      submodule takes a name from the package's __init__ itself.
+    """
+    package = package_of(path)
+    edges = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            edges.update(alias.name for alias in node.names if alias.name in modules)
+        elif isinstance(node, ast.ImportFrom):
+            module = absolute_module(node, package)
+            for alias in node.names:
+                if f"{module}.{alias.name}" in modules:
+                    edges.add(f"{module}.{alias.name}")
+                elif module in modules:
+                    edges.add(module)
+    return edges
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index, low, stack, on_stack, cycles = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in graph:
+        if v not in index:
+            visit(v)
+    return cycles
+
+
+def test_import_cycles_are_found():
+    """The checker itself: a two-module cycle and a package whose submodule takes a name from its __init__ are found;
+    a sibling import under a re-exporting __init__ is not a cycle."""
+    assert import_cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
+    modules = pack_modules()
+    # nodes/sampler.py imports siblings (`from . import events`): edges to them, not to the nodes package.
+    assert "nodes" not in import_edges(NODES / "sampler.py", modules)
+    assert "nodes.events" in import_edges(NODES / "sampler.py", modules)
+    # kernels/fp8_quant.py takes `define_once` from the kernels package's __init__: an edge to the package.
+    assert "graph_runtime.kernels" in import_edges(RUNTIME / "kernels" / "fp8_quant.py", modules)
+
+
+def test_no_import_cycles_in_the_runtime_and_the_nodes():
+    """graph_runtime/ and nodes/ form layers: no module imports (directly or through others, function-level imports
+    included) a module that imports it back. A cycle makes the import order matter and the pieces inseparable."""
+    modules = pack_modules()
+    graph = {name: import_edges(path, modules) - {name} for name, path in modules.items()}
+    assert import_cycles(graph) == []
+
+
+def process_registries(path: Path) -> list[str]:
+    """Lines of `path` that keep state outside the objects that own it: an entry written into `sys.modules`
+    (`sys.modules[...] = ...`, `sys.modules.setdefault(...)`) or an attribute forced onto another object with
+    `object.__setattr__` (how state gets stuck onto a third party's module)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Assign):
+            targets = [t.value for t in node.targets if isinstance(t, ast.Subscript)]
+            if any(ast.unparse(t) == "sys.modules" for t in targets):
+                found.append(f"{path.name}:{node.lineno}: {ast.unparse(node)}")
+        elif isinstance(node, ast.Call):
+            name = ast.unparse(node.func)
+            if name in ("sys.modules.setdefault", "object.__setattr__", "sys.modules.update"):
+                found.append(f"{path.name}:{node.lineno}: {name}")
+    return found
+
+
+def test_process_registries_are_found(tmp_path):
+    """The checker itself finds each form."""
+    source = tmp_path / "state.py"
+    source.write_text("import sys\nsys.modules['x'] = 1\nsys.modules.setdefault('y', 2)\n"
+                      "def f(m):\n    object.__setattr__(m, '_engine', 3)\n")
+    assert len(process_registries(source)) == 3
+
+
+def test_no_engine_registry_outside_the_model_objects():
+    """The loaded model (graph_runtime/loaded.py) owns its engine, graphs, LoRA state and runs: no module of the
+    runtime or the nodes keeps a registry in `sys.modules` or sticks state onto the transformer (or any other
+    object) with `object.__setattr__`. The pack being importable under two names is solved once, in its root
+    __init__.py, which is why that file is not checked here."""
+    found = [line for folder in (RUNTIME, NODES) for path in sorted(folder.rglob("*.py"))
+             for line in process_registries(path)]
+    assert found == []

@@ -6,8 +6,8 @@ A request runs `prefill` once (claim a graph entry, run the prefix pass into its
 (`graphs.py`, which owns the entries, their owners and the lock), and otherwise an eager step whose reason is
 counted and logged once. `step.py` is the body that runs (eagerly or captured); docs/decode.md draws the flow.
 
-The engine lives as long as the loaded model, so the compiled blocks and the captured graphs survive from one
-generation to the next.
+The loaded model's owner (graph_runtime/loaded.py) holds the engine, so the compiled blocks and the captured graphs
+survive from one generation to the next as long as the model stays loaded.
 """
 
 from __future__ import annotations
@@ -73,11 +73,6 @@ class DecodeEngine:
     @property
     def compiled(self) -> bool:
         return bool(self.step.compiled)
-
-    def __reduce__(self):
-        # A deep copy or pickle of the transformer must not share (or try to serialize) this engine's graphs and
-        # lock: the copy gets no engine and creates its own on first use.
-        return (_no_engine, ())
 
     def enable_compile(self) -> bool:
         """Compile the blocks once per loaded model (lazily: the first decode of each shape compiles).
@@ -220,6 +215,3 @@ class DecodeEngine:
         status.update(compiled=bool(self.step.compiled), compiles=self.compiles)
         return status
 
-
-def _no_engine():
-    return None

@@ -140,6 +140,7 @@ def run_prefill(
                                 modulation[-1:].expand(batch, -1), rotary[:layout.prefix_len], key_valid, static_kv,
                                 kv_heads)
         if prefix_runner is None:
+            # No graph entry, no step to ask: the pass over the transformer's own blocks.
             run_prefix_blocks([TargetDecodeBlock(block) for block in model.transformer_blocks], inputs)
         else:
             prefix_runner(inputs)

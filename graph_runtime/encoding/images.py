@@ -133,14 +133,15 @@ def encode_pixels(vae, pixels: torch.Tensor) -> torch.Tensor:
     return (latents - mean) / std
 
 
-def decode_latents(vae, latents: torch.Tensor) -> torch.Tensor:
+def decode_latents(vae, latents: torch.Tensor, engines=()) -> torch.Tensor:
     """Normalized latents [B, z, h, w] -> images [B, C, 16h, 16w] in [-1, 1], one image at a time (tiled only when
-    a whole decode does not fit in the memory the device has for it: see vae_decode.py)."""
+    a whole decode does not fit in the memory the device has for it, the graph pools of `engines` left out: see
+    vae_decode.py)."""
     param = next(vae.parameters())
     latents = latents.to(param.device, param.dtype)
     mean, std = _stats(vae, latents)
     raw = latents * std + mean
-    tiled = should_tile(vae, raw.shape[-2] * VAE_SCALE, raw.shape[-1] * VAE_SCALE, available_bytes(param.device))
+    tiled = should_tile(vae, raw.shape[-2] * VAE_SCALE, raw.shape[-1] * VAE_SCALE, available_bytes(param.device, engines))
     return decode_each(vae, raw, tiled)
 
 

@@ -6,9 +6,9 @@ GEMMs already quantized.
 """
 
 from .auto import AUTO, ResolvedPrecision, resolve_precision
-from .convert import (DEFAULT_PRECISION, PRECISION_CHOICES, PRECISIONS, apply_precision, check_precision, groups_of,
-                      precision_of)
+from .convert import apply_precision, precision_of
 from .linear import Fp8Linear, fp8_gemm_reason
+from .precisions import DEFAULT_PRECISION, PRECISION_CHOICES, PRECISIONS, check_precision, groups_of
 
 __all__ = ["AUTO", "DEFAULT_PRECISION", "PRECISIONS", "PRECISION_CHOICES", "Fp8Linear", "ResolvedPrecision",
            "apply_precision", "check_precision", "fp8_gemm_reason", "groups_of", "precision_of", "resolve_precision"]

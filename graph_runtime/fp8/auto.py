@@ -20,10 +20,9 @@ import torch
 
 from ..kernels.int8_gemm import int8_tensor_core_reason
 from .linear import fp8_gemm_reason
+from .precisions import AUTO, INT8, groups_of
 
-AUTO = "auto"
 AUTO_FP8 = "fp8-attn"
-INT8 = "int8"
 
 
 @dataclass(frozen=True)
@@ -39,8 +38,6 @@ class ResolvedPrecision:
     def converts(self) -> bool:
         """Whether the load converts block Linears (to FP8, or to int8 from float weights). A conversion quantizes
         from float weights, so an INT8 file is dequantized first, except for `int8`, which keeps the file's own."""
-        from .convert import groups_of  # here, not at the top: convert.py imports this module
-
         if self.precision == INT8 and self.int8_file:
             return False
         return bool(groups_of(self.precision))

@@ -26,47 +26,10 @@ import torch
 
 from ..errors import InputError
 from ..quantized.int8_convrot import ConvRotInt8Linear, is_int8_linear
-from .auto import AUTO, INT8
+from .precisions import AUTO, GROUPS, INT8, PRECISIONS, groups_of
 from .linear import Fp8Linear, is_fp8_linear
 
 INT8_GROUP = 256  # the ConvRot group ComfyUI's INT8 files use, and the one our fused kernels rotate
-
-GROUPS = {
-    "qkv": ("attn.to_q", "attn.to_k", "attn.to_v"),
-    "out": ("attn.to_out.0",),
-    "mlp_in": ("img_mlp.gate_layer", "img_mlp.proj"),
-    "mlp_down": ("img_mlp.out",),
-}
-PRECISIONS = {
-    "bf16": (),
-    "fp8": ("qkv", "out", "mlp_in", "mlp_down"),
-    "fp8-attn": ("qkv", "out"),
-    "fp8-no-out": ("qkv", "mlp_in", "mlp_down"),
-    INT8: ("qkv", "out", "mlp_in", "mlp_down"),
-}
-# What the loaders and the command line apply when no precision is given (see auto.py).
-DEFAULT_PRECISION = AUTO
-PRECISION_CHOICES = (AUTO, *PRECISIONS)
-
-
-def groups_of(precision: str) -> tuple[str, ...]:
-    """The groups a precision converts; an InputError names the value and what is accepted (`auto` is resolved
-    first, by `resolve_precision`)."""
-    if precision in PRECISIONS:
-        return PRECISIONS[precision]
-    if isinstance(precision, str) and precision.startswith("fp8:"):
-        groups = tuple(g.strip() for g in precision[4:].split(",") if g.strip())
-        if groups and all(g in GROUPS for g in groups):
-            return groups
-    raise InputError("precision", precision, f"one of {', '.join(PRECISION_CHOICES)}, or fp8:<comma list of "
-                                             f"{', '.join(GROUPS)}>")
-
-
-def check_precision(precision: str) -> str:
-    if precision != AUTO:
-        groups_of(precision)
-    return precision
-
 
 def linear_names(precision: str) -> list[str]:
     """Dotted names, inside a block, of the Linears `precision` converts."""

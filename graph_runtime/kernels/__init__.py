@@ -11,20 +11,15 @@ alignment, so the kernels lose nothing by it. Strides and widths that depend onl
 
 from __future__ import annotations
 
-from ..process_state import process_wide
-
-_OPS_MODULE = "_kvgraph_process_kernel_ops"
+# Process-wide by nature: torch.library holds one `kvgraph::<name>` per process, and defining it again under the
+# same name destroys the first definition's library (calls through the first op object then reach a deregistered
+# kernel, seen as `std::bad_alloc`). The pack's root __init__ makes sure there is one `graph_runtime` per process,
+# so this one table is the process's.
+_OPS: dict = {}
 
 
 def define_once(name: str, define):
-    """The process's one `torch.library` op `kvgraph::<name>`, built by `define()` on first use.
-
-    The pack can be imported twice in one process (as ComfyUI's custom node folder and as the top-level
-    `graph_runtime`; see registry.py). Defining a custom op again under the same name destroys the first
-    definition's library, and calls through the first copy's op object then reach a deregistered kernel (seen as
-    `std::bad_alloc`). So both copies take the op from one process-wide table (process_state.py).
-    """
-    ops = process_wide(_OPS_MODULE, dict)
-    if name not in ops:
-        ops[name] = define()
-    return ops[name]
+    """The process's one `torch.library` op `kvgraph::<name>`, built by `define()` on first use (see `_OPS`)."""
+    if name not in _OPS:
+        _OPS[name] = define()
+    return _OPS[name]

@@ -21,12 +21,11 @@ from typing import NamedTuple
 import torch
 
 from . import define_once
+from .fp8_format import FP8_MAX, MIN_SCALE  # noqa: F401 - the quantization's constants, read here and by callers
 from .norm_modulate import reference_norm_modulate_fp32
 from .preload import wait_for_preload
 
 FP8_DTYPE = torch.float8_e4m3fn
-FP8_MAX = 448.0  # e4m3's largest finite value
-MIN_SCALE = 1e-12  # an all-zero row quantizes to zeros instead of dividing by zero
 # The Triton launchers (the first-prompt profile times their first calls).
 TRITON_LAUNCHERS = ("_triton_silu_mul_fp8", "_triton_quantize_rows")
 
@@ -36,8 +35,7 @@ class Fp8Rows(NamedTuple):
 
     data: torch.Tensor
     scale: torch.Tensor
-    # Recognized by this marker, not by class: the pack may be imported twice in one process (see registry.py),
-    # and each copy has its own class.
+    # Recognized by this marker, not by class: a caller need not import this module to tell.
     kvgraph_fp8_rows = True
 
     def dequantize(self, dtype=torch.float32) -> torch.Tensor:

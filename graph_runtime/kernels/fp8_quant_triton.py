@@ -3,7 +3,11 @@
 import triton
 import triton.language as tl
 
-from .norm_modulate_triton import FP8_MAX, MIN_SCALE
+from . import fp8_format
+
+# Kernels read module globals only as constexprs.
+FP8_MAX = tl.constexpr(fp8_format.FP8_MAX)
+MIN_SCALE = tl.constexpr(fp8_format.MIN_SCALE)
 
 
 # Row counts vary with the prompt and image size: not specialized (see kernels/__init__.py).

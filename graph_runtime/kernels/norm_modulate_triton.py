@@ -3,12 +3,12 @@
 import triton
 import triton.language as tl
 
-from . import fp8_quant
+from . import fp8_format
 from .int8_quant_triton import quantize_row, rotate_row
 
-# Kernels read module globals only as constexprs; the values are fp8_quant's.
-FP8_MAX = tl.constexpr(fp8_quant.FP8_MAX)
-MIN_SCALE = tl.constexpr(fp8_quant.MIN_SCALE)
+# Kernels read module globals only as constexprs.
+FP8_MAX = tl.constexpr(fp8_format.FP8_MAX)
+MIN_SCALE = tl.constexpr(fp8_format.MIN_SCALE)
 
 
 # The token count varies with every prompt length (prefix passes) and image size: not specialized, so one compiled

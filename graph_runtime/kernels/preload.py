@@ -16,7 +16,8 @@ which a CUDA graph capture in progress would not tolerate, so a capture waits fo
 
 Our kernel wrappers call `wait_for_preload()` before their first launch, so the two threads never set up Triton at
 once (its driver object is created lazily and not under a lock); after the first call that is a flag check. The
-state is process-wide (process_state.py): the pack can be imported twice in one process.
+preload is process-wide by nature (Triton and the CUDA libraries are set up once per process), so its state is
+this module's `_STATE`.
 """
 
 from __future__ import annotations
@@ -25,25 +26,24 @@ import logging
 import threading
 import time
 
-from ..process_state import process_wide
-
 log = logging.getLogger("kv_graph")
-
-_MODULE_NAME = "_kvgraph_process_preload"
 
 
 class PreloadState:
     """The process's one preload: its thread (None until started), a done flag and what it found."""
 
     def __init__(self):
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # guards starting the thread: one start per process
         self.thread: threading.Thread | None = None
         self.done = threading.Event()
         self.result: dict = {}
 
 
+_STATE = PreloadState()
+
+
 def _state() -> PreloadState:
-    return process_wide(_MODULE_NAME, PreloadState)
+    return _STATE
 
 
 def _triton_key():

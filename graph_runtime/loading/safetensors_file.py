@@ -203,10 +203,3 @@ def iter_tensors(paths: Iterable[str | os.PathLike], dtype: torch.dtype | None =
                 elif own:
                     tensor = owned(tensor)
                 yield name, tensor
-
-
-def read_small_tensor(path: str | os.PathLike, name: str) -> torch.Tensor:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt", device="cpu") as f:
-        return f.get_tensor(name)

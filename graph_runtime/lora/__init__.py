@@ -3,13 +3,13 @@ weights in place (so captured decode and prefix-pass graphs keep replaying), res
 
     read_lora(path, transformer) -> LoraFile          a file's changes, checked (CheckpointError otherwise)
     LoraChoice(lora, strength)                         one chained LoRA node's pick
-    loras_in_use(transformer, choices)                 context manager around a sampling run: merges the set
-    merge_state(transformer) -> LoraMerge              the merged set of a transformer (apply, using, describe)
-    merged_loras(transformer) -> dict                  what the status route shows
+    LoraMerge(transformer)                             a model's merged set (apply, using, describe)
+
+The loaded model (graph_runtime/loaded.py) owns its `LoraMerge`: `loaded.loras_in_use(choices)` around a sampling
+run, `loaded.merged_loras()` for the status route.
 """
 
 from .file import LoraFile, WeightPatch, read_lora
-from .merge import LoraChoice, LoraMerge, canonical, loras_in_use, merge_state, merged_loras
+from .merge import LoraChoice, LoraMerge, canonical
 
-__all__ = ["LoraChoice", "LoraFile", "LoraMerge", "WeightPatch", "canonical", "loras_in_use", "merge_state",
-           "merged_loras", "read_lora"]
+__all__ = ["LoraChoice", "LoraFile", "LoraMerge", "WeightPatch", "canonical", "read_lora"]

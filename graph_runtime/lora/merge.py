@@ -1,7 +1,7 @@
 """The LoRA set merged into one loaded transformer, and the runs that use it.
 
-One `LoraMerge` lives on each transformer (attached like its decode engine, see `registry.py`), so every workflow
-and every import of the pack that drives the model sees the same merged set. A run asks for its set with `using`:
+One `LoraMerge` belongs to each loaded transformer (its owner, graph_runtime/loaded.py, holds it beside the decode
+engine), so every workflow that drives the model sees the same merged set. A run asks for its set with `using`:
 when it differs from the merged one, the weights are restored and the new set merged (in place, see `weights.py`);
 the same set again does nothing. Runs that want the merged set may overlap; a run that wants another set waits
 until they end, so weights never change under a prompt that is sampling.
@@ -26,9 +26,6 @@ from .file import LoraFile
 from .weights import weight_slot
 
 logger = logging.getLogger("kvgraph")
-
-_STATE_ATTR = "_kvgraph_lora_merge"
-
 
 @dataclass(frozen=True, eq=False)
 class LoraChoice:
@@ -59,11 +56,6 @@ class LoraMerge:
         self._runs = 0
         self.merges = 0  # times the weights were changed (a merge, a switch or a restore)
         self.last_merge_ms = 0.0
-
-    def __reduce__(self):
-        # A deep copy of the transformer copies its weights as they are (merged) and gets no LoRA state of its own:
-        # its "original" is what it was copied with. Sharing this one would restore the wrong model's weights.
-        return (_no_state, ())
 
     @property
     def merged_key(self) -> tuple:
@@ -171,36 +163,3 @@ def _ieee_fp32_matmul():
         yield
     finally:
         matmul.allow_tf32 = saved
-
-
-def _no_state():
-    return None
-
-
-def merge_state(transformer: torch.nn.Module, create: bool = True) -> LoraMerge | None:
-    """The transformer's LoRA state, created on first use (None without `create` when there is none yet)."""
-    state = getattr(transformer, _STATE_ATTR, None)
-    if state is None and create:
-        from ..registry import process_registry
-
-        with process_registry().lock:
-            state = getattr(transformer, _STATE_ATTR, None)
-            if state is None:
-                state = LoraMerge(transformer)
-                # Not a submodule: nn.Module.__setattr__ would try to register it.
-                object.__setattr__(transformer, _STATE_ATTR, state)
-    return state
-
-
-def loras_in_use(transformer: torch.nn.Module, choices):
-    """Context manager for a sampling run on `transformer` with `choices` merged. A model that never had a LoRA
-    and is asked for none is left untouched (no state is attached to it)."""
-    state = merge_state(transformer, create=bool(canonical(choices)))
-    return contextlib.nullcontext(False) if state is None else state.using(choices)
-
-
-def merged_loras(transformer: torch.nn.Module) -> dict:
-    """What the status route reports: the merged LoRAs and the host memory their originals hold."""
-    state = merge_state(transformer, create=False)
-    return state.describe() if state is not None else {"loras": [], "weights": 0, "originals_bytes": 0,
-                                                        "merges": 0, "last_merge_ms": 0.0}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import InputError
-from .runtime import MAX_DEVICES, ParallelFailure, runtime_for, shutdown_runtime
+from .runtime import MAX_DEVICES, ParallelFailure
 
 GPUS_HELP = ("How many devices the KV-Graph sampler decodes each image on: 1 (default) runs on one; N > 1 starts N-1 "
              "worker processes beside this one, which split the image's tokens (sequence parallelism) and, with "
@@ -31,15 +31,14 @@ def check_gpus(gpus, device=None) -> int:
     return gpus
 
 
-def sample_on_devices(transformer, request, gpus: int = 1, on_step=None, should_stop=None, on_event=None):
-    """The sampling loop for `request` on `gpus` devices (1: this process's engine, as `sampling.sample`)."""
+def sample_on_devices(loaded, request, gpus: int = 1, on_step=None, should_stop=None, on_event=None):
+    """The sampling loop for `request` on `gpus` devices of the loaded model (graph_runtime/loaded.py; 1: its own
+    engine, as `sampling.sample`)."""
     from ..sampling.sampler import sample
 
     if gpus == 1:
-        from ..registry import engine_for
-
-        return sample(engine_for(transformer), request, on_step, should_stop, on_event)
-    return runtime_for(transformer, gpus).sample(request, on_step, should_stop, on_event)
+        return sample(loaded.engine, request, on_step, should_stop, on_event)
+    return loaded.parallel_runtime(gpus).sample(request, on_step, should_stop, on_event)
 
 
-__all__ = ["GPUS_HELP", "ParallelFailure", "check_gpus", "runtime_for", "sample_on_devices", "shutdown_runtime"]
+__all__ = ["GPUS_HELP", "ParallelFailure", "check_gpus", "sample_on_devices"]

@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError, KVGraphError
-from ..process_state import process_wide
 from ..sampling.sampler import Cancelled, SampleResult, SamplingRequest, sample
 from .comm import RankGroups, backend_for, collective_timeout, nccl_process_settings
 from .control import Control
@@ -43,7 +42,6 @@ from .transfer import broadcast_storages, dumps, model_skeleton, weights_version
 
 logger = logging.getLogger("kvgraph")
 
-_RUNTIME_ATTR = "_kvgraph_parallel"
 # The pack's folder: on the workers' import path, so they import the very files rank 0 runs.
 PACK_ROOT = Path(__file__).resolve().parents[2]
 MAX_DEVICES = 16
@@ -117,12 +115,12 @@ class RankSet:
 
     # -- start and stop ----------------------------------------------------------------------------------------------
 
-    def start(self, transformer) -> None:
+    def start(self, loaded) -> None:
         started = time.perf_counter()
         self._launch()
         self._wait_ready()
         self.groups = RankGroups(self.store, 0, self.world, self.device, self.timeout_s)
-        self.send_model(transformer)
+        self.send_model(loaded)
         logger.info("KV-Graph: %d ranks ready on %s in %.1f s (%s; worker pids %s).", self.world,
                     self.describe_devices(), time.perf_counter() - started, backend_for(self.device),
                     ", ".join(map(str, self.pids())) or "none")
@@ -160,17 +158,17 @@ class RankSet:
                                          f"{self.timeout_s:.0f} s")
             time.sleep(0.05)
 
-    def send_model(self, transformer) -> None:
+    def send_model(self, loaded) -> None:
         """The weights to every rank: the whole module the first time or when its structure changed, else only
         new values into the same storages (the workers' graphs stay valid)."""
-        skeleton, storages = model_skeleton(transformer)
+        skeleton, storages = model_skeleton(loaded.transformer)
         digest = hashlib.sha256(skeleton).hexdigest()
         whole = digest != self.skeleton_digest
         seq = self._post("load" if whole else "weights", skeleton if whole else b"")
         broadcast_storages(storages, self.groups.compute, self.device)
         del storages  # rank 0's storages are the model's own: never kept here
         self.control.answers(seq, self.timeout_s, self.health)
-        self.skeleton_digest, self.version = digest, weights_version(transformer)
+        self.skeleton_digest, self.version = digest, weights_version(loaded)
         self.engines = self.engines if not whole else {}
 
     def stop(self) -> None:
@@ -258,18 +256,15 @@ class RankSet:
             engine = self.engines[plan] = ParallelEngine(
                 transformer, plan, 0, self.groups.sp(plan), self.groups.cfg(plan),
                 watch=DeviceWatch(self.device, self.timeout_s, self.health))
-            from ..registry import process_registry
-
-            process_registry().add(engine.local)  # its graphs show in the status report and the release route
         return engine
 
-    def sample(self, transformer, request: SamplingRequest, on_step=None, should_stop=None,
+    def sample(self, loaded, request: SamplingRequest, on_step=None, should_stop=None,
                on_event=None) -> SampleResult:
         """One prompt on every rank. Raises `StoppedInStep` when every rank stopped at the same point (the ranks
         keep running); anything else (`PeerLost`, rank 0's own error) leaves the ranks for the caller to abort."""
-        if weights_version(transformer) != self.version:
-            self.send_model(transformer)
-        engine = self.engine(transformer, request)
+        if weights_version(loaded) != self.version:
+            self.send_model(loaded)
+        engine = self.engine(loaded.transformer, request)
         seq = self._post("sample", dumps(request))
         deferred: list[BaseException] = []
 
@@ -346,8 +341,8 @@ def _quietly(fn, default):
 class ParallelRuntime:
     """The parallel ranks of one loaded transformer. Prompts are run one at a time (the workers serve one)."""
 
-    def __init__(self, transformer, world: int):
-        self._transformer = weakref.ref(transformer)
+    def __init__(self, loaded, world: int):
+        self._loaded = weakref.ref(loaded)  # its owner (graph_runtime/loaded.py), which holds this runtime
         self.world = world
         self.ranks: RankSet | None = None
         self.fallback_reason: str | None = None
@@ -355,18 +350,14 @@ class ParallelRuntime:
         self.failures = 0
         self.last_failure: str | None = None
         self._lock = threading.Lock()
-        _live_runtimes().add(self)
-
-    def __reduce__(self):
-        # A copy of the transformer gets no workers of its own (they are started on its first parallel prompt).
-        return (_none, ())
+        _LIVE_RUNTIMES.add(self)
 
     def sample(self, request: SamplingRequest, on_step=None, should_stop=None, on_event=None) -> SampleResult:
-        transformer = self._transformer()
+        loaded = self._loaded()
         with self._lock:
             if self.fallback_reason is None:
                 try:
-                    ranks = self._running(transformer)
+                    ranks = self._running(loaded)
                 except KVGraphError:
                     raise  # a count this model or machine cannot take: the user's to change
                 except Exception as exc:  # noqa: BLE001 - any failure to start ends on one device, logged
@@ -374,18 +365,17 @@ class ParallelRuntime:
                     logger.warning("KV-Graph: could not start %d ranks (%s); prompts run on one device until the "
                                    "model is loaded again.", self.world, self.fallback_reason)
             if self.fallback_reason is not None:
-                from ..registry import engine_for
-
-                return sample(engine_for(transformer), request, on_step, should_stop, on_event)
+                return sample(loaded.engine, request, on_step, should_stop, on_event)
             try:
-                return ranks.sample(transformer, request, on_step, should_stop, on_event)
+                return ranks.sample(loaded, request, on_step, should_stop, on_event)
             except StoppedInStep as stopped:
                 raise stopped.error from None
             except BaseException as exc:
                 raise self._failed(ranks, exc) from exc
 
-    def _running(self, transformer) -> RankSet:
+    def _running(self, loaded) -> RankSet:
         """The ranks, started (again) when none run, when one was lost while idle, or when the model moved."""
+        transformer = loaded.transformer
         ranks = self.ranks
         if ranks is not None:
             device = next(transformer.parameters()).device
@@ -401,7 +391,7 @@ class ParallelRuntime:
             check_heads(self.world, transformer.config.num_attention_heads)
             ranks = RankSet(transformer, self.world)
             try:
-                ranks.start(transformer)
+                ranks.start(loaded)
             except BaseException:
                 ranks.abort()
                 raise
@@ -439,42 +429,7 @@ class ParallelRuntime:
                 "rank0_graphs": [engine.status() for engine in ranks.engines.values()] if ranks else []}
 
 
-def _none():
-    return None
-
-
-def _live_runtimes() -> "weakref.WeakSet":
-    return process_wide("_kvgraph_parallel_runtimes", _registry_with_exit_hook)
-
-
-def _registry_with_exit_hook():
-    runtimes = weakref.WeakSet()
-    # At interpreter exit the workers are told to stop (they would also notice rank 0's store going away).
-    atexit.register(lambda: [r.shutdown() for r in list(runtimes)])
-    return runtimes
-
-
-def runtime_for(transformer, world: int) -> ParallelRuntime:
-    """The transformer's runtime for `world` ranks; another count stops the old one's workers first."""
-    from ..registry import process_registry
-
-    with process_registry().lock:
-        runtime = getattr(transformer, _RUNTIME_ATTR, None)
-        if runtime is not None and runtime.world != world:
-            runtime.shutdown()
-            runtime = None
-        if runtime is None:
-            runtime = ParallelRuntime(transformer, world)
-            object.__setattr__(transformer, _RUNTIME_ATTR, runtime)  # not a submodule
-            # The workers go with the model: when the transformer is freed, so are they.
-            weakref.finalize(transformer, runtime.shutdown)
-    return runtime
-
-
-def shutdown_runtime(transformer) -> bool:
-    """Stop the transformer's workers now (they start again on its next parallel prompt). True when any ran."""
-    runtime = getattr(transformer, _RUNTIME_ATTR, None)
-    if runtime is None or runtime.ranks is None:
-        return False
-    runtime.shutdown()
-    return True
+# The runtimes with workers, so that at interpreter exit the workers are told to stop (they would also notice rank
+# 0's store going away). Process-wide by nature: the workers are this process's children.
+_LIVE_RUNTIMES: "weakref.WeakSet" = weakref.WeakSet()
+atexit.register(lambda: [r.shutdown() for r in list(_LIVE_RUNTIMES)])

@@ -136,9 +136,8 @@ def receive_model(skeleton: bytes, device) -> tuple[torch.nn.Module, list[torch.
     return model, storages
 
 
-def weights_version(model: torch.nn.Module) -> tuple:
-    """Changes whenever the weights' values change after load (a LoRA merged, switched or restored in place)."""
-    from ..lora.merge import merge_state
-
-    state = merge_state(model, create=False)
+def weights_version(loaded) -> tuple:
+    """Changes whenever the loaded model's weights change values after load (a LoRA merged, switched or restored in
+    place)."""
+    state = loaded.lora_state(create=False)
     return (None, 0) if state is None else (id(state), state.merges)

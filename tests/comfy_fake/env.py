@@ -35,7 +35,7 @@ def make_env(device: str = "cpu", real_comfy=None, pack_root=None):
     except BaseException:
         fake.uninstall()
         raise
-    nodes = {cls.define_schema().node_id: cls for cls in pack.nodes.NODE_LIST}
+    nodes = {cls.define_schema().node_id: cls for cls in pack.nodes.extension.NODE_LIST}
     return types.SimpleNamespace(fake=fake, pack=pack, nodes=nodes, models=models)
 
 

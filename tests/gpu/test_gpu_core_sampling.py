@@ -172,15 +172,15 @@ def test_bench_ksampler_step_time_against_the_kvgraph_sampler(core_env):
     from graph_runtime.comfy_interop.conditioning import prompt_to_conditioning
     from graph_runtime.encoding.prompt import PromptEmbeds
     from graph_runtime.loading import default_scheduler_config
-    from graph_runtime.registry import engine_for
+    from tests.owners import loaded_for
     from graph_runtime.sampling.sampler import SamplingRequest, sample
 
     core_model = sys.modules[f"{core_env.pack.__name__}.nodes.core_model"]
     transformer = build_transformer()
     config = default_scheduler_config()
-    model = core_model.make_model_patcher(transformer, config, "base", "cuda", "cpu",
+    model = core_model.make_model_patcher(loaded_for(transformer), config, "base", "cuda", "cpu",
                                           size=sum(p.numel() * p.element_size() for p in transformer.parameters()))
-    engine = engine_for(transformer)
+    engine = loaded_for(transformer).engine
     generator = torch.Generator("cpu").manual_seed(0)
     embeds = torch.randn(1, 128, transformer.config.context_in_dim, generator=generator).to(torch.bfloat16)
     prompt = PromptEmbeds(embeds, torch.zeros(1, 128, dtype=torch.bool))

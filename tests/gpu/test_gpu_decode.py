@@ -16,7 +16,7 @@ import torch
 from graph_runtime.decode import CudaGraphBackend, DecodeEngine, TokenLayout
 from graph_runtime.decode import eligibility as why
 from graph_runtime.decode.capture import DecodeGraphEntry
-from graph_runtime.generate import QwenImageGenerator
+from tests.owners import generator_for
 from graph_runtime.sampling.sampler import initial_noise, pack
 from graph_runtime.sampling.schedule import build_schedule, euler_step
 
@@ -27,7 +27,7 @@ COMPILE_ATOL = 1e-3
 
 @pytest.fixture(scope="module")
 def cuda_generator(cuda_models):
-    return QwenImageGenerator(cuda_models)
+    return generator_for(cuda_models)
 
 
 def _fresh_transformer(cuda_models):

@@ -131,7 +131,7 @@ def test_tiny_int8_files_generate_on_the_gpu_and_a_second_prompt_captures_nothin
     and the conditioning has the bf16 file's shape and mask."""
     import types
 
-    from graph_runtime.generate import QwenImageGenerator
+    from tests.owners import generator_for
     from graph_runtime.loading import load_text_encoder, load_transformer
     from graph_runtime.tiny import write_comfyui_files, write_comfyui_int8_files
 
@@ -145,7 +145,7 @@ def test_tiny_int8_files_generate_on_the_gpu_and_a_second_prompt_captures_nothin
     models = types.SimpleNamespace(transformer=transformer, text_encoder=text_encoder, processor=processor,
                                    vae=copy.deepcopy(tiny_parts["vae"]).to("cuda", torch.bfloat16),
                                    scheduler_config=dict(tiny_parts["scheduler"].config))
-    generator = QwenImageGenerator(models)
+    generator = generator_for(models)
     first = generator.generate("a red cube", width=128, height=128, steps=4, seed=1, decode_mode="graph")
     assert first.stats["captures"] == 1 and not first.stats.get("eager_steps")
     second = generator.generate("a red cube", width=128, height=128, steps=4, seed=2, decode_mode="graph")

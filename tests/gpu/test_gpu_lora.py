@@ -21,7 +21,8 @@ from lora_layouts import reference_weights, write_layout  # noqa: E402
 from test_gpu_decode import GRAPH_ATOL, _fresh_transformer, cuda_generator  # noqa: E402,F401
 
 from graph_runtime.decode import DecodeEngine  # noqa: E402
-from graph_runtime.lora import LoraChoice, loras_in_use, merge_state, read_lora  # noqa: E402
+from graph_runtime.lora import LoraChoice, read_lora  # noqa: E402
+from tests.owners import loaded_for  # noqa: E402
 from graph_runtime.sampling.sampler import SamplingRequest, sample  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -51,7 +52,7 @@ def test_merged_weights_are_the_reference_math_and_keep_their_addresses(setup):
     expected = files["a"][0]
     reference = reference_weights(copy.deepcopy(transformer).cpu(), [(1.0, expected)])
     addresses = {name: p.data_ptr() for name, p in transformer.named_parameters()}
-    state = merge_state(transformer)
+    state = loaded_for(transformer).lora_state()
     state.apply(sets["A"])
     for name, want in reference.items():
         torch.testing.assert_close(transformer.get_parameter(name).cpu(), want, rtol=1e-6, atol=1e-6)
@@ -62,7 +63,7 @@ def test_merged_weights_are_the_reference_math_and_keep_their_addresses(setup):
 def test_after_a_merge_the_graph_output_equals_eager_and_the_next_prompt_captures_nothing(setup):
     transformer, _, sets, positive = setup
     engine = DecodeEngine(transformer)
-    with loras_in_use(transformer, sets["A"]):
+    with loaded_for(transformer).loras_in_use(sets["A"]):
         graph = sample(engine, _request(positive, "graph"))
         eager = sample(engine, _request(positive, "eager"))
         again = sample(engine, _request(positive, "graph", seed=4))
@@ -82,7 +83,7 @@ def test_switching_lora_sets_between_prompts_captures_nothing_and_matches_eager(
     engine = DecodeEngine(transformer)
     outputs = {}
     for i, name in enumerate(["none", "A", "B", "A", "none"]):
-        with loras_in_use(transformer, sets[name]):
+        with loaded_for(transformer).loras_in_use(sets[name]):
             graph = sample(engine, _request(positive, "graph"))
             eager = sample(engine, _request(positive, "eager"))
         expected_captures = (1, 1) if i == 0 else (0, 0)

@@ -37,7 +37,7 @@ from graph_runtime.encoding.images import decode_latents
 from graph_runtime.encoding.prompt import PromptEncoder
 from graph_runtime.placement import PinnedWeights
 from graph_runtime.quantized.int8_convrot import ConvRotInt8Linear
-from graph_runtime.registry import engine_for
+from tests.owners import loaded_for
 from graph_runtime.sampling.sampler import SamplingRequest, sample
 from graph_runtime.tiny import build_processor
 
@@ -101,11 +101,11 @@ def two_queued_prompts(transformer, text_encoder, vae, card_bytes: int) -> dict:
         out["encode_peak"] = torch.cuda.max_memory_reserved()
         torch.cuda.reset_peak_memory_stats()
         dit_copy.load()
-        engine = engine_for(transformer)
+        engine = loaded_for(transformer).engine
         for seed in (1, 2):
             request = SamplingRequest(positive=embeds, latent_height=64, latent_width=64, sigma_preset="turbo",
                                       seed=seed)
-            budget = budgets.check_runtime_request(transformer, request, vae)  # must not refuse what fits
+            budget = budgets.check_runtime_request(loaded_for(transformer), request, vae)  # must not refuse what fits
             result = sample(engine, request)
             images = decode_latents(vae, result.latents)
             assert images.shape == (1, 4, 1024, 1024) and torch.isfinite(images).all()
@@ -180,10 +180,10 @@ def test_a_budget_over_the_card_is_refused_before_anything_is_allocated():
     with emulated_card(16 * GB):
         allocated = torch.cuda.memory_allocated()
         with pytest.raises(budgets.MemoryBudgetError) as info:
-            budgets.check_runtime_request(transformer, request, vae)
+            budgets.check_runtime_request(loaded_for(transformer), request, vae)
         assert torch.cuda.memory_allocated() == allocated
     print(info.value)
-    assert "weights mode int8" in str(info.value) and not engine_for(transformer).graphs.entries
+    assert "weights mode int8" in str(info.value) and not loaded_for(transformer).engine.graphs.entries
 
 
 def _copies(run) -> list[str]:
@@ -265,7 +265,7 @@ def test_estimate_covers_the_sampler_peaks_of_a_first_prompt():
     weights = {"transformer": memory.module_bytes(transformer)}
     context, channels = transformer.config.context_in_dim, transformer.config.in_channels
     for references in (0, 1):
-        engine = engine_for(transformer)
+        engine = loaded_for(transformer).engine
         engine.release()  # nothing of the other request held
         inputs = build_inputs(Scenario(f"refs{references}", 1024, references=references), context, channels,
                               "cuda", torch.bfloat16)

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from graph_runtime.decode import DecodeEngine
-from graph_runtime.parallel import ParallelFailure, runtime_for, sample_on_devices, shutdown_runtime
+from graph_runtime.parallel import ParallelFailure, sample_on_devices
+from tests.owners import loaded_for
 from graph_runtime.sampling.sampler import SamplingRequest, sample
 from graph_runtime.tiny import TINY_TRANSFORMER, random_tiny_transformer
 
@@ -41,7 +42,7 @@ def timeout(monkeypatch):
 def model(cuda_models):
     transformer = copy.deepcopy(cuda_models.transformer).requires_grad_(False)
     yield transformer
-    shutdown_runtime(transformer)
+    loaded_for(transformer).shutdown_parallel()
 
 
 def _request(cuda_models, generator_text, **kw):
@@ -68,8 +69,8 @@ def test_two_gpus_capture_per_rank_and_replay_on_the_next_prompt(model, cuda_mod
     nothing on any rank; both equal one GPU's graph-replayed latents."""
     request = _request(cuda_models, encode, seed=3)
     expected = _one_gpu(model, request).latents
-    first = sample_on_devices(model, request, gpus=2)
-    second = sample_on_devices(model, request, gpus=2)
+    first = sample_on_devices(loaded_for(model), request, gpus=2)
+    second = sample_on_devices(loaded_for(model), request, gpus=2)
     assert [r["captures"] for r in first.stats["ranks"]] == [1, 1]
     assert [r["captures"] for r in second.stats["ranks"]] == [0, 0]
     assert [r["replays"] for r in second.stats["ranks"]] == [4, 4]
@@ -77,7 +78,7 @@ def test_two_gpus_capture_per_rank_and_replay_on_the_next_prompt(model, cuda_mod
     assert second.stats["parallel"]["backend"] == "nccl"
     assert (first.latents - expected).abs().max().item() <= ATOL
     assert torch.equal(first.latents, second.latents)
-    entries = runtime_for(model, 2).status()["rank0_graphs"][0]["entries"]
+    entries = loaded_for(model).parallel_runtime(2).status()["rank0_graphs"][0]["entries"]
     assert entries[0]["key"]["parallel"]["world"] == 2 and entries[0]["key"]["parallel"]["rank"] == 0
 
 
@@ -85,7 +86,7 @@ def test_two_gpus_capture_per_rank_and_replay_on_the_next_prompt(model, cuda_mod
 def test_two_gpus_cfg_parallel(model, cuda_models, encode):
     """True CFG with one branch per GPU equals one GPU's CFG."""
     request = _request(cuda_models, encode, negative=encode("blurry"), cfg=4.0, seed=5)
-    result = sample_on_devices(model, request, gpus=2)
+    result = sample_on_devices(loaded_for(model), request, gpus=2)
     assert result.stats["parallel"]["cfg_groups"] == 2
     assert (result.latents - _one_gpu(model, request).latents).abs().max().item() <= ATOL
 
@@ -97,11 +98,11 @@ def test_four_gpus_sequence_parallel(cuda_models, encode):
     transformer = random_tiny_transformer({**TINY_TRANSFORMER, "num_attention_heads": 4}).cuda()
     try:
         request = _request(cuda_models, encode, seed=9)
-        result = sample_on_devices(transformer, request, gpus=4)
+        result = sample_on_devices(loaded_for(transformer), request, gpus=4)
         assert [r["captures"] for r in result.stats["ranks"]] == [1, 1, 1, 1]
         assert (result.latents - _one_gpu(transformer, request).latents).abs().max().item() <= ATOL
     finally:
-        shutdown_runtime(transformer)
+        loaded_for(transformer).shutdown_parallel()
 
 
 @needs_two
@@ -109,12 +110,12 @@ def test_killed_gpu_worker_fails_the_prompt_and_the_next_one_restarts(model, cud
     """A worker killed between replays: rank 0's device wait sees it (its replay's collectives never finish) and
     the prompt fails within the timeout naming the rank; the next prompt starts the ranks again."""
     request = _request(cuda_models, encode, seed=6, steps=6)
-    sample_on_devices(model, request, gpus=2)
-    runtime = runtime_for(model, 2)
+    sample_on_devices(loaded_for(model), request, gpus=2)
+    runtime = loaded_for(model).parallel_runtime(2)
     pid, = runtime.status()["pids"]
     started = time.monotonic()
     with pytest.raises(ParallelFailure, match=r"rank 1 \(cuda:\d\) was killed by signal SIGKILL"):
-        sample_on_devices(model, request, gpus=2, on_step=kill_at_step(pid, 2))
+        sample_on_devices(loaded_for(model), request, gpus=2, on_step=kill_at_step(pid, 2))
     assert time.monotonic() - started < 120
-    again = sample_on_devices(model, request, gpus=2)
+    again = sample_on_devices(loaded_for(model), request, gpus=2)
     assert runtime.starts == 2 and (again.latents - _one_gpu(model, request).latents).abs().max().item() <= ATOL

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from graph_runtime.errors import NonFiniteError
-from graph_runtime.generate import QwenImageGenerator
+from tests.owners import generator_for
 
 pytestmark = pytest.mark.gpu
 GRAPH_ATOL = 1e-5
@@ -26,7 +26,7 @@ def test_nan_weights_stop_a_graph_run_and_the_next_request_replays_correctly(cud
     """A good graph run captures; the same weights made NaN in place (same storage, so the graph stays valid and
     replays the NaN) stop the next run at step 1; restored in place, the next run replays and equals the first."""
     transformer = copy.deepcopy(cuda_models.transformer)
-    generator = QwenImageGenerator(types.SimpleNamespace(**dict(vars(cuda_models), transformer=transformer)))
+    generator = generator_for(types.SimpleNamespace(**dict(vars(cuda_models), transformer=transformer)))
     eager = generator.generate(**GOOD, decode_mode="eager").latents
     first = generator.generate(**GOOD, decode_mode="graph")
     assert "eager" not in first.paths and first.paths[-1] == "replay"
@@ -52,7 +52,7 @@ def test_nan_weights_on_a_fresh_model_fail_at_the_first_step_in_every_mode(cuda_
     broken = copy.deepcopy(cuda_models.transformer)
     with torch.no_grad():
         broken.transformer_blocks[0].attn.to_q.weight[0, 0] = float("nan")
-    generator = QwenImageGenerator(types.SimpleNamespace(**dict(vars(cuda_models), transformer=broken)))
+    generator = generator_for(types.SimpleNamespace(**dict(vars(cuda_models), transformer=broken)))
     for mode in ("eager", "graph"):
         with pytest.raises(NonFiniteError, match="latents after step 1 of 6"):
             generator.generate(**GOOD, decode_mode=mode)

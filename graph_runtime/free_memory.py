@@ -1,11 +1,14 @@
-"""How much host (CPU) memory there is and how much a new allocation can get: the CPU's side of the memory budget
-(graph_runtime/memory.py), and the default bound of the ComfyUI nodes' model cache (graph_runtime/eviction.py).
+"""How much memory a new allocation can get, on the host (CPU) and on a CUDA device: what the memory budget
+(graph_runtime/memory.py) checks against, what a graph capture checks before it allocates (decode/capture.py),
+and the default bound of the ComfyUI nodes' model cache (graph_runtime/eviction.py).
 
 psutil's figures where it is installed (ComfyUI requires it and reads the same ones), else /proc/meminfo; either is
 capped by the container's memory limit (cgroup v2 or v1), which is what gets a process killed inside one.
 """
 
 from __future__ import annotations
+
+import torch
 
 # cgroup v1 writes a huge number (near 2^63) for "no limit", v2 writes "max".
 _NO_LIMIT = 1 << 60
@@ -66,3 +69,19 @@ def host_available_bytes() -> int | None:
             available = room if available is None else min(available, room)
             break
     return available
+
+
+def device_free_bytes(device, exclude: int = 0) -> int | None:
+    """Memory a new allocation on `device` can get: what the driver has free (capped by the process's memory
+    fraction) plus what PyTorch's allocator holds unused, less `exclude` (e.g. graph pools, which only their graphs
+    reuse). None off CUDA."""
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    free, total = torch.cuda.mem_get_info(index)
+    reserved = torch.cuda.memory_reserved(index)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None:
+        free = min(free, max(0, int(fraction(index) * total) - reserved))
+    return max(0, free + reserved - torch.cuda.memory_allocated(index) - exclude)

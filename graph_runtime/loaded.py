@@ -1,0 +1,150 @@
+"""One loaded transformer and everything that belongs to it, in one owner you can name.
+
+Whoever loads a transformer holds its `LoadedTransformer`: the command line's generator, the ComfyUI nodes' model
+handle (and the core MODEL built on it). It owns
+- the decode engine (compiled blocks, captured graphs, statistics), created on first use and kept for as long as the
+  model stays loaded, so graphs survive from one prompt to the next;
+- the merged LoRA set (lora/merge.py);
+- the multi-GPU runtime and its workers (parallel/runtime.py), when the model is sampled on several devices;
+- the sampling runs using it now, and a release of its graphs asked for meanwhile: a run in flight keeps the entries
+  it replays, so such a release is deferred until its last run ends.
+
+Nothing is attached to the transformer itself, and there is no process-wide list of engines: to enumerate the
+loaded models, ask whoever holds them (the nodes' model cache).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import weakref
+
+from .decode import DecodeEngine
+from .lora.merge import LoraMerge, canonical
+from .report import mib
+
+logger = logging.getLogger("kvgraph")
+
+
+class LoadedTransformer:
+    def __init__(self, transformer, **engine_options):
+        self.transformer = transformer
+        self._engine_options = engine_options
+        self._engine: DecodeEngine | None = None
+        self._lora: LoraMerge | None = None
+        self._parallel = None
+        # Guards creating the engine, the LoRA state and the parallel runtime (each once: a prompt's thread and a
+        # status route may ask at the same moment), and the run count with the release deferred until it is 0.
+        self._lock = threading.RLock()
+        self._runs = 0
+        self._deferred_release: str | None = None
+
+    def __repr__(self) -> str:
+        return f"LoadedTransformer({type(self.transformer).__name__})"
+
+    # -- the engine ----------------------------------------------------------------------------------------------
+
+    @property
+    def engine(self) -> DecodeEngine:
+        """The decode engine, created on first use."""
+        if self._engine is None:
+            with self._lock:
+                if self._engine is None:
+                    self._engine = DecodeEngine(self.transformer, **self._engine_options)
+        return self._engine
+
+    def engines(self) -> list:
+        """Every decode engine holding graphs of this model: its own (once made) and, while it is sampled on several
+        devices, rank 0's engines (one per rank plan), so the status and the release reach them all."""
+        engines = [self._engine] if self._engine is not None else []
+        ranks = self._parallel.ranks if self._parallel is not None else None
+        if ranks is not None:
+            engines += [engine.local for engine in list(ranks.engines.values())]
+        return engines
+
+    # -- LoRA --------------------------------------------------------------------------------------------------------
+
+    def lora_state(self, create: bool = True) -> LoraMerge | None:
+        """The merged LoRA set's state, created on first use (None without `create` when there is none yet)."""
+        if self._lora is None and create:
+            with self._lock:
+                if self._lora is None:
+                    self._lora = LoraMerge(self.transformer)
+        return self._lora
+
+    def loras_in_use(self, choices):
+        """Context manager for a sampling run with `choices` merged. A model that never had a LoRA and is asked for
+        none is left untouched (no state is made for it)."""
+        state = self.lora_state(create=bool(canonical(choices)))
+        return contextlib.nullcontext(False) if state is None else state.using(choices)
+
+    def merged_loras(self) -> dict:
+        """What the status route reports: the merged LoRAs and the host memory their originals hold."""
+        state = self.lora_state(create=False)
+        return state.describe() if state is not None else {"loras": [], "weights": 0, "originals_bytes": 0,
+                                                            "merges": 0, "last_merge_ms": 0.0}
+
+    # -- several devices ---------------------------------------------------------------------------------------------
+
+    def parallel_runtime(self, world: int):
+        """The runtime for `world` ranks; another count stops the old one's workers first."""
+        from .parallel.runtime import ParallelRuntime  # torch.distributed and the workers only when asked for
+
+        with self._lock:
+            runtime = self._parallel
+            if runtime is not None and runtime.world != world:
+                runtime.shutdown()
+                runtime = None
+            if runtime is None:
+                runtime = self._parallel = ParallelRuntime(self, world)
+                # The workers go with the model: when its owner is freed, so are they.
+                weakref.finalize(self, runtime.shutdown)
+        return runtime
+
+    def shutdown_parallel(self) -> bool:
+        """Stop the workers now (they start again on the next parallel prompt). True when any ran."""
+        runtime = self._parallel
+        if runtime is None or runtime.ranks is None:
+            return False
+        runtime.shutdown()
+        return True
+
+    # -- runs and release --------------------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def running(self):
+        """Marks one sampling run for the duration of the block; a release asked for meanwhile happens at its end."""
+        with self._lock:
+            self._runs += 1
+        try:
+            yield self
+        finally:
+            with self._lock:
+                self._runs -= 1
+                reason = self._deferred_release if not self._runs else None
+                if reason is not None:
+                    self._deferred_release = None
+            if reason is not None:
+                self._release_now(reason)
+
+    @property
+    def busy(self) -> bool:
+        with self._lock:
+            return self._runs > 0
+
+    def release_graphs(self, reason: str = "requested") -> str:
+        """Release the graphs now, or when the runs using them end. Returns "released" or "deferred"."""
+        with self._lock:
+            if self._runs:
+                self._deferred_release = reason
+                return "deferred"
+        self._release_now(reason)
+        return "released"
+
+    def _release_now(self, reason: str) -> None:
+        for engine in self.engines():
+            held = engine.release()
+            if held.get("entries"):
+                logger.info("KV-Graph: released %d decode graph entries (%s) of %s: %s.", held["entries"],
+                            mib(held.get("bytes", 0)), engine.name, reason)

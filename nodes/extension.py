@@ -1,0 +1,25 @@
+"""The pack's node list and the V3 extension ComfyUI asks for it (`comfy_entrypoint`)."""
+
+from __future__ import annotations
+
+from comfy_api.latest import ComfyExtension, io
+
+from .cache import CACHE_NODES
+from .encode import KVGraphTextEncode
+from .loaders import LOADER_NODES
+from .lora import LORA_NODES
+from .sampler import KVGraphSampler
+from .sigmas import KVGraphSigmas
+from .vae import VAE_NODES
+
+NODE_LIST: list[type[io.ComfyNode]] = [*LOADER_NODES, *LORA_NODES, KVGraphTextEncode, KVGraphSampler, KVGraphSigmas,
+                                       *VAE_NODES, *CACHE_NODES]
+
+
+class KVGraphExtension(ComfyExtension):
+    async def get_node_list(self) -> list[type[io.ComfyNode]]:
+        return list(NODE_LIST)
+
+
+async def comfy_entrypoint() -> KVGraphExtension:
+    return KVGraphExtension()
