@@ -12,7 +12,7 @@ import os
 from dataclasses import dataclass
 from typing import Hashable
 
-from .free_memory import host_total_bytes
+from .memory.free import host_total_bytes
 from .memory import GiB
 
 logger = logging.getLogger("kvgraph")

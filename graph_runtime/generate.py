@@ -12,7 +12,7 @@ import torch
 
 from .encoding.images import decode_latents, encode_pixels, prepare_references, reference_size, to_pil
 from .encoding.prompt import PromptEncoder
-from .budget import check_runtime_request
+from .memory import check_runtime_request
 from .loaded import LoadedTransformer
 from .parallel import sample_on_devices
 from .sampling.sampler import SamplingRequest, check_schedule, sample

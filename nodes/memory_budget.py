@@ -1,4 +1,4 @@
-"""The sampler's memory budget inside ComfyUI: what a request needs (graph_runtime/memory.py, budget.py) against what
+"""The sampler's memory budget inside ComfyUI: what a request needs (graph_runtime/memory/) against what
 ComfyUI can give it, checked before anything is loaded or allocated.
 
 ComfyUI makes room by unloading models, and the pack's idle decode graphs are reused (same shapes) or evicted, so
@@ -15,7 +15,8 @@ import torch
 
 import comfy.model_management as mm
 
-from ..graph_runtime import budget as budgets, memory
+from ..graph_runtime import memory
+from ..graph_runtime.memory import budget as budgets
 from ..graph_runtime.report import budget_record
 from ..graph_runtime.validation import VAE_SCALE
 from . import model_cache

@@ -9,7 +9,7 @@ import comfy.utils
 from comfy_api.latest import io
 
 from ..graph_runtime import memory
-from ..graph_runtime.budget import check_decoded_on_host
+from ..graph_runtime.memory import check_decoded_on_host
 from ..graph_runtime.comfy_interop.latents import latent_samples
 from ..graph_runtime.comfy_interop.pixels import comfy_image_to_vae_pixels, crop_to_multiple, vae_pixels_to_comfy_image
 from ..graph_runtime.encoding.images import decode_each, encode_each

@@ -266,7 +266,7 @@ def test_the_cpu_refuses_what_host_memory_cannot_hold_and_the_next_run_equals_th
 
     import graph_runtime.memory as memory
 
-    monkeypatch.setattr(memory, "host_available_bytes", lambda: 4 * 2**30)
+    monkeypatch.setattr(memory.free, "host_available_bytes", lambda: 4 * 2**30)
     good = ["generate", "--device", "cpu", "--width", "64", "--height", "64", "--steps", "1", "--seed", "3"]
     assert main(good + ["--out", str(tmp_path / "first.png")]) == 0
     capsys.readouterr()

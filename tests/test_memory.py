@@ -1,4 +1,4 @@
-"""The memory budget (graph_runtime/memory.py) and the lean VAE decode (graph_runtime/vae_decode.py), on the CPU.
+"""The memory budget (graph_runtime/memory/) and the lean VAE decode (graph_runtime/vae_decode.py), on the CPU.
 
 The formulas are checked three ways: against hand-computed numbers for the tiny and the full-size configs; against
 a trace of what the real code allocates (the full-size models built under FakeTensorMode, so nothing is allocated:
@@ -17,7 +17,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from graph_runtime import budget as budgets
+from graph_runtime.memory import budget as budgets
 from graph_runtime import memory
 from graph_runtime.tiny import TINY_TRANSFORMER, TINY_VAE
 

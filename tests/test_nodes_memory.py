@@ -52,7 +52,7 @@ def sample(env, transformer, positive, latent, **overrides):
 
 @pytest.fixture(autouse=True)
 def steady_host_memory(comfy_env, monkeypatch):
-    pack_memory = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.memory")
+    pack_memory = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.memory.free")
     monkeypatch.setattr(pack_memory, "host_available_bytes", lambda: DEFAULT_FREE)
 
 
@@ -77,7 +77,7 @@ def test_refusal_names_the_setting_and_the_next_fitting_request_runs(comfy_env, 
 
     loads, entries = len(comfy_env.fake.load_calls), dict(transformer.engine.graphs.entries)
     big = {"samples": torch.zeros(1, 64, 64, 64)}  # 1024x1024
-    from_pack = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.budget")
+    from_pack = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.memory.budget")
     with pytest.raises(from_pack.MemoryBudgetError) as info:
         sample(comfy_env, transformer, positive, big)
     message = str(info.value)
@@ -148,7 +148,7 @@ def test_vae_decode_refuses_a_batch_whose_image_host_memory_cannot_hold(comfy_en
     # Room for the decode and 3.5 images' IMAGE, margin included.
     free_memory(int((3.5 * per_image + decode) * (1 + memory.MARGIN_FRACTION)) + memory.MARGIN_BYTES)
     loads = len(comfy_env.fake.load_calls)
-    from_pack = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.budget")
+    from_pack = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.memory.budget")
     with pytest.raises(from_pack.MemoryBudgetError) as info:
         run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": latents})
     message = str(info.value)
@@ -188,7 +188,7 @@ def test_on_the_cpu_cached_models_are_not_counted_as_memory_to_free(comfy_env, l
     assert budget["available_bytes"] is not None
     own = budget["parts"]["transformer weights"] + budget["parts"]["VAE weights"]  # on the CPU already
     free_memory(budget["total_bytes"] - own - (1 << 20))  # 1 MiB short, unless the other copy counted
-    from_pack = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.budget")
+    from_pack = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.memory.budget")
     with pytest.raises(from_pack.MemoryBudgetError) as info:
         sample(comfy_env, transformer, positive, latent)
     message = str(info.value)

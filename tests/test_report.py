@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from graph_runtime import memory, report
-from graph_runtime.budget import Available, MemoryBudgetError, RequestPlan
+from graph_runtime.memory import Available, MemoryBudgetError, RequestPlan
 from graph_runtime.comfy_interop import conditioning_to
 from graph_runtime.encoding.images import decode_each, encode_each, vae_decode, vae_encode
 from graph_runtime.vae_decode import plan_decode

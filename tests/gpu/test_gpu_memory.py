@@ -31,7 +31,7 @@ import torch
 
 from bench.model import build_transformer
 from bench.placement import build_text_encoder
-from graph_runtime import budget as budgets
+from graph_runtime.memory import budget as budgets
 from graph_runtime import memory
 from graph_runtime.encoding.images import decode_latents
 from graph_runtime.encoding.prompt import PromptEncoder

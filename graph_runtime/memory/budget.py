@@ -1,6 +1,6 @@
 """Refusing a request that cannot fit, before anything is allocated, and saying what would fit.
 
-`RequestPlan` holds what a request's budget is computed from (graph_runtime/memory.py), so every alternative setting
+`RequestPlan` holds what a request's budget is computed from (memory/estimate.py), so every alternative setting
 is priced the same way; `MemoryBudgetError` names the settings that change the budget, each with what it would need,
 those that fit first. The ComfyUI sampler node adds what ComfyUI can unload to what is available
 (nodes/memory_budget.py); the runtime alone (`check_runtime_request`, used by the CLI) has only what the device has
@@ -13,11 +13,11 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
-from . import memory
-from .errors import KVGraphError
-from .memory import (
+from ..errors import KVGraphError
+from . import estimate as memory, free as free_memory
+from .estimate import (
     GenerationShape, MemoryBudget, TransformerDims, VaeDims, available_bytes, estimate, fitting_estimate, gib,
-    graph_bytes_held, host_available_bytes, module_bytes,
+    graph_bytes_held, module_bytes,
 )
 
 logger = logging.getLogger("kvgraph")
@@ -127,7 +127,7 @@ def check(budget: MemoryBudget, available: int, device, where: str, options) -> 
 def request_shape(request, graphs: bool = True) -> GenerationShape:
     """The memory-relevant shape of a `SamplingRequest` (prefix tokens per branch as its token layouts count them);
     `graphs=False` where the decode cannot replay graphs (off CUDA), which then runs eagerly."""
-    from .decode import TOKENS_PER_SLOT
+    from ..decode import TOKENS_PER_SLOT
 
     branches = [request.positive] + ([request.negative] if request.do_cfg else [])
     # Each image slot of the encoder sequence becomes TOKENS_PER_SLOT latent tokens of its reference (layout.py).
@@ -211,7 +211,7 @@ def check_decoded_on_host(width: int, height: int, batch: int, bytes_per_pixel: 
     `per_image_bytes` to make one of them (a VAE decode on the CPU): MemoryBudgetError when it exceeds the host's
     available memory (`free`, else read now), offering the largest `name` that fits. None when the host reports
     nothing."""
-    free = host_available_bytes() if free is None else free
+    free = free_memory.host_available_bytes() if free is None else free
     if free is None:
         return None
 

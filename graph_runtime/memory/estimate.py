@@ -17,11 +17,11 @@ The estimate adds up, for one request:
   allocator's rounding and splitting of blocks, and the small tensors (embeddings, modulation rows).
 
 The device is a CUDA GPU or the CPU: on the CPU the same budget is checked against the host's available memory
-(`host_available_bytes`). Every size is computed from the model's own config and tensors (int8 weights are sized by
+(`free.host_available_bytes`). Every size is computed from the model's own config and tensors (int8 weights are sized by
 their real bytes), and the formulas are checked in tests/test_memory.py against a trace of the real code's
 allocations and against the H200's measurements. `device_free_bytes` honours
 `torch.cuda.set_per_process_memory_fraction`, so a large card can stand in for a small one. Refusing what does not
-fit, and saying what would, is graph_runtime/budget.py.
+fit, and saying what would, is graph_runtime/memory/budget.py.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .free_memory import device_free_bytes, host_available_bytes, host_total_bytes  # noqa: F401 - read here and by callers
+from . import free
 
 GiB = 2**30
 MiB = 2**20
@@ -191,7 +191,7 @@ def entry_buffer_bytes(d: TransformerDims, batch: int, prefix: int, target: int)
 
 def _is_captured(prefix: int) -> bool:
     """Whether a prefix of this length is captured (its pass replays from the graph pool): decode/engine.py."""
-    from .decode import DecodeEngine  # here: the decode package imports this module
+    from ..decode import DecodeEngine  # here: the decode package imports this module
 
     return DecodeEngine.captures_prefix_pass(prefix)
 
@@ -353,14 +353,14 @@ def available_bytes(device, engines=()) -> int | None:
     if device.type == "cuda":
         return eager_free_bytes(device, engines)
     if device.type == "cpu":
-        return host_available_bytes()
+        return free.host_available_bytes()
     return None
 
 
 def eager_free_bytes(device, engines=()) -> int | None:
     """`device_free_bytes` for eager work (a prefill, a VAE decode): the graph pools of `engines` (every loaded
     model's, as the caller that holds them passes them) left out."""
-    return device_free_bytes(device, exclude=graph_pool_bytes(engines))
+    return free.device_free_bytes(device, exclude=graph_pool_bytes(engines))
 
 
 def graph_bytes_held(engines) -> int:
