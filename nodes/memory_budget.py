@@ -16,7 +16,6 @@ import torch
 import comfy.model_management as mm
 
 from ..graph_runtime import memory
-from ..graph_runtime.memory import budget as budgets
 from ..graph_runtime.report import budget_record
 from ..graph_runtime.validation import VAE_SCALE
 from . import model_cache
@@ -68,44 +67,39 @@ def _unloadable_bytes(device, keep) -> int:
     return total
 
 
-def _with_release_hint(refused, device, keep):
+def _release_hint(device, keep) -> list[str]:
     """On the CPU, unloading frees nothing (`_frees`), but the pack's cache may hold other models there: name them
     as what releasing would free, without counting them as available."""
     kept = {id(h) for h in keep if h is not None}
     cached = sum(h.size_bytes for h in model_cache.handles()
                  if id(h) not in kept and same_device(h.device, device) and not _frees(h.patcher, device))
     if not cached:
-        return refused
-    hint = (f"release KV-Graph's other cached models ({memory.gib(cached)} on {device}: the KV-Graph Release node "
-            'with models, or POST /kvgraph/release {"models": true})')
-    return budgets.MemoryBudgetError(refused.budget, refused.available, device, refused.where,
-                                     [*refused.options, hint])
+        return []
+    return [f"release KV-Graph's other cached models ({memory.gib(cached)} on {device}: the KV-Graph Release node "
+            'with models, or POST /kvgraph/release {"models": true})']
 
 
 def check_request(model, request, device) -> memory.MemoryBudget:
-    """The request's budget, logged and kept on the handle for /kvgraph/status; raises MemoryBudgetError (naming
-    the settings to change) when it cannot fit even after ComfyUI unloads everything else."""
+    """The request's budget (graph_runtime.memory.check_sampling_request against what ComfyUI can give it), logged
+    and kept on the handle for /kvgraph/status; raises MemoryBudgetError (naming the settings to change) when it
+    cannot fit even after ComfyUI unloads everything else."""
     vae = _latest("vae")
     vae_dims = memory.VaeDims.of(vae.module) if vae is not None else memory.VaeDims.standard(
         memory.compute_dtype(model.module))
-    plan = budgets.RequestPlan.for_request(model.module, request, vae_dims, graphs=device.type == "cuda")
     # A LoRA chain's handle shares the loader's model; the status reads the loader's handle.
     reported = getattr(model, "base", None) or model
     free = free_bytes(device)
-    if free is None:
-        budget = plan.budget()
-        reported.last_budget = budget_record(budget, device, None)
-        return budget
-    available = budgets.Available(free, (
+    available = None if free is None else memory.Available(free, (
         ("of this request's models", _resident_bytes(model, device) + _resident_bytes(vae, device)),
         ("of models ComfyUI can unload", _unloadable_bytes(device, keep=(model, vae))),
         ("of decode graphs", memory.graph_bytes_held(
             engine for loaded in model_cache.loaded_transformers() for engine in loaded.engines())),
     ))
-    try:
-        budget = plan.check_available(available, device)
-    except budgets.MemoryBudgetError as refused:
-        raise _with_release_hint(refused, device, keep=(model, vae)) from None
+    budget = memory.check_sampling_request(model.module, request, available, device, vae_dims,
+                                           more_options=lambda: _release_hint(device, keep=(model, vae)))
+    if available is None:
+        reported.last_budget = budget_record(budget, device, None)
+        return budget
     image = memory.decoded_images_bytes(request.latent_width * VAE_SCALE, request.latent_height * VAE_SCALE,
                                         request.batch_size, memory.IMAGE_BYTES_PER_PIXEL)
     host = free_bytes(torch.device("cpu"))

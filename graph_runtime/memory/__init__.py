@@ -1,21 +1,21 @@
 """Memory budgeting: what a request needs on its device and on the host, checked before anything is allocated.
 
-- `estimate`: the byte math per model part (weights, prefix K/V, graph buffers and pool, prefill, VAE decode).
+- `sizes`: the byte math per model part (weights, prefix K/V, graph buffers and pool, prefill, VAE decode).
 - `free`: how much memory a new allocation can get, on the host and on a CUDA device.
-- `budget`: refusing what cannot fit and saying what would; `check_request` is the one check of a sampling request,
-  which the command line (`check_runtime_request`) and the ComfyUI sampler node (nodes/memory_budget.py, which adds
-  what ComfyUI could unload) both go through.
+- `budget`: refusing what cannot fit and saying what would; `check_sampling_request` is the one check of a
+  sampling request, which the command line (`check_runtime_request`) and the ComfyUI sampler node
+  (nodes/memory_budget.py, which adds what ComfyUI could unload) both go through.
 
 Tests pin the host's memory by patching `memory.free.host_available_bytes`: every reader here calls it through
 that module.
 """
 
-from . import budget, estimate, free  # noqa: F401 - the modules, for callers that reach one by name
+from . import budget, free, sizes  # noqa: F401 - the modules, for callers that reach one by name
 from .budget import (  # noqa: F401
     Available, MemoryBudgetError, RequestPlan, alternatives, check, check_decoded_on_host, check_runtime_request,
-    largest_fitting_batch, largest_fitting_size, request_shape,
+    check_sampling_request, largest_fitting_batch, largest_fitting_size, request_shape,
 )
-from .estimate import (  # noqa: F401 - the byte math, as `memory.<name>`
+from .sizes import (  # noqa: F401 - the byte math, as `memory.<name>`
     GiB, MiB, STEP_HIDDEN_TENSORS, STEP_MLP_TENSORS, VAE_DTYPE_TENSORS, VAE_FP32_TENSORS, VAE_TILE_PIXELS,
     VAE_TILE_CACHE_FACTOR, VAE_ENCODE_BYTES_PER_PIXEL, LATENT_COPIES, MARGIN_BYTES, MARGIN_FRACTION, gib,
     module_bytes, compute_dtype, TransformerDims, VaeDims, kv_bytes_per_token, step_activation_bytes,

@@ -1,11 +1,10 @@
 """Refusing a request that cannot fit, before anything is allocated, and saying what would fit.
 
-`RequestPlan` holds what a request's budget is computed from (memory/estimate.py), so every alternative setting
-is priced the same way; `MemoryBudgetError` names the settings that change the budget, each with what it would need,
-those that fit first. The ComfyUI sampler node adds what ComfyUI can unload to what is available
-(nodes/memory_budget.py); the runtime alone (`check_runtime_request`, used by the CLI) has only what the device has
-free and what its own models and graphs hold.
-"""
+`check_sampling_request` is the one check of a sampling request. `RequestPlan` holds what its budget is computed
+from (sizes.py), so every alternative setting is priced the same way; `MemoryBudgetError` names the settings that
+change the budget, each with what it would need, those that fit first. The ComfyUI sampler node adds what ComfyUI
+can unload to what is available (nodes/memory_budget.py); the runtime alone (`check_runtime_request`, used by the
+CLI) has only what the device has free and what its own models and graphs hold."""
 
 from __future__ import annotations
 
@@ -13,9 +12,11 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+import torch
+
 from ..errors import KVGraphError
-from . import estimate as memory, free as free_memory
-from .estimate import (
+from . import free as free_memory, sizes as memory
+from .sizes import (
     GenerationShape, MemoryBudget, TransformerDims, VaeDims, available_bytes, estimate, fitting_estimate, gib,
     graph_bytes_held, module_bytes,
 )
@@ -160,16 +161,39 @@ class RequestPlan:
             return estimate(self.dims, self.shape, self.weights, self.vae)
         return fitting_estimate(self.dims, self.shape, self.weights, self.vae, available)
 
-    def check_available(self, available: Available, device) -> MemoryBudget:
+    def check_available(self, available: Available, device, more_options=lambda: []) -> MemoryBudget:
         """`check` against `available`'s total, a refusal saying what it is made of."""
-        return self.check(available.total, device, available.describe())
+        return self.check(available.total, device, available.describe(), more_options)
 
-    def check(self, available: int, device, where: str) -> MemoryBudget:
-        """The budget, or MemoryBudgetError naming the settings to change when it exceeds `available`."""
+    def check(self, available: int, device, where: str, more_options=lambda: []) -> MemoryBudget:
+        """The budget, or MemoryBudgetError naming the settings to change (then `more_options()`, e.g. what the
+        caller could release) when it exceeds `available`."""
         budget = self.budget(available)
         check(budget, available, device, where,
-              lambda: alternatives(self.dims, self.shape, self.weights, self.vae, available))
+              lambda: alternatives(self.dims, self.shape, self.weights, self.vae, available) + more_options())
         return budget
+
+
+def check_sampling_request(transformer, request, available: Available | None, device, vae: VaeDims | None = None,
+                           other_weights: dict[str, int] | None = None, decoded_bytes_per_pixel: int = 0,
+                           more_options=lambda: []) -> MemoryBudget:
+    """The one memory check of a sampling request, before anything is allocated; the command line
+    (`check_runtime_request`) and the ComfyUI sampler node (nodes/memory_budget.py) differ only in what they count
+    as `available` and in `more_options`.
+
+    `transformer` and `vae` (its dims; None: not counted) are priced with `other_weights` (e.g. a text encoder kept
+    on the device); `decoded_bytes_per_pixel`: the decoded images kept on `device` until the request ends (the CPU's
+    images), 0 where they leave it. Returns the budget (unchecked where `available` is None: nothing reports free
+    memory), or raises MemoryBudgetError naming the settings that would fit, then `more_options()`.
+    """
+    device = torch.device(device)
+    plan = RequestPlan.for_request(transformer, request, vae, graphs=device.type == "cuda",
+                                   other_weights=other_weights)
+    if decoded_bytes_per_pixel:
+        plan.shape = dataclasses.replace(plan.shape, decoded_bytes_per_pixel=decoded_bytes_per_pixel)
+    if available is None:
+        return plan.budget()
+    return plan.check_available(available, device, more_options)
 
 
 def check_runtime_request(loaded, request, vae=None, text_encoder=None,
@@ -191,17 +215,16 @@ def check_runtime_request(loaded, request, vae=None, text_encoder=None,
     others = {}
     if not on_cpu and text_encoder is not None and any(p.device == device for p in text_encoder.parameters()):
         others["text encoder"] = module_bytes(text_encoder)  # its placement keeps it on the GPU: it competes
-    vae_dims = VaeDims.of(vae) if vae is not None else None
-    plan = RequestPlan.for_request(transformer, request, vae_dims, graphs=not on_cpu, other_weights=others)
-    if on_cpu:
-        plan.shape = dataclasses.replace(plan.shape, decoded_bytes_per_pixel=image_bytes_per_pixel)
     models = [m for m in (transformer, vae) if m is not None] + ([text_encoder] if others else [])
     resident = sum(module_bytes(m) for m in models if next(m.parameters()).device == device)
     available = Available(free, (("of its models", resident), ("of graphs", graph_bytes_held(loaded.engines()))))
-    budget = plan.check_available(available, device)
+    vae_dims = VaeDims.of(vae) if vae is not None else None
+    budget = check_sampling_request(transformer, request, available, device, vae_dims, others,
+                                    decoded_bytes_per_pixel=image_bytes_per_pixel if on_cpu else 0)
     logger.info("KV-Graph: memory budget %s of %s available on %s.", budget.describe(), gib(available.total), device)
     if not on_cpu:
-        check_decoded_on_host(plan.shape.width, plan.shape.height, plan.shape.batch, image_bytes_per_pixel)
+        shape = request_shape(request)
+        check_decoded_on_host(shape.width, shape.height, shape.batch, image_bytes_per_pixel)
     return budget
 
 

@@ -1,5 +1,5 @@
 """How much memory a new allocation can get, on the host (CPU) and on a CUDA device: what the memory budget
-(graph_runtime/memory/estimate.py) checks against, what a graph capture checks before it allocates (decode/capture.py),
+(graph_runtime/memory/sizes.py) checks against, what a graph capture checks before it allocates (decode/capture.py),
 and the default bound of the ComfyUI nodes' model cache (graph_runtime/eviction.py).
 
 psutil's figures where it is installed (ComfyUI requires it and reads the same ones), else /proc/meminfo; either is
