@@ -106,7 +106,7 @@ def encode_each(vae, pixels: torch.Tensor, finish=_keep) -> torch.Tensor:
 
 
 def decode_each(vae, raw: torch.Tensor, tiled: bool = False, finish=_keep, before=None, check=None) -> torch.Tensor:
-    """`vae_decode` one image at a time (the memory budgets size the decode of one image: memory.py); `finish` is
+    """`vae_decode` one image at a time (the memory budgets size the decode of one image: memory/); `finish` is
     applied to each decoded image as soon as it is made (e.g. moving it off the GPU, converting it), and its result
     is written into the batch's output, allocated once (no list of images concatenated at the end). `before(i, n)`
     runs before image `i` of `n` (an interrupt check, a progress bar), `check(image, i, n)` on each image the VAE
