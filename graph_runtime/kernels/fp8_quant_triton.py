@@ -4,6 +4,7 @@ import triton
 import triton.language as tl
 
 from . import fp8_format
+from .silu_mul_triton import silu_mul_fp32
 
 # Kernels read module globals only as constexprs.
 FP8_MAX = tl.constexpr(fp8_format.FP8_MAX)
@@ -17,9 +18,7 @@ def silu_mul_fp8_kernel(gate_ptr, up_ptr, out_ptr, scale_ptr, rows, cols, BLOCK:
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     mask = offsets < cols
-    gate = tl.load(gate_ptr + row * cols + offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + row * cols + offsets, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
+    y = silu_mul_fp32(gate_ptr, up_ptr, row * cols + offsets, mask)
     scale = tl.maximum(tl.max(tl.abs(y), axis=0) / FP8_MAX, MIN_SCALE)
     tl.store(scale_ptr + row, scale)
     tl.store(out_ptr + row * cols + offsets, (y / scale).to(out_ptr.dtype.element_ty), mask=mask)

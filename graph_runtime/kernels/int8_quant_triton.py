@@ -9,6 +9,8 @@ one 256-wide one. The products run on the tensor cores in tf32: its rounding (2^
 import triton
 import triton.language as tl
 
+from .silu_mul_triton import silu_mul_fp32
+
 INT8_MAX = tl.constexpr(127.0)
 MIN_SCALE = tl.constexpr(1e-12)  # an all-zero row quantizes to zeros instead of dividing by zero
 # Adding and subtracting 1.5 * 2^23 rounds an fp32 of magnitude below 2^22 to the nearest integer, ties to even
@@ -69,9 +71,7 @@ def silu_mul_int8_kernel(gate_ptr, up_ptr, out_ptr, scale_ptr, rows, cols, ROTAT
     row = tl.program_id(0).to(tl.int64)
     offsets = tl.arange(0, BLOCK)
     mask = offsets < cols
-    gate = tl.load(gate_ptr + row * cols + offsets, mask=mask, other=0.0).to(tl.float32)
-    up = tl.load(up_ptr + row * cols + offsets, mask=mask, other=0.0).to(tl.float32)
-    y = gate / (1.0 + tl.exp(-gate)) * up
+    y = silu_mul_fp32(gate_ptr, up_ptr, row * cols + offsets, mask)
     if ROTATE:
         y = rotate_row(y, BLOCK)
     q, scale = quantize_row(y)
