@@ -20,6 +20,12 @@ def forget(transformer) -> None:
     _owners.pop(id(transformer), None)
 
 
+def forget_all() -> None:
+    """Drop every owner: the models they hold are freed once the tests drop theirs too (a test that needs an empty
+    GPU calls this first, since an owner keeps its transformer alive)."""
+    _owners.clear()
+
+
 def generator_for(models, **options):
     """A QwenImageGenerator over `models` whose transformer has its one owner (`loaded_for`)."""
     from graph_runtime.generate import QwenImageGenerator

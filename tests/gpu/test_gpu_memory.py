@@ -37,6 +37,7 @@ from graph_runtime.encoding.images import decode_latents
 from graph_runtime.encoding.prompt import PromptEncoder
 from graph_runtime.placement import PinnedWeights
 from graph_runtime.quantized.int8_convrot import ConvRotInt8Linear
+from tests import owners
 from tests.owners import loaded_for
 from graph_runtime.sampling.sampler import SamplingRequest, sample
 from graph_runtime.tiny import build_processor
@@ -107,7 +108,9 @@ def two_queued_prompts(transformer, text_encoder, vae, card_bytes: int) -> dict:
                                       seed=seed)
             budget = budgets.check_runtime_request(loaded_for(transformer), request, vae)  # must not refuse what fits
             result = sample(engine, request)
-            images = decode_latents(vae, result.latents)
+            # The engine's graph pool is named so the decode's whole-or-tiled choice leaves it out, as the product's
+            # callers do (generate.py, the nodes' VAE decode).
+            images = decode_latents(vae, result.latents, loaded_for(transformer).engines())
             assert images.shape == (1, 4, 1024, 1024) and torch.isfinite(images).all()
             out["runs"].append({"budget": budget, "stats": result.stats})
         out["sample_peak"] = torch.cuda.max_memory_reserved()
@@ -134,10 +137,13 @@ def check_targets(out: dict, card_bytes: int) -> None:
 
 @pytest.fixture(autouse=True)
 def fresh_device():
-    """Each test starts and ends with nothing of another test's held on the GPU (or pinned on the host)."""
+    """Each test starts and ends with nothing of another test's held on the GPU (or pinned on the host): the owners
+    the tests keep for their models (tests/owners.py) hold those models, so they go too."""
+    owners.forget_all()
     gc.collect()
     torch.cuda.empty_cache()
     yield
+    owners.forget_all()
     gc.collect()
     torch.cuda.empty_cache()
 

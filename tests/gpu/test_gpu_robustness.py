@@ -87,7 +87,9 @@ def test_cli_takes_an_existing_cuda_device_and_refuses_a_missing_one(tmp_path, c
     out = tmp_path / "x.png"
     assert main(["generate", "--device", "cuda", "--width", "64", "--height", "64", "--steps", "2",
                  "--out", str(out)]) == 0
+    assert out.is_file()
     missing = f"cuda:{torch.cuda.device_count()}"
-    assert main(["generate", "--device", missing, "--out", str(out)]) == 2
+    # A fresh output path: the existing one would be refused first, before the device is looked at.
+    assert main(["generate", "--device", missing, "--out", str(tmp_path / "y.png")]) == 2
     assert f"--device='{missing}' is invalid: expected a device of this machine: cpu or cuda:0" in (
         capsys.readouterr().err)
