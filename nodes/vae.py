@@ -15,10 +15,10 @@ from ..graph_runtime.comfy_interop.pixels import comfy_image_to_vae_pixels, crop
 from ..graph_runtime.encoding.images import decode_each, encode_each
 from ..graph_runtime.validation import check_finite
 from ..graph_runtime.vae_decode import check_decoded, plan_decode
-from . import in_flight
-from .memory_budget import free_bytes
-from .model_handles import same_device
-from .types import LATENT, Vae
+from ..graph_runtime import in_flight
+from .comfyui.memory import free_bytes
+from .comfyui.model_handles import same_device
+from .comfyui.types import LATENT, Vae
 
 
 def encode_raw(vae, pixels: torch.Tensor) -> torch.Tensor:
