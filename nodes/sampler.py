@@ -11,6 +11,7 @@ import logging
 import comfy.model_management as mm
 from comfy_api.latest import io
 
+from ..graph_runtime import in_flight
 from ..graph_runtime.comfy_interop.conditioning import conditioning_to_prompt
 from ..graph_runtime.comfy_interop.latents import (
     latent_noise_mask, latent_samples, latent_stats, normalized_to_raw, raw_to_normalized,
@@ -23,7 +24,6 @@ from ..graph_runtime.report import run_summary
 from ..graph_runtime.sampling.sampler import Cancelled, SamplingRequest, check_schedule
 from ..graph_runtime.sampling.schedule import SIGMA_PRESETS, TURBO_SIGMAS
 from ..graph_runtime.validation import MAX_SEED, VAE_SCALE
-from ..graph_runtime import in_flight
 from .comfyui import events, memory
 from .comfyui.progress import SamplerProgress
 from .comfyui.types import SAMPLING, Transformer
