@@ -76,8 +76,8 @@ else:
 if _IN_COMFYUI:
     from .nodes.extension import comfy_entrypoint  # noqa: F401
     from .nodes.loaders import start_kernel_preload
-    from .nodes import example_inputs as _example_inputs
-    from .nodes import server_routes as _server_routes
+    from .nodes.comfyui import example_inputs as _example_inputs
+    from .nodes.comfyui import server_routes as _server_routes
 
     # The folder as ComfyUI found it under custom_nodes (not resolved: a linked pack keeps the link's name).
     _server_routes.register(pack_dir=os.path.dirname(os.path.abspath(__file__)))

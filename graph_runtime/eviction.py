@@ -1,8 +1,8 @@
 """Which cached models to let go: least recently used first, until the cache is back within its byte limit and the
 host has the room a RAM-pressure policy asks for.
 
-Pure policy (the ComfyUI glue in nodes/model_cache.py supplies the entries, the limit and the shortfall), so it is
-tested without models.
+Pure policy (the ComfyUI glue in nodes/comfyui/model_cache.py supplies the entries, the limit and the shortfall), so
+it is tested without models.
 """
 
 from __future__ import annotations

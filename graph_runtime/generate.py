@@ -16,7 +16,7 @@ from .memory import check_runtime_request
 from .loaded import LoadedTransformer
 from .parallel import sample_on_devices
 from .sampling.sampler import SamplingRequest, check_schedule, sample
-from .validation import check_cfg, check_count, check_reference_resolution, check_seed, check_size
+from .validation import check_reference_resolution, check_size
 from .vae_decode import check_decoded
 
 __all__ = ["DEFAULT_SIZE", "GenerationResult", "QwenImageGenerator", "check_size"]
@@ -59,18 +59,21 @@ class QwenImageGenerator:
         timings = {}
         images = list(images or [])
         check_reference_resolution(reference_resolution)
-        cfg = check_cfg(cfg)
-        check_seed(seed)
-        check_count("steps", steps)
-        check_count("batch_size", batch_size)
         if images and (width is None or height is None):
             auto_w, auto_h = reference_size(images[-1], reference_resolution, name=f"image{len(images)}")
             width = auto_w if width is None else width
             height = auto_h if height is None else height
         width = check_size("width", DEFAULT_SIZE if width is None else width)
         height = check_size("height", DEFAULT_SIZE if height is None else height)
+        # The request is built (and so its settings checked: seed, steps, batch, cfg) before any model runs; the
+        # encoders fill in its prompt and references below.
+        request = SamplingRequest(
+            positive=None, cfg=cfg, latent_height=height // 16, latent_width=width // 16, batch_size=batch_size,
+            seed=seed, steps=steps, sigma_preset=sigma_preset, decode_mode=decode_mode, compile=compile,
+            scheduler_config=self.models.scheduler_config,
+        )
         self.encoder.check_prompt(prompt, len(images))
-        if negative_prompt is not None and cfg > 1.0:
+        if negative_prompt is not None and request.cfg > 1.0:
             self.encoder.check_prompt(negative_prompt, len(images), "negative_prompt")
 
         start = time.perf_counter()
@@ -78,18 +81,13 @@ class QwenImageGenerator:
         vision_images = [r.vision_image for r in refs]
         positive = self.encoder.encode(prompt, vision_images, device=self.encoder.device)
         negative = None
-        if negative_prompt is not None and cfg > 1.0:
+        if negative_prompt is not None and request.cfg > 1.0:
             negative = self.encoder.encode(negative_prompt, vision_images, device=self.encoder.device,
                                            name="negative_prompt")
         reference_latents = [encode_pixels(self.models.vae, r.vae_pixels) for r in refs]
         timings["encode_ms"] = (time.perf_counter() - start) * 1e3
 
-        request = SamplingRequest(
-            positive=positive, negative=negative, cfg=cfg, reference_latents=reference_latents,
-            latent_height=height // 16, latent_width=width // 16, batch_size=batch_size, seed=seed, steps=steps,
-            sigma_preset=sigma_preset, decode_mode=decode_mode, compile=compile,
-            scheduler_config=self.models.scheduler_config,
-        )
+        request.positive, request.negative, request.reference_latents = positive, negative, reference_latents
         check_schedule(request)
         # Refused here, before anything is allocated, when the whole request (the decoded images included) cannot fit
         # on its device (the GPU, or the CPU's memory).

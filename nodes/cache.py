@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from . import status
-from .types import CACHE
+from .comfyui import model_cache
+from .comfyui.types import CACHE
 
 REPORT_TOOLTIP = "The same report as text, e.g. for a Preview as Text or Save Text node."
 
@@ -54,7 +54,7 @@ class KVGraphCacheStatus(io.ComfyNode):
 
     @classmethod
     def execute(cls, passthrough=None) -> io.NodeOutput:
-        return report_output(status.status_report(), passthrough)
+        return report_output(model_cache.status_report(), passthrough)
 
 
 class KVGraphReleaseCaches(io.ComfyNode):
@@ -84,7 +84,7 @@ class KVGraphReleaseCaches(io.ComfyNode):
 
     @classmethod
     def execute(cls, release_models, passthrough=None) -> io.NodeOutput:
-        return report_output(status.release_report(bool(release_models)), passthrough)
+        return report_output(model_cache.release_report(bool(release_models)), passthrough)
 
 
 CACHE_NODES = [KVGraphCacheStatus, KVGraphReleaseCaches]

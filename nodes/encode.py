@@ -15,7 +15,7 @@ from ..graph_runtime.comfy_interop.pixels import comfy_image_to_pil
 from ..graph_runtime.encoding.images import prepare_references
 from ..graph_runtime.errors import InputError
 from ..graph_runtime.validation import MAX_REFERENCES, check_size
-from .types import CONDITIONING, TextEncoder, Vae
+from .comfyui.types import CONDITIONING, TextEncoder, Vae
 from .vae import encode_raw
 
 MAX_SIZE = 8192

@@ -24,9 +24,9 @@ from ..graph_runtime.loading.variant import transformer_variant
 from ..graph_runtime.parallel import GPUS_HELP, check_gpus
 from ..graph_runtime.parallel.plan import check_heads
 from ..graph_runtime.quantized import KEEP_INT8, QUANTIZED_MODES, check_mode, int8_modules
-from . import model_cache, model_files
-from .model_handles import TE_OFFLOAD, TE_PLACEMENTS, TextEncoderHandle, TransformerHandle, VAEHandle
-from .types import DTYPE_TOOLTIP, DTYPES, LOADERS, TextEncoder, Transformer, Vae
+from .comfyui import model_cache, model_files
+from .comfyui.model_handles import TE_OFFLOAD, TE_PLACEMENTS, TextEncoderHandle, TransformerHandle, VAEHandle
+from .comfyui.types import DTYPE_TOOLTIP, DTYPES, LOADERS, TextEncoder, Transformer, Vae
 
 logger = logging.getLogger("kvgraph")
 

@@ -15,10 +15,10 @@ from comfy_api.latest import io
 
 from ..graph_runtime.errors import InputError
 from ..graph_runtime.lora import LoraChoice, read_lora
-from . import model_files
-from .core_model import kv_model, with_loras
-from .model_handles import TransformerHandle
-from .types import LOADERS, Transformer
+from .comfyui import model_files
+from .comfyui.core_model import kv_model, with_loras
+from .comfyui.model_handles import TransformerHandle
+from .comfyui.types import LOADERS, Transformer
 
 # The model socket takes either kind of KV-Graph model and hands on the same kind.
 MODEL_TEMPLATE = io.MatchType.Template("kvgraph_model", allowed_types=[Transformer, io.Model])

@@ -11,6 +11,7 @@ import logging
 import comfy.model_management as mm
 from comfy_api.latest import io
 
+from ..graph_runtime import in_flight
 from ..graph_runtime.comfy_interop.conditioning import conditioning_to_prompt
 from ..graph_runtime.comfy_interop.latents import (
     latent_noise_mask, latent_samples, latent_stats, normalized_to_raw, raw_to_normalized,
@@ -22,10 +23,10 @@ from ..graph_runtime.parallel import sample_on_devices
 from ..graph_runtime.report import run_summary
 from ..graph_runtime.sampling.sampler import Cancelled, SamplingRequest, check_schedule
 from ..graph_runtime.sampling.schedule import SIGMA_PRESETS, TURBO_SIGMAS
-from ..graph_runtime.validation import MAX_SEED, VAE_SCALE, check_seed
-from . import events, in_flight, memory_budget
-from .progress import SamplerProgress
-from .types import SAMPLING, Transformer
+from ..graph_runtime.validation import MAX_SEED, VAE_SCALE
+from .comfyui import events, memory
+from .comfyui.progress import SamplerProgress
+from .comfyui.types import SAMPLING, Transformer
 
 logger = logging.getLogger("kvgraph")
 
@@ -105,9 +106,9 @@ class KVGraphSampler(io.ComfyNode):
                 negative=None) -> io.NodeOutput:
         request, stats = build_request(model, positive, negative, latent, seed, steps, cfg, sigma_preset, denoise,
                                        decode_mode, compile)
-        # Refused here, before anything is loaded or allocated, when the request cannot fit (memory_budget.py);
+        # Refused here, before anything is loaded or allocated, when the request cannot fit (comfyui/memory.py);
         # ComfyUI is then asked to make room for all of it beyond the transformer's own weights.
-        budget = memory_budget.check_request(model, request, model.patcher.load_device)
+        budget = memory.check_request(model, request, model.patcher.load_device)
         model.ensure_loaded(max(0, budget.total - budget.part("transformer weights")))
         loaded = model.loaded
         prompt_id, node_id = events.executing_ids()
@@ -133,7 +134,8 @@ class KVGraphSampler(io.ComfyNode):
 
 def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_preset, denoise, decode_mode,
                   compile) -> tuple[SamplingRequest, object]:
-    """Validate the node's inputs and turn ComfyUI's CONDITIONING / LATENT into the runtime's request.
+    """Validate the node's inputs and turn ComfyUI's CONDITIONING / LATENT into the runtime's request (which checks
+    the sampling settings themselves: seed, steps, cfg, denoise).
 
     Returns the request and the latent statistics used to normalize.
     """
@@ -141,7 +143,6 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
     preset = sigma_preset_for(sigma_preset, model.info.get("variant"))
     _check_choice("decode_mode", decode_mode, DECODE_MODES)
     _check_choice("compile", compile, COMPILE_OPTIONS)
-    check_seed(int(seed))
     channels = model.module.config.in_channels
     samples = latent_samples(latent, "latent", channels)
     batch, _, height, width = samples.shape

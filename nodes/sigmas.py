@@ -13,10 +13,10 @@ from ..graph_runtime.comfy_interop.latents import latent_samples
 from ..graph_runtime.errors import InputError
 from ..graph_runtime.loading.variant import AUTO, sigma_preset_for
 from ..graph_runtime.sampling.schedule import TURBO_SIGMAS, schedule_for
-from ..graph_runtime.validation import VAE_SCALE, check_size
-from .core_model import kv_model
+from ..graph_runtime.validation import VAE_SCALE, check_count, check_size
+from .comfyui.core_model import kv_model
 from .sampler import NODE_SIGMA_PRESETS
-from .types import SAMPLING
+from .comfyui.types import SAMPLING
 
 
 class KVGraphSigmas(io.ComfyNode):
@@ -62,5 +62,6 @@ class KVGraphSigmas(io.ComfyNode):
             tokens_h = check_size("height", height) // VAE_SCALE
             tokens_w = check_size("width", width) // VAE_SCALE
         preset = sigma_preset_for(sigma_preset, inner.variant)
-        _, sigmas = schedule_for(preset, int(steps), tokens_h * tokens_w, inner.scheduler_config, float(denoise))
+        steps = check_count("steps", steps)
+        _, sigmas = schedule_for(preset, steps, tokens_h * tokens_w, inner.scheduler_config, float(denoise))
         return io.NodeOutput(sigmas.float().cpu())

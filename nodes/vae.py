@@ -8,17 +8,16 @@ import comfy.model_management as mm
 import comfy.utils
 from comfy_api.latest import io
 
-from ..graph_runtime import memory
+from ..graph_runtime import in_flight, memory
 from ..graph_runtime.memory import check_decoded_on_host
 from ..graph_runtime.comfy_interop.latents import latent_samples
 from ..graph_runtime.comfy_interop.pixels import comfy_image_to_vae_pixels, crop_to_multiple, vae_pixels_to_comfy_image
 from ..graph_runtime.encoding.images import decode_each, encode_each
 from ..graph_runtime.validation import check_finite
 from ..graph_runtime.vae_decode import check_decoded, plan_decode
-from . import in_flight
-from .memory_budget import free_bytes
-from .model_handles import same_device
-from .types import LATENT, Vae
+from .comfyui.memory import free_bytes
+from .comfyui.model_handles import same_device
+from .comfyui.types import LATENT, Vae
 
 
 def encode_raw(vae, pixels: torch.Tensor) -> torch.Tensor:

@@ -189,7 +189,7 @@ def main() -> dict:
                       f"{target}.lora_down.weight": torch.zeros(4, 32)}, 1.0, 0.0))
 
     # Nothing of a run outlives it: no run in progress, the engine not busy, no prefix left owning an entry.
-    in_flight = env.pack.nodes.in_flight
+    in_flight = sys.modules[f"{env.pack.__name__}.graph_runtime.in_flight"]
     engine = handle.engine
     out["after"] = {"runs": in_flight.runs(), "busy": handle.loaded.busy,
                     "owned_entries": sum(engine.graphs.owners.alive(k) for k in engine.graphs.entries),

@@ -15,11 +15,11 @@ from comfy_fake.fixtures import comfy_env  # noqa: E402,F401
 
 ROOT = Path(__file__).resolve().parents[1]
 INPUTS = ROOT / "example_workflows" / "inputs"
-MODULE = ROOT / "nodes" / "example_inputs.py"
+MODULE = ROOT / "nodes" / "comfyui" / "example_inputs.py"
 
 
 def standalone_module():
-    """nodes/example_inputs.py imported on its own, as a tool outside ComfyUI would (no pack, no fake)."""
+    """nodes/comfyui/example_inputs.py imported on its own, as a tool outside ComfyUI would (no pack, no fake)."""
     spec = importlib.util.spec_from_file_location("kvgraph_example_inputs_standalone", MODULE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -86,7 +86,7 @@ def test_copies_only_what_is_missing_and_never_overwrites(tmp_path):
 
 
 def test_install_logs_once_what_it_copied(comfy_env, caplog):
-    module = comfy_env.pack.nodes.example_inputs
+    module = comfy_env.pack.nodes.comfyui.example_inputs
     input_dir = comfy_env.fake.input_dir
     (input_dir / "kvgraph_edit_1.png").unlink()
     (input_dir / "kvgraph_edit_2.png").write_bytes(b"a user's file under that name")
@@ -106,7 +106,7 @@ def test_without_comfyui_there_is_nothing_to_copy(monkeypatch):
 
 
 def test_a_read_only_input_folder_is_logged_not_raised(comfy_env, tmp_path, monkeypatch, caplog):
-    module = comfy_env.pack.nodes.example_inputs
+    module = comfy_env.pack.nodes.comfyui.example_inputs
 
     def refuse(*args, **kwargs):
         raise PermissionError("read-only file system")

@@ -127,7 +127,7 @@ def test_the_load_log_names_the_storage_as_it_is(comfy_env, caplog):
     dequantized as plain float weights: never "bf16" (the loader's dtype input) for weights that are int8."""
     import logging
 
-    comfy_env.pack.nodes.model_cache.forget_all("test")
+    comfy_env.pack.nodes.comfyui.model_cache.forget_all("test")
     with caplog.at_level(logging.INFO, logger="kvgraph"):
         transformer(comfy_env, mode="int8", dtype="bf16")
         transformer(comfy_env, mode="dequantize", dtype="bf16")

@@ -99,7 +99,7 @@ def test_core_euler_over_kvgraph_sigmas_equals_the_kvgraph_sampler(comfy_env, se
     core = core_sample(comfy_env, model, positive, latent, sigmas, seed=7)
     ours = sampler(comfy_env, handle, positive, latent, sigma_preset="auto")["samples"]
     assert (core - ours).abs().max() <= ATOL
-    in_flight = pack_module(comfy_env, "nodes.in_flight")
+    in_flight = pack_module(comfy_env, "graph_runtime.in_flight")
     assert in_flight.runs() == [] and not handle.loaded.busy
 
 
@@ -107,7 +107,7 @@ def test_the_run_is_open_for_the_sampling_call_only(comfy_env, setup):
     """The wrapper opens one run per sampling call: its model calls see it (and the engine busy, the step in the
     status), and it is released when the call ends, also when the call fails."""
     handle, model, positive, _, latent = setup
-    core_model = pack_module(comfy_env, "nodes.core_model")
+    core_model = pack_module(comfy_env, "nodes.comfyui.core_model")
     seen = []
 
     def during(options):
@@ -170,7 +170,7 @@ def test_kvgraph_lora_on_the_model_merges_for_the_run(comfy_env, setup):
                       strength=1.0)
     lora_handle, = run(comfy_env, "KVGraphLoadLoRA", model=handle, lora_name="kvgraph_core_style.safetensors",
                        strength=1.0)
-    core_model = pack_module(comfy_env, "nodes.core_model")
+    core_model = pack_module(comfy_env, "nodes.comfyui.core_model")
     assert lora_model is not model and lora_model.model is model.model
     assert len(lora_model.attachments[core_model.LORAS]) == 1 and core_model.LORAS not in model.attachments
     sigmas = sigmas_node(comfy_env, model, latent)

@@ -65,7 +65,7 @@ def models(comfy_env):
 
 def test_loaders_return_the_cached_model_for_the_same_file(comfy_env, models):
     transformer, text_encoder, vae = models
-    cache = comfy_env.pack.nodes.model_cache
+    cache = comfy_env.pack.nodes.comfyui.model_cache
     again = load_all(comfy_env)
     assert again[0] is transformer and again[1] is text_encoder and again[2] is vae
     assert cache.load_count(transformer.key) == 1 and cache.load_count(vae.key) == 1
@@ -276,7 +276,7 @@ def test_sampler_rejects_bad_inputs_by_name(comfy_env, models, case, name):
 
 def test_interrupt_stops_the_run_and_the_next_prompt_works(comfy_env, models):
     transformer, text_encoder, _ = models
-    in_flight = comfy_env.pack.nodes.in_flight
+    in_flight = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.in_flight")
     positive, _, latent = encode(comfy_env, text_encoder)
     comfy_env.fake.interrupt_at_step = 2
     try:
@@ -355,8 +355,9 @@ def test_release_waits_for_a_running_sampler(comfy_env, models, monkeypatch):
     engine = models[0].engine
     released = []
     monkeypatch.setattr(engine, "release", lambda: released.append(1) or {"entries": 0})
-    with nodes.in_flight.sampling(models[0].loaded, "p", "1", 10):
-        result = nodes.status.release()
+    in_flight = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.in_flight")
+    with in_flight.sampling(models[0].loaded, "p", "1", 10):
+        result = nodes.comfyui.model_cache.release()
         assert {"model": engine.graphs.name, "result": "deferred"}.items() <= next(
             g for g in result["graphs"] if g["engine_id"] == f"{id(engine):x}").items()
         assert released == []
@@ -411,19 +412,20 @@ def test_status_survives_an_engine_that_cannot_report(comfy_env, models):
             return [broken]
 
     broken, owner = Broken(), Owner()
-    comfy_env.pack.nodes.model_cache._transformers.add(owner)
+    comfy_env.pack.nodes.comfyui.model_cache._transformers.add(owner)
     try:
-        payload = comfy_env.pack.nodes.status.status_payload()
+        payload = comfy_env.pack.nodes.comfyui.model_cache.status_payload()
         assert {"engine_id": f"{id(broken):x}", "error": "AttributeError: no transformer here"} in payload["models"]
         assert any(m.get("source", "") and m["source"].endswith(T_FILE) for m in payload["models"])
-        assert "unreadable" in comfy_env.pack.nodes.status.status_report()
-        assert any(g["result"].startswith("failed") for g in comfy_env.pack.nodes.status.release()["graphs"])
+        assert "unreadable" in comfy_env.pack.nodes.comfyui.model_cache.status_report()
+        assert any(g["result"].startswith("failed")
+                   for g in comfy_env.pack.nodes.comfyui.model_cache.release()["graphs"])
     finally:
-        comfy_env.pack.nodes.model_cache._transformers.discard(owner)
+        comfy_env.pack.nodes.comfyui.model_cache._transformers.discard(owner)
 
 
 def test_release_route_validates_its_body(comfy_env):
-    routes = comfy_env.pack.nodes.server_routes
+    routes = comfy_env.pack.nodes.comfyui.server_routes
     assert routes.release_response(b'{"models": "yes"}')[0] == 400
     assert routes.release_response(b"[1]")[0] == 400
     code, payload = routes.release_response(None)
@@ -435,14 +437,14 @@ def test_release_models_then_reload(comfy_env):
     try:
         transformer, _, _ = load_all(env)
         report, _ = run(env, "KVGraphReleaseCaches", release_models=True)
-        assert "dropped" in report and env.pack.nodes.model_cache.handles() == []
+        assert "dropped" in report and env.pack.nodes.comfyui.model_cache.handles() == []
         again, _, _ = load_all(env)
-        assert again is not transformer and env.pack.nodes.model_cache.load_count(again.key) == 2
+        assert again is not transformer and env.pack.nodes.comfyui.model_cache.load_count(again.key) == 2
         run(env, "KVGraphReleaseCaches", release_models=True)
         # ComfyUI's output cache may still hand the released handle to a sampler: once used it is cached again,
         # so the next loader gets it instead of reading the file a third time.
         again.ensure_loaded()
-        assert env.pack.nodes.model_cache.handles() == [again]
+        assert env.pack.nodes.comfyui.model_cache.handles() == [again]
         reloaded, _ = run(env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32")
         assert reloaded is again
     finally:

@@ -123,7 +123,7 @@ def test_status_route_reports_two_queued_prompts_replaying(gpu_env, prepared):
     before = transformer.engine.status()
     sample(gpu_env, transformer, positive, latent, seed=11)
     sample(gpu_env, transformer, positive, latent, seed=12)
-    payload = gpu_env.pack.nodes.status.status_payload()
+    payload = gpu_env.pack.nodes.comfyui.model_cache.status_payload()
     model = next(m for m in payload["models"] if m.get("source") == transformer.source)
     assert len(model["entries"]) == 1 and model["entries"][0]["captures"] == 1
     assert model["captures"] - before["captures"] == 1

@@ -35,7 +35,7 @@ def samples(env, model, positive, latent):
 
 
 def transformer_status(env, handle) -> dict:
-    status = env.pack.nodes.status.status_payload()
+    status = env.pack.nodes.comfyui.model_cache.status_payload()
     return next(m for m in status["models"] if m["source"] == handle.source and m["dtype"] == handle.dtype_name)
 
 
@@ -61,7 +61,8 @@ def test_chaining_extends_the_list_on_the_same_loaded_model(comfy_env, setup):
     assert [(c.lora.name, c.strength) for c in two.loras] == [("kvgraph_test_style.safetensors", 1.0),
                                                                ("kvgraph_test_detail.safetensors", -0.5)]
     assert two.base is one.base is transformer
-    assert comfy_env.pack.nodes.model_cache.handles().count(transformer) == 1  # the cache holds models, not chains
+    # The cache holds models, not chains.
+    assert comfy_env.pack.nodes.comfyui.model_cache.handles().count(transformer) == 1
 
 
 def test_each_prompt_merges_its_own_set_without_reloading(comfy_env, setup):
@@ -69,7 +70,7 @@ def test_each_prompt_merges_its_own_set_without_reloading(comfy_env, setup):
     same output, strength 0 and no LoRA give the plain model's), the file is loaded once, and the status shows
     what is merged."""
     transformer, positive, latent = setup
-    cache = comfy_env.pack.nodes.model_cache
+    cache = comfy_env.pack.nodes.comfyui.model_cache
     plain = samples(comfy_env, transformer, positive, latent)
     full = samples(comfy_env, with_lora(comfy_env, transformer), positive, latent)
     assert not torch.allclose(full, plain, atol=1e-3)
@@ -85,11 +86,12 @@ def test_each_prompt_merges_its_own_set_without_reloading(comfy_env, setup):
     assert torch.equal(samples(comfy_env, with_lora(comfy_env, transformer), positive, latent), full)
     assert torch.equal(samples(comfy_env, transformer, positive, latent), plain)
     assert torch.equal(samples(comfy_env, with_lora(comfy_env, transformer, strength=0.0), positive, latent), plain)
-    report = comfy_env.pack.nodes.status.status_report()
+    report = comfy_env.pack.nodes.comfyui.model_cache.status_report()
     assert "LoRAs merged" not in report  # the last prompt had none
     samples(comfy_env, with_lora(comfy_env, transformer, strength=0.5), positive, latent)
-    assert "LoRAs merged: kvgraph_test_style.safetensors (0.5)" in comfy_env.pack.nodes.status.status_report()
-    loaded = next(item for item in comfy_env.pack.nodes.status.status_payload()["loaded"]
+    report = comfy_env.pack.nodes.comfyui.model_cache.status_report()
+    assert "LoRAs merged: kvgraph_test_style.safetensors (0.5)" in report
+    loaded = next(item for item in comfy_env.pack.nodes.comfyui.model_cache.status_payload()["loaded"]
                   if item["kind"] == "transformer" and item["source"] == transformer.source
                   and item["dtype"] == transformer.dtype_name)
     assert [item["strength"] for item in loaded["loras"]] == [0.5]

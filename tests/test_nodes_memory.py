@@ -97,7 +97,7 @@ def test_budget_is_on_the_status_route_and_report(comfy_env, loaded):
     # Through a handle chained on the loader's (as KV-Graph Load LoRA makes one): the loader's handle reports it.
     sample(comfy_env, dataclasses.replace(transformer, base=transformer), positive, latent)
     assert transformer.last_budget is not None
-    status = sys.modules[comfy_env.pack.__name__ + ".nodes.status"]
+    status = sys.modules[comfy_env.pack.__name__ + ".nodes.comfyui.model_cache"]
     model = next(m for m in status.status_payload()["models"] if m.get("source") == transformer.source)
     budget = model["budget"]
     assert budget["total_bytes"] == transformer.last_budget["total_bytes"] > budget["margin_bytes"] > 0
@@ -215,7 +215,7 @@ def test_the_model_cache_evicts_the_least_recently_used_model_over_its_limit(cac
     holds comes back on the next load of the same file (no second copy); once nothing holds it, it is read again."""
     import gc
 
-    cache = cache_env.pack.nodes.model_cache
+    cache = cache_env.pack.nodes.comfyui.model_cache
     load = lambda dtype: run(cache_env, "KVGraphLoadTransformer", transformer_name=FILES[0], dtype=dtype)[0]  # noqa
     fp32 = load("fp32")
     limit = 1.75 * cache.host_bytes(fp32)
@@ -243,9 +243,9 @@ def test_the_model_cache_evicts_the_least_recently_used_model_over_its_limit(cac
 def test_the_model_cache_honours_comfyui_ram_headroom_but_keeps_what_is_in_use(cache_env, monkeypatch, caplog):
     """Where ComfyUI keeps RAM free (its RAM-pressure cache's headroom) and the host has less available, idle
     cached models are evicted, least recently used first; a model a node is using now is not."""
-    cache = cache_env.pack.nodes.model_cache
-    in_flight = cache_env.pack.nodes.in_flight
-    memory_module = sys.modules[f"{cache_env.pack.__name__}.nodes.model_cache"]
+    cache = cache_env.pack.nodes.comfyui.model_cache
+    in_flight = importlib.import_module(f"{cache_env.pack.__name__}.graph_runtime.in_flight")
+    memory_module = sys.modules[f"{cache_env.pack.__name__}.nodes.comfyui.model_cache"]
     vae, = run(cache_env, "KVGraphLoadVAE", vae_name=FILES[2], dtype="fp32")
     transformer = run(cache_env, "KVGraphLoadTransformer", transformer_name=FILES[0], dtype="fp32")[0]
     monkeypatch.setattr(memory_module, "ram_headroom", lambda: 10 * 2**30)

@@ -46,7 +46,7 @@ def test_gpus_rides_on_the_same_loaded_model(comfy_env, loaded):
     one, _ = loaded
     two = run(comfy_env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32", gpus=2)[0]
     assert two.gpus == 2 and one.gpus == 1 and two.module is one.module
-    assert comfy_env.pack.nodes.model_cache.load_count(one.key) == 1
+    assert comfy_env.pack.nodes.comfyui.model_cache.load_count(one.key) == 1
     node = comfy_env.nodes["KVGraphLoadTransformer"]
     assert (node.fingerprint_inputs(transformer_name=T_FILE, dtype="fp32", gpus=2)
             != node.fingerprint_inputs(transformer_name=T_FILE, dtype="fp32"))

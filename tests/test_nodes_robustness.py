@@ -125,7 +125,7 @@ def test_release_route_answers_400_for_a_bad_body(comfy_env, body, fragment):
     code, payload = post_release(comfy_env, body)
     assert code == 400 and fragment in payload["error"]
     assert set(payload) == {"error"}
-    assert comfy_env.pack.nodes.server_routes.parse_release_body(body) == (400, payload)  # the parser alone
+    assert comfy_env.pack.nodes.comfyui.server_routes.parse_release_body(body) == (400, payload)  # the parser alone
 
 
 @pytest.mark.parametrize("body", [None, b"", b"  ", b"null", b"{}", b'{"models": false}'])
@@ -253,7 +253,7 @@ def test_sampler_names_a_size_too_large_for_the_schedule_before_anything_loads(c
     naming its size, before the memory budget is worked out and before the transformer is loaded."""
     transformer = run(comfy_env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32")[0]
     positive, _, _ = encode(comfy_env, text_encoder)
-    budget = comfy_env.pack.nodes.memory_budget
+    budget = comfy_env.pack.nodes.comfyui.memory
     monkeypatch.setattr(budget, "check_request", lambda *a: pytest.fail("the budget was worked out first"))
     with pytest.raises(from_pack(comfy_env, "errors").InputError,
                        match=r"^image size='16384x16384 px \(1048576 latent tokens\)' is invalid: expected at most"):
@@ -335,7 +335,7 @@ def pack_regex(route: str) -> str:
     ("grafik-über", "grafik-über"), ("50%", "50%25"),  # aiohttp leaves %25 undecoded in the path it matches
 ])
 def test_route_for_a_quoted_folder_name_matches_only_that_name(comfy_env, folder, decoded):
-    pack_files = comfy_env.pack.nodes.pack_files
+    pack_files = comfy_env.pack.nodes.comfyui.server_routes
     assert pack_files.needs_own_routes(folder)
     route = pack_files.route_path("/extensions", folder)
     regex = pack_regex(route)
@@ -345,10 +345,10 @@ def test_route_for_a_quoted_folder_name_matches_only_that_name(comfy_env, folder
 
 
 def test_plain_folder_names_need_no_routes(comfy_env):
-    pack_files = comfy_env.pack.nodes.pack_files
+    pack_files = comfy_env.pack.nodes.comfyui.server_routes
     for folder in ("comfyui-kv-graph", "kv_graph_e2e", "KVGraph.v1"):
         assert not pack_files.needs_own_routes(folder)
-        assert pack_files.register(None, f"/custom_nodes/{folder}") == []
+        assert pack_files.register_pack_files(None, f"/custom_nodes/{folder}") == []
 
 
 def test_pack_under_a_folder_with_a_space_registers_its_file_routes(tmp_path):
@@ -385,7 +385,8 @@ def test_a_release_mid_prompt_waits_for_the_models_the_prompt_is_using(monkeypat
     the node's output equals the one a run without the release gives."""
     env = make_env()
     try:
-        status, images = env.pack.nodes.status, importlib.import_module(f"{env.pack.__name__}.graph_runtime.encoding.images")
+        status = env.pack.nodes.comfyui.model_cache
+        images = importlib.import_module(f"{env.pack.__name__}.graph_runtime.encoding.images")
         text_encoder, = run(env, "KVGraphLoadTextEncoder", text_encoder_name="qwen3vl_8b_bf16.safetensors",
                             dtype="fp32", text_encoder_placement="always gpu")
         vae, = run(env, "KVGraphLoadVAE", vae_name=VAE_FILE, dtype="fp32")

@@ -135,7 +135,7 @@ def test_text_encoder_patcher_loads_and_offloads_through_the_placement(tiny_part
 
     env = make_env()
     try:
-        handles = sys.modules[env.pack.__name__ + ".nodes.model_handles"]
+        handles = sys.modules[env.pack.__name__ + ".nodes.comfyui.model_handles"]
         module = copy.deepcopy(tiny_parts["text_encoder"])
         size = module_bytes(module)
         before = state(module)

@@ -8,7 +8,11 @@
   pack's entry point never import them, and the package list the build reads from pyproject.toml leaves them out;
 - nodes/ stays ComfyUI glue: it defines no function or class under a name a runtime module defines too (a second
   copy of a runtime function drifts from the first), repeats no runtime function's body, and words no byte sizes
-  itself (2**20 / 2**30 arithmetic: sizes are worded by graph_runtime/report.py and memory.gib).
+  itself (2**20 / 2**30 arithmetic: sizes are worded by graph_runtime/report.py and memory.gib);
+- nodes/ holds nodes, and the glue only ComfyUI needs sits in one subpackage beside them: every module directly in
+  nodes/ defines a node of the pack's node list (nodes/extension.py), and every module of nodes/comfyui/ imports
+  ComfyUI itself, so logic that needs no ComfyUI lives in graph_runtime/ rather than settling there;
+- graph_runtime/ and nodes/ have no import cycle, and no module keeps state in `sys.modules` or on another object.
 """
 
 import ast
@@ -21,6 +25,7 @@ COMFYUI_MODULES = ("comfy", "comfy_api", "comfy_execution", "comfy_extras", "fol
 ROOT = Path(__file__).resolve().parent.parent
 RUNTIME = ROOT / "graph_runtime"
 NODES = ROOT / "nodes"
+GLUE = NODES / "comfyui"
 
 
 def package_of(path: Path) -> str:
@@ -281,9 +286,9 @@ def test_import_cycles_are_found():
     a sibling import under a re-exporting __init__ is not a cycle."""
     assert import_cycles({"a": {"b"}, "b": {"a"}, "c": set()}) == [["a", "b"]]
     modules = pack_modules()
-    # nodes/sampler.py imports siblings (`from . import events`): edges to them, not to the nodes package.
-    assert "nodes" not in import_edges(NODES / "sampler.py", modules)
-    assert "nodes.events" in import_edges(NODES / "sampler.py", modules)
+    # nodes/sampler.py imports glue modules (`from .comfyui import events`): edges to them, not to their package.
+    assert not {"nodes", "nodes.comfyui"} & import_edges(NODES / "sampler.py", modules)
+    assert "nodes.comfyui.events" in import_edges(NODES / "sampler.py", modules)
     # kernels/fp8_quant.py takes `define_once` from the kernels package's __init__: an edge to the package.
     assert "graph_runtime.kernels" in import_edges(RUNTIME / "kernels" / "fp8_quant.py", modules)
 
@@ -329,3 +334,78 @@ def test_no_engine_registry_outside_the_model_objects():
     found = [line for folder in (RUNTIME, NODES) for path in sorted(folder.rglob("*.py"))
              for line in process_registries(path)]
     assert found == []
+
+
+# -- nodes/: node modules, and ComfyUI glue beside them ------------------------------------------------------------
+
+
+def node_list_classes() -> set[str]:
+    """The class names in nodes/extension.py's NODE_LIST, read from the source: its names, and the names in each
+    `*X_NODES` list it unpacks, as the node module defining that list spells them."""
+    extension = ast.parse((NODES / "extension.py").read_text())
+    node_list = next(n.value for n in extension.body if isinstance(n, ast.AnnAssign | ast.Assign)
+                     and "NODE_LIST" in ast.unparse(n.target if isinstance(n, ast.AnnAssign) else n.targets[0]))
+    lists = {}
+    for path in NODES.glob("*.py"):
+        for node in ast.parse(path.read_text()).body:
+            if (isinstance(node, ast.Assign) and isinstance(node.value, ast.List)
+                    and ast.unparse(node.targets[0]).endswith("_NODES")):
+                lists[ast.unparse(node.targets[0])] = {ast.unparse(e) for e in node.value.elts}
+    names = set()
+    for element in node_list.elts:
+        names |= lists[ast.unparse(element.value)] if isinstance(element, ast.Starred) else {ast.unparse(element)}
+    return names
+
+
+def test_node_list_classes_reads_the_lists_it_unpacks():
+    """The helper itself: a node named directly and one from an unpacked list are both found."""
+    names = node_list_classes()
+    assert {"KVGraphSampler", "KVGraphLoadTransformer", "KVGraphReleaseCaches"} <= names
+
+
+def test_every_module_directly_in_nodes_defines_a_node():
+    """A module directly in nodes/ is where a node lives: it defines (at module level) a class of the pack's node
+    list. The package's __init__ and extension.py (the node list and ComfyUI's entry point itself) are the two
+    exceptions; anything else belongs in nodes/comfyui/ (ComfyUI glue) or graph_runtime/ (logic)."""
+    nodes = node_list_classes()
+    without = []
+    for path in sorted(NODES.glob("*.py")):
+        if path.name in ("__init__.py", "extension.py"):
+            continue
+        defined = {n.name for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)}
+        if not defined & nodes:
+            without.append(path.name)
+    assert without == [], f"modules directly in nodes/ that define no node: {without}"
+    folders = sorted(p.name for p in NODES.iterdir() if p.is_dir() and p.name != "__pycache__")
+    assert folders == ["comfyui"], f"nodes/ keeps its glue in nodes/comfyui/ only, found {folders}"
+
+
+def comfyui_imports(path: Path) -> list[str]:
+    """The ComfyUI modules `path` imports (absolute imports only, anywhere in it: inside the pack a relative import
+    is the pack's own, whatever its name)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            found.append(node.module)
+    return sorted(m for m in found if m.split(".")[0] in COMFYUI_MODULES)
+
+
+def test_comfyui_imports_skips_the_packs_relative_imports(tmp_path):
+    """The helper itself: `from ..nodes import x` (the pack's) is not ComfyUI's `nodes`; `import comfy.utils` and a
+    function-level `from server import PromptServer` are."""
+    source = tmp_path / "glue.py"
+    source.write_text("import os\nimport comfy.utils\nfrom ..nodes import x\n\n\ndef f():\n"
+                      "    from server import PromptServer\n")
+    assert comfyui_imports(source) == ["comfy.utils", "server"]
+
+
+def test_every_glue_module_imports_comfyui():
+    """nodes/comfyui/ is the glue only ComfyUI needs: each of its modules imports ComfyUI (its model management,
+    server, progress bar, model folders or node API). A module that needs none of it is logic, and belongs in
+    graph_runtime/ (or in the one module that uses it)."""
+    modules = sorted(p for p in GLUE.glob("*.py") if p.name != "__init__.py")
+    assert modules
+    without = [p.name for p in modules if not comfyui_imports(p)]
+    assert without == [], f"nodes/comfyui/ modules that import no ComfyUI module: {without}"

@@ -4,8 +4,9 @@
     SamplingRun(engine)                            one sampling run's prefixes, released when it ends
     ModelFunction(engine)(x, sigma, source, run)   normalized latents and sigma -> the flow prediction
 
-The ComfyUI side (nodes/core_model.py) wraps these in a `BaseModel` / `ModelPatcher`: it builds the sources when core
-prepares the conditioning, opens a run around each sampling call and calls the model function for every step.
+The ComfyUI side (nodes/comfyui/core_model.py) wraps these in a `BaseModel` / `ModelPatcher`: it builds the sources
+when core prepares the conditioning, opens a run around each sampling call and calls the model function for every
+step.
 """
 
 from .model_function import ModelFunction

@@ -4,7 +4,7 @@
 - `free`: how much memory a new allocation can get, on the host and on a CUDA device.
 - `budget`: refusing what cannot fit and saying what would; `check_sampling_request` is the one check of a
   sampling request, which the command line (`check_runtime_request`) and the ComfyUI sampler node
-  (nodes/memory_budget.py, which adds what ComfyUI could unload) both go through.
+  (nodes/comfyui/memory.py, which adds what ComfyUI could unload) both go through.
 
 Tests pin the host's memory by patching `memory.free.host_available_bytes`: every reader here calls it through
 that module.

@@ -3,7 +3,7 @@
 `check_sampling_request` is the one check of a sampling request. `RequestPlan` holds what its budget is computed
 from (sizes.py), so every alternative setting is priced the same way; `MemoryBudgetError` names the settings that
 change the budget, each with what it would need, those that fit first. The ComfyUI sampler node adds what ComfyUI
-can unload to what is available (nodes/memory_budget.py); the runtime alone (`check_runtime_request`, used by the
+can unload to what is available (nodes/comfyui/memory.py); the runtime alone (`check_runtime_request`, used by the
 CLI) has only what the device has free and what its own models and graphs hold."""
 
 from __future__ import annotations
@@ -176,15 +176,21 @@ class RequestPlan:
 
 def check_sampling_request(transformer, request, available: Available | None, device, vae: VaeDims | None = None,
                            other_weights: dict[str, int] | None = None, decoded_bytes_per_pixel: int = 0,
-                           more_options=lambda: []) -> MemoryBudget:
+                           more_options=lambda: [], *, host_free: int | None = None, vae_assumed: bool = False,
+                           kept_text_encoder: tuple[str, int] | None = None) -> MemoryBudget:
     """The one memory check of a sampling request, before anything is allocated; the command line
-    (`check_runtime_request`) and the ComfyUI sampler node (nodes/memory_budget.py) differ only in what they count
-    as `available` and in `more_options`.
+    (`check_runtime_request`) and the ComfyUI sampler node (nodes/comfyui/memory.py) differ only in what they count
+    as `available`, in `more_options` and in what they ask to be noted.
 
     `transformer` and `vae` (its dims; None: not counted) are priced with `other_weights` (e.g. a text encoder kept
     on the device); `decoded_bytes_per_pixel`: the decoded images kept on `device` until the request ends (the CPU's
     images), 0 where they leave it. Returns the budget (unchecked where `available` is None: nothing reports free
     memory), or raises MemoryBudgetError naming the settings that would fit, then `more_options()`.
+
+    Noted on a budget that fits (and logged with it): ComfyUI's float32 IMAGE of the whole batch beyond `host_free`
+    (the host's available memory; None: not checked), a VAE sized as the standard one (`vae_assumed`: none loaded
+    yet), and a text encoder kept on the device that does not fit next to the request (`kept_text_encoder`: its
+    placement and size; not counted in the budget, as ComfyUI unloads it to make room).
     """
     device = torch.device(device)
     plan = RequestPlan.for_request(transformer, request, vae, graphs=device.type == "cuda",
@@ -193,7 +199,24 @@ def check_sampling_request(transformer, request, available: Available | None, de
         plan.shape = dataclasses.replace(plan.shape, decoded_bytes_per_pixel=decoded_bytes_per_pixel)
     if available is None:
         return plan.budget()
-    return plan.check_available(available, device, more_options)
+    budget = plan.check_available(available, device, more_options)
+    shape = plan.shape
+    image = memory.decoded_images_bytes(shape.width, shape.height, shape.batch, memory.IMAGE_BYTES_PER_PIXEL)
+    if host_free is not None and image > host_free:
+        budget.notes.append(f"decoding all {shape.batch} images needs {gib(image)} of host memory for the IMAGE, "
+                            f"more than the {gib(host_free)} available: KV-Graph VAE Decode will refuse it (decode a "
+                            "smaller part of the batch at a time)")
+    if vae_assumed:
+        budget.notes.append("VAE sized as the standard Qwen-Image-2.1 VAE (none loaded yet)")
+    if kept_text_encoder is not None and budget.total + kept_text_encoder[1] > available.total:
+        placement, size = kept_text_encoder
+        budget.notes.append(f"the text encoder ('{placement}', {gib(size)}) does not fit next to this request: "
+                            "ComfyUI unloads it, and encoding a changed prompt then unloads the transformer and its "
+                            "graphs")
+    logger.info("KV-Graph: memory budget for %dx %dx%d: %s of %s available on %s%s", shape.batch, shape.width,
+                shape.height, budget.describe(), gib(available.total), device,
+                "".join(f"; {note}" for note in budget.notes))
+    return budget
 
 
 def check_runtime_request(loaded, request, vae=None, text_encoder=None,
@@ -221,7 +244,6 @@ def check_runtime_request(loaded, request, vae=None, text_encoder=None,
     vae_dims = VaeDims.of(vae) if vae is not None else None
     budget = check_sampling_request(transformer, request, available, device, vae_dims, others,
                                     decoded_bytes_per_pixel=image_bytes_per_pixel if on_cpu else 0)
-    logger.info("KV-Graph: memory budget %s of %s available on %s.", budget.describe(), gib(available.total), device)
     if not on_cpu:
         shape = request_shape(request)
         check_decoded_on_host(shape.width, shape.height, shape.batch, image_bytes_per_pixel)

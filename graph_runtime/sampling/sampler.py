@@ -54,6 +54,19 @@ class SamplingRequest:
     compile: bool = False
     scheduler_config: dict | None = None
 
+    def __post_init__(self):
+        """Every sampling setting is checked here, once, where a request is built (by the sampler node, the generator
+        or a caller of `sample`): a bad value is refused, naming it, before any work. The tensors (prompt embeddings,
+        references, input latent, mask) are checked when sampling starts (`_validate`), against the model."""
+        if self.latent_height < 1 or self.latent_width < 1:
+            raise InputError("latent size", (self.latent_height, self.latent_width),
+                             "at least 1x1 latent tokens (16 px)")
+        check_count("batch_size", self.batch_size)
+        check_count("steps", self.steps)
+        check_seed(self.seed)
+        check_cfg(self.cfg)
+        check_denoise(self.denoise)
+
     @property
     def do_cfg(self) -> bool:
         return self.negative is not None and self.cfg > 1.0
@@ -84,14 +97,7 @@ def initial_noise(seed: int, batch: int, channels: int, height: int, width: int,
 
 def _validate(req: SamplingRequest, in_channels: int) -> None:
     """Refuse every request the loop could not run as asked, before any work (a NaN input would otherwise give a
-    black or unchanged image reported as a success)."""
-    if req.latent_height < 1 or req.latent_width < 1:
-        raise InputError("latent size", (req.latent_height, req.latent_width), "at least 1x1 latent tokens (16 px)")
-    check_count("batch_size", req.batch_size)
-    check_count("steps", req.steps)
-    check_seed(req.seed)
-    check_cfg(req.cfg)
-    check_denoise(req.denoise)
+    black or unchanged image reported as a success). Its settings were checked when it was built."""
     branches = [("positive", req.positive)] + ([("negative", req.negative)] if req.do_cfg else [])
     for name, embeds in branches:
         check_finite(name, embeds.embeds, "NaN/inf prompt embeddings come from the text encoder's weights")

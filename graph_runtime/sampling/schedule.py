@@ -9,7 +9,7 @@ import torch
 from diffusers import FlowMatchEulerDiscreteScheduler
 
 from ..errors import InputError
-from ..validation import VAE_SCALE, check_count, check_denoise
+from ..validation import VAE_SCALE, check_denoise
 
 # Qwen-Image-2.1 Turbo's fixed 8-step grid.
 TURBO_SIGMAS = (1.0, 0.978453, 0.95418, 0.926626, 0.89508, 0.845148, 0.704534, 0.414568)
@@ -35,7 +35,6 @@ def resolve_sigmas(preset: str | None, steps: int, sigmas=None) -> list[float] |
             raise InputError("sigmas", sigmas, expected)
         return values
     if preset in (None, "dynamic"):
-        check_count("steps", steps)
         return None
     if preset == "turbo":
         return list(TURBO_SIGMAS)

@@ -40,6 +40,6 @@ def make_env(device: str = "cpu", real_comfy=None, pack_root=None):
 
 
 def close_env(env) -> None:
-    env.pack.nodes.model_cache.forget_all("test finished")
+    env.pack.nodes.comfyui.model_cache.forget_all("test finished")
     unload_pack(env.pack)
     env.fake.uninstall()

@@ -175,7 +175,7 @@ def test_bench_ksampler_step_time_against_the_kvgraph_sampler(core_env):
     from tests.owners import loaded_for
     from graph_runtime.sampling.sampler import SamplingRequest, sample
 
-    core_model = sys.modules[f"{core_env.pack.__name__}.nodes.core_model"]
+    core_model = sys.modules[f"{core_env.pack.__name__}.nodes.comfyui.core_model"]
     transformer = build_transformer()
     config = default_scheduler_config()
     model = core_model.make_model_patcher(loaded_for(transformer), config, "base", "cuda", "cpu",

@@ -243,7 +243,7 @@ def test_text_encoder_handle_loads_from_its_pinned_copy(tiny_parts):
 
     env = make_env(device="cuda")
     try:
-        handles = sys.modules[env.pack.__name__ + ".nodes.model_handles"]
+        handles = sys.modules[env.pack.__name__ + ".nodes.comfyui.model_handles"]
         module = copy.deepcopy(tiny_parts["text_encoder"])
         size = memory.module_bytes(module)
         handle = handles.TextEncoderHandle.create("text_encoder", module, "test", "fp32", "cuda", "cpu")

@@ -20,12 +20,13 @@ import comfy.model_base
 import comfy.patcher_extension
 import comfy.supported_models_base
 
-from ..graph_runtime.comfy_interop.latents import LATENT_CHANNELS, latent_stats, normalized_to_raw, raw_to_normalized
-from ..graph_runtime.core_model import ModelFunction, PrefixSource, SamplingRun
-from ..graph_runtime.errors import InputError, KVGraphError
-from ..graph_runtime.memory import GenerationShape, TransformerDims, compute_dtype, estimate
-from ..graph_runtime.sampling.schedule import dynamic_shift
-from . import events, in_flight
+from ...graph_runtime.comfy_interop.latents import LATENT_CHANNELS, latent_stats, normalized_to_raw, raw_to_normalized
+from ...graph_runtime.core_model import ModelFunction, PrefixSource, SamplingRun
+from ...graph_runtime.errors import InputError, KVGraphError
+from ...graph_runtime.memory import GenerationShape, TransformerDims, compute_dtype, estimate
+from ...graph_runtime.sampling.schedule import dynamic_shift
+from ...graph_runtime import in_flight
+from . import events
 from .patcher import FullLoadPatcher
 
 logger = logging.getLogger("kvgraph")

@@ -11,9 +11,9 @@ import os
 
 import folder_paths
 
-from ..graph_runtime.comfy_interop.files import file_identity
-from ..graph_runtime.errors import CheckpointError
-from ..graph_runtime.loading.paths import find_in_folders
+from ...graph_runtime.comfy_interop.files import file_identity
+from ...graph_runtime.errors import CheckpointError
+from ...graph_runtime.loading.paths import find_in_folders
 
 DIFFUSERS = "diffusers"
 

@@ -1,4 +1,4 @@
-"""The pack's loaded models, kept across prompts and workflows, within a bound.
+"""The pack's loaded models, kept across prompts and workflows, within a bound; what they hold and how to let it go.
 
 ComfyUI's own output cache may drop a loader's result (the classic cache does when another workflow runs, the LRU
 cache when it is full); loading the file again would give a new transformer and so a new, empty graph manager. This
@@ -12,6 +12,10 @@ KVGRAPH_MODEL_CACHE_GB, by default half the RAM) and, where this ComfyUI has a R
 has the headroom ComfyUI keeps free. Each eviction is logged. A model in use, or asked for by the prompt running
 now, stays. An evicted model that something else still holds (ComfyUI's output cache, a prompt) is handed back by
 the next load of the same file rather than read again, so an eviction never makes a second copy.
+
+The status and release (`status_payload`, `release`) are the HTTP routes' and the cache nodes' alike, so both report
+and release the same way: graph-manager state is read through `engine.status()`, which holds the manager's lock;
+the text reports are worded by graph_runtime/report.py.
 """
 
 from __future__ import annotations
@@ -22,10 +26,11 @@ import weakref
 from collections import Counter, OrderedDict
 from typing import Callable
 
-from ..graph_runtime import eviction
-from ..graph_runtime.comfy_interop.files import file_identity
-from ..graph_runtime.memory import GiB, gib, host_available_bytes
-from ..graph_runtime.report import mib, storage_text
+from ...graph_runtime import eviction, in_flight
+from ...graph_runtime.comfy_interop.files import file_identity
+from ...graph_runtime.memory import GiB, gib, host_available_bytes
+from ...graph_runtime.report import graph_cache_fields, mib, release_text, status_text, storage_text
+from .events import executing_ids
 
 logger = logging.getLogger("kvgraph")
 
@@ -118,9 +123,6 @@ def forget_all(reason: str = "released by the user") -> list:
 def trim(keep: tuple | None = None) -> list:
     """Evict least recently used models until the cache is within its limit and ComfyUI's RAM headroom is met; a
     model in use, loaded for the running prompt, or `keep`, stays. Returns the handles evicted."""
-    from . import in_flight
-    from .events import executing_ids
-
     prompt = executing_ids()[0]
     limit, headroom = eviction.limit_bytes(), ram_headroom()
     available = host_available_bytes() if headroom else None
@@ -180,8 +182,6 @@ def _revive(key: tuple):
 
 def _mark_prompt(handle) -> None:
     """Remember the prompt that last asked for `handle`: the running prompt's models are not evicted."""
-    from .events import executing_ids
-
     handle.last_prompt = executing_ids()[0]
 
 
@@ -189,3 +189,85 @@ def _drop(key: tuple, reason: str):
     handle = _handles.pop(key)
     logger.info("KV-Graph: dropping %s %s: %s", key[0], key[1][0], reason)
     return handle
+
+
+# -- what the pack holds, and letting it go ----------------------------------------------------------------------------
+
+
+def _handle_for(loaded, handles):
+    for handle in handles:
+        if handle.module is loaded.transformer:
+            return handle
+    return None
+
+
+def _engines():
+    """(owner, engine) for every engine of every loaded transformer."""
+    return [(loaded, engine) for loaded in loaded_transformers() for engine in loaded.engines()]
+
+
+def status_payload() -> dict:
+    """JSON-ready: per loaded transformer its graph entries and counters, plus every loaded model and active run."""
+    held = handles()
+    models = []
+    for loaded, engine in _engines():
+        try:
+            if engine.transformer is None:
+                continue
+            state = engine.status()
+        except Exception as exc:  # noqa: BLE001 - one odd engine (another pack's, say) must not break the route
+            models.append({"engine_id": f"{id(engine):x}", "error": f"{type(exc).__name__}: {exc}"})
+            continue
+        handle = _handle_for(loaded, held)
+        models.append({
+            "engine_id": f"{id(engine):x}",
+            "model": state["model"],
+            "source": handle.source if handle else None,
+            "dtype": handle.dtype_name if handle else None,
+            "device": str(handle.device) if handle else None,
+            "loads": load_count(handle.key) if handle else None,
+            "busy": loaded.busy,
+            **graph_cache_fields(state),
+            "lora": loaded.merged_loras(),
+            "budget": handle.last_budget if handle else None,
+        })
+    loaded = []
+    for handle in held:
+        item = handle.describe()
+        item["loads"] = load_count(handle.key)
+        loaded.append(item)
+    return {"models": models, "loaded": loaded, "running": in_flight.runs()}
+
+
+def release(models: bool = False) -> dict:
+    """Release every decode graph (deferred for an engine a sampler is using right now); with `models`, also drop
+    the loaded models from the pack's cache and move their weights off the GPU."""
+    graphs = []
+    for loaded in loaded_transformers():
+        engines = loaded.engines()
+        try:
+            bytes_held = [engine.bytes_held() for engine in engines]
+            result = loaded.release_graphs(reason="released by the user")
+        except Exception as exc:  # noqa: BLE001 - release the others regardless
+            graphs += [{"engine_id": f"{id(engine):x}", "model": None, "result": f"failed: {exc}", "bytes": 0}
+                       for engine in engines]
+            continue
+        graphs += [{"model": engine.name, "engine_id": f"{id(engine):x}", "result": result, "bytes": held}
+                   for engine, held in zip(engines, bytes_held)]
+    dropped = []
+    if models:
+        for handle in forget_all():
+            # A model a node is computing with (sampling, encoding, decoding) keeps its weights where they are
+            # until that use ends, then leaves.
+            unloaded = in_flight.offload_when_idle(handle)
+            dropped.append({"kind": handle.kind, "source": handle.source, "unloaded": unloaded})
+    return {"graphs": graphs, "models": dropped}
+
+
+def status_report() -> str:
+    """The status as text, for the cache-status node."""
+    return status_text(status_payload())
+
+
+def release_report(models: bool) -> str:
+    return release_text(release(models))

@@ -19,11 +19,11 @@ import torch
 
 import comfy.model_management as mm
 
-from ..graph_runtime.encoding.prompt import PromptEncoder
-from ..graph_runtime.memory import gib, module_bytes
-from ..graph_runtime.placement import PinnedWeights
-from ..graph_runtime.loaded import LoadedTransformer
-from ..graph_runtime.report import storage_text
+from ...graph_runtime.encoding.prompt import PromptEncoder
+from ...graph_runtime.memory import gib, module_bytes
+from ...graph_runtime.placement import PinnedWeights
+from ...graph_runtime.loaded import LoadedTransformer
+from ...graph_runtime.report import storage_text
 from .core_model import make_model_patcher, with_loras
 from .patcher import FullLoadPatcher, ModuleHost, same_device  # noqa: F401 - same_device: other nodes import it here
 
@@ -201,7 +201,7 @@ class TextEncoderHandle(ModelHandle):
         return self._encoder
 
     def before_encode(self) -> None:
-        from . import in_flight
+        from ...graph_runtime import in_flight
 
         in_flight.begin_use(self)  # a release of models meanwhile waits for `after_encode`
         try:
@@ -211,7 +211,7 @@ class TextEncoderHandle(ModelHandle):
             raise
 
     def after_encode(self) -> None:
-        from . import in_flight
+        from ...graph_runtime import in_flight
 
         # The 8B text encoder is 16 GB in bf16: by default it leaves the GPU as soon as the prompt is encoded, so
         # the transformer and its graphs never have to compete with it.
@@ -229,7 +229,7 @@ class VAEHandle(ModelHandle):
     def preview_projection(self):
         """The latent -> RGB projection for live previews, fitted once to these weights."""
         if self._preview is None:
-            from ..graph_runtime.comfy_interop.previews import fit_preview_projection
+            from ...graph_runtime.comfy_interop.previews import fit_preview_projection
 
             self._preview = fit_preview_projection(self.module)
         return self._preview

@@ -7,8 +7,9 @@ import logging
 import comfy.model_management
 import comfy.utils
 
-from ..graph_runtime.comfy_interop.previews import PreviewProjection, gray_projection, preview_image
-from . import in_flight, model_cache
+from ...graph_runtime.comfy_interop.previews import PreviewProjection, gray_projection, preview_image
+from ...graph_runtime import in_flight
+from . import model_cache
 
 logger = logging.getLogger("kvgraph")
 

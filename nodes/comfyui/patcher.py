@@ -12,7 +12,7 @@ import torch
 
 import comfy.model_patcher
 
-from ..graph_runtime.placement import PinnedWeights
+from ...graph_runtime.placement import PinnedWeights
 
 
 class ModuleHost(torch.nn.Module):

@@ -5,7 +5,8 @@ graphs mid-run would throw away the entry the run is replaying (it would capture
 loaded model (graph_runtime/loaded.py) counts its runs and defers a release that finds it busy until they end: a
 prompt in flight keeps its entries. Likewise a model a node is computing with (the transformer sampling, the text
 encoder encoding, the VAE encoding or decoding) is not moved off its device mid-use: an offload asked for meanwhile
-happens when its last use ends. This module keeps the runs' public progress and those uses.
+happens when its last use ends. This module keeps the runs' public progress and those uses (of any model object
+with a `patcher`, `kind` and `offload()`: the ComfyUI nodes' model handles); it needs no ComfyUI itself.
 """
 
 from __future__ import annotations

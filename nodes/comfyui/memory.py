@@ -1,5 +1,5 @@
-"""The sampler's memory budget inside ComfyUI: what a request needs (graph_runtime/memory/) against what
-ComfyUI can give it, checked before anything is loaded or allocated.
+"""What ComfyUI can give a sampling request, for the one memory check (graph_runtime.memory.check_sampling_request),
+run before anything is loaded or allocated.
 
 ComfyUI makes room by unloading models, and the pack's idle decode graphs are reused (same shapes) or evicted, so
 a request may use: what the device has free (the smaller of ComfyUI's figure and the runtime's, which honours a
@@ -9,19 +9,14 @@ every other model ComfyUI could unload from it + the decode graphs the pack hold
 
 from __future__ import annotations
 
-import logging
-
 import torch
 
 import comfy.model_management as mm
 
-from ..graph_runtime import memory
-from ..graph_runtime.report import budget_record
-from ..graph_runtime.validation import VAE_SCALE
+from ...graph_runtime import memory
+from ...graph_runtime.report import budget_record
 from . import model_cache
 from .model_handles import TE_GPU, same_device
-
-logger = logging.getLogger("kvgraph")
 
 
 def free_bytes(device) -> int | None:
@@ -80,9 +75,9 @@ def _release_hint(device, keep) -> list[str]:
 
 
 def check_request(model, request, device) -> memory.MemoryBudget:
-    """The request's budget (graph_runtime.memory.check_sampling_request against what ComfyUI can give it), logged
-    and kept on the handle for /kvgraph/status; raises MemoryBudgetError (naming the settings to change) when it
-    cannot fit even after ComfyUI unloads everything else."""
+    """The request's budget against what ComfyUI can give it, kept on the handle for /kvgraph/status; raises
+    MemoryBudgetError (naming the settings to change) when it cannot fit even after ComfyUI unloads everything
+    else."""
     vae = _latest("vae")
     vae_dims = memory.VaeDims.of(vae.module) if vae is not None else memory.VaeDims.standard(
         memory.compute_dtype(model.module))
@@ -95,28 +90,13 @@ def check_request(model, request, device) -> memory.MemoryBudget:
         ("of decode graphs", memory.graph_bytes_held(
             engine for loaded in model_cache.loaded_transformers() for engine in loaded.engines())),
     ))
-    budget = memory.check_sampling_request(model.module, request, available, device, vae_dims,
-                                           more_options=lambda: _release_hint(device, keep=(model, vae)))
-    if available is None:
-        reported.last_budget = budget_record(budget, device, None)
-        return budget
-    image = memory.decoded_images_bytes(request.latent_width * VAE_SCALE, request.latent_height * VAE_SCALE,
-                                        request.batch_size, memory.IMAGE_BYTES_PER_PIXEL)
-    host = free_bytes(torch.device("cpu"))
-    if host is not None and image > host:
-        budget.notes.append(f"decoding all {request.batch_size} images needs {memory.gib(image)} of host memory for "
-                            f"the IMAGE, more than the {memory.gib(host)} available: KV-Graph VAE Decode will refuse "
-                            "it (decode a smaller part of the batch at a time)")
-    if vae is None:
-        budget.notes.append("VAE sized as the standard Qwen-Image-2.1 VAE (none loaded yet)")
     text_encoder = _latest("text_encoder")
-    if (text_encoder is not None and text_encoder.placement == TE_GPU
-            and budget.total + text_encoder.size_bytes > available.total):
-        budget.notes.append(f"the text encoder ('{TE_GPU}', {memory.gib(text_encoder.size_bytes)}) does not fit "
-                            "next to this request: ComfyUI unloads it, and encoding a changed prompt then unloads "
-                            "the transformer and its graphs")
-    reported.last_budget = budget_record(budget, device, available.total)
-    logger.info("KV-Graph: memory budget for %dx %dx%d: %s of %s available on %s%s", request.batch_size,
-                request.latent_width * VAE_SCALE, request.latent_height * VAE_SCALE, budget.describe(),
-                memory.gib(available.total), device, "".join(f"; {note}" for note in budget.notes))
+    kept = (text_encoder.placement, text_encoder.size_bytes) if (
+        text_encoder is not None and text_encoder.placement == TE_GPU) else None
+    budget = memory.check_sampling_request(
+        model.module, request, available, device, vae_dims,
+        more_options=lambda: _release_hint(device, keep=(model, vae)),
+        host_free=free_bytes(torch.device("cpu")) if available is not None else None, vae_assumed=vae is None,
+        kept_text_encoder=kept)
+    reported.last_budget = budget_record(budget, device, None if available is None else available.total)
     return budget
