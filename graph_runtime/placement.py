@@ -128,10 +128,11 @@ class PinnedWeights:
     """One page-locked host copy of a module's weights; the device copy exists only while loaded.
 
     `device` is where `load()` puts the weights. `pin=False` keeps the host copy in ordinary memory (the tests use
-    it to check the swap on a machine without CUDA; there the "device" may be the CPU).
+    it to check the swap on a machine without CUDA; there the "device" may be the CPU). `log=False` leaves the
+    logging to the caller (the block streamer keeps one copy per streamed block and says so once).
     """
 
-    def __init__(self, module: torch.nn.Module, device, pin: bool = True):
+    def __init__(self, module: torch.nn.Module, device, pin: bool = True, log: bool = True):
         self.device = torch.device(device)
         self.fallback_reason = self._unsupported(module, pin)
         self._module = module
@@ -142,9 +143,10 @@ class PinnedWeights:
         self.pinned = False
         self.last_load_seconds = None
         self.last_offload_seconds = None
+        self._log = log
         if self.fallback_reason is None:
             self._adopt(pin)
-        if self.fallback_reason is not None:
+        if self.fallback_reason is not None and log:
             logger.info("KV-Graph: %s weights move with ordinary copies (no pinned host copy): %s.",
                         type(module).__name__, self.fallback_reason)
 
@@ -174,8 +176,9 @@ class PinnedWeights:
         layout.move_into(host)
         self._layout, self._host, self._host_owner, self.pinned = layout, host, owner, owner is not None
         self._device_buffer = None
-        logger.info("KV-Graph: %s: %.1f GiB of weights in one %s host copy (%.1f s).", type(self._module).__name__,
-                    layout.nbytes / 2**30, "pinned" if self.pinned else "pageable", time.perf_counter() - start)
+        if self._log:
+            logger.info("KV-Graph: %s: %.1f GiB of weights in one %s host copy (%.1f s).", type(self._module).__name__,
+                        layout.nbytes / 2**30, "pinned" if self.pinned else "pageable", time.perf_counter() - start)
 
     @property
     def host_bytes(self) -> int:
@@ -186,8 +189,11 @@ class PinnedWeights:
     def loaded(self) -> bool:
         return self._device_buffer is not None
 
-    def load(self, device=None) -> None:
-        """Put the weights on `device` (default: the one given at construction), copying from the host copy."""
+    def load(self, device=None, wait: bool = True) -> None:
+        """Put the weights on `device` (default: the one given at construction), copying from the host copy.
+
+        `wait=False` returns with the copy queued on the current stream: work queued after it on that stream reads
+        the weights in order (the block streamer's way, so the host keeps queueing while the copy runs)."""
         device = torch.device(device) if device is not None else self.device
         if self.fallback_reason is not None:
             self._module.to(device)
@@ -201,7 +207,7 @@ class PinnedWeights:
         start = time.perf_counter()
         buffer = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=device)
         buffer.copy_(self._host, non_blocking=self.pinned)
-        if buffer.is_cuda:
+        if buffer.is_cuda and wait:
             torch.cuda.current_stream(buffer.device).synchronize()
         self._layout.point_at(buffer)
         self._device_buffer = buffer

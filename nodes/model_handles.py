@@ -103,6 +103,8 @@ class ModelHandle:
                 f"({gib(self.size_bytes)}, {self.source}). KV-Graph keeps a model whole on the GPU while "
                 "it runs (no lowvram streaming); close other models or use a smaller dtype."
             ) from exc
+        if self.patcher.stream_plan() is not None:
+            return  # ComfyUI had room for part of the transformer: its blocks stream from the host (patcher.py)
         devices = {p.device for p in self.module.parameters()}
         if len(devices) != 1 or not same_device(next(iter(devices)), self.patcher.load_device):
             # Never compute with weights split between devices: put everything back on the offload device.
