@@ -95,7 +95,7 @@ class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
             plan = owner.plan_within(self.loaded_size() + extra_memory)
             if plan is not None:
                 return self._load_streamed(owner, device_to, plan)
-            owner.stop_streaming()  # it fits whole now: ComfyUI's own move puts the streamed blocks on the device
+            self._end_streaming(owner)  # it fits whole now: ComfyUI's own move puts the streamed blocks there
         before = self.loaded_size()
         try:
             if self.placement is not None:
@@ -107,6 +107,12 @@ class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
             self.detach(unpatch_all=True)
             raise
         return self.loaded_size() - before
+
+    def _end_streaming(self, owner) -> None:
+        if owner.streaming is not None:
+            owner.stop_streaming()
+            self.model.model_lowvram = False
+            self.model.model_offload_buffer_memory = 0
 
     def _swap_object_patches(self) -> None:
         if getattr(self, "object_patches", None) or getattr(self, "object_patches_backup", None):
@@ -150,7 +156,7 @@ class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
             self.on_unload(self)
         owner = self.stream_owner() if unpatch_all else None
         if owner is not None:
-            owner.stop_streaming()  # then ComfyUI's own move to the offload device moves the resident part
+            self._end_streaming(owner)  # then ComfyUI's own move to the offload device moves the resident part
         if unpatch_all and self.placement is not None:
             self.placement.offload()  # then ComfyUI's own move to the offload device finds nothing to copy
         return super().detach(unpatch_all)
