@@ -193,5 +193,7 @@ class BlockStreamer:
         """Remove the hooks; the streamed blocks' weights stay on the host (their host copies become ordinary
         memory once nothing else holds them)."""
         streamed, self._streamed = self._streamed, []
+        if streamed and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no upload still reads a host copy that is about to be unlocked
         for s in streamed:
             s.remove()

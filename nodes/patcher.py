@@ -131,6 +131,9 @@ class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
             else:
                 self._swap_object_patches()
             first = owner.load_streamed(device_to, plan)
+            for child in self.model.children():  # what ComfyUI's model adds around the transformer (its sampling)
+                if child is not owner.transformer:
+                    child.to(device_to)
         except BaseException:
             self.detach(unpatch_all=True)
             raise
