@@ -18,10 +18,15 @@ hold references stay consistent.
 
 Where pinning is impossible or pointless (no CUDA, a CPU target, tensor subclasses, page-locking refused), the
 module moves with ordinary `module.to()` calls instead; the reason is logged once and kept in `fallback_reason`.
+
+A transformer block of a partial load (streaming.py) keeps its own host copy the same way: `StreamedBlock` loads it
+before the block runs and drops it after, and `block_on_device` does that for code that runs the block's parts
+without calling the block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 
@@ -238,3 +243,62 @@ class PinnedWeights:
             logger.warning("KV-Graph: %s weights were moved outside their pinned copy; taking a new host copy.",
                            type(self._module).__name__)
             self._adopt(self.pinned)
+
+
+class StreamedBlock:
+    """One block of a partial load (streaming.py) whose weights live on the host and visit the device while it runs.
+    The instance is the block's forward pre-hook (`block_on_device` finds it there); `after` is its forward hook."""
+
+    def __init__(self, block: torch.nn.Module, device: torch.device, pin: bool):
+        # The host copy is packed from wherever the weights are now (a block of a whole load: straight from the
+        # device, with no second host copy on the way).
+        weights = PinnedWeights(block, device, pin=pin, log=False)
+        self.pin_failure = weights.fallback_reason if pin else None
+        if weights.fallback_reason is not None and pin:
+            weights = PinnedWeights(block, device, pin=False, log=False)  # a pageable copy: still no copy back
+        if weights.fallback_reason is not None:
+            block.to("cpu")  # tensor subclasses: moved whole each way by `module.to`
+        self.weights = weights
+        self._depth = 0  # a block entered again inside its own run (a wrapper calling it) loads once
+        self.handles = (block.register_forward_pre_hook(self),
+                        block.register_forward_hook(self.after, always_call=True))
+
+    def __call__(self, module, args) -> None:
+        self.enter()
+
+    def after(self, module, args, output) -> None:
+        self.exit()
+
+    def enter(self) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            self.weights.load(wait=False)
+
+    def exit(self) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            self.weights.offload()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        if self._depth:
+            self._depth = 0
+            self.weights.offload()
+
+
+def block_on_device(block: torch.nn.Module):
+    """Context manager around running `block` (a diffusers transformer block) by means other than its own forward:
+    a streamed block's weights are on the device inside it; any other block is left alone."""
+    hooks = block._forward_pre_hooks  # noqa: SLF001 - where torch keeps them; empty on a block that is not streamed
+    streamed = next((h for h in hooks.values() if isinstance(h, StreamedBlock)), None) if hooks else None
+    return contextlib.nullcontext() if streamed is None else _entered(streamed)
+
+
+@contextlib.contextmanager
+def _entered(streamed: StreamedBlock):
+    streamed.enter()
+    try:
+        yield
+    finally:
+        streamed.exit()

@@ -12,7 +12,8 @@ How a block learns that it runs: standard torch forward hooks (a pre-hook loads,
 exception drops). Every caller of the diffusers block's own forward (diffusers' transformer forward, the joint prefill
 pass) fires them with no change. The decode step and the prefix pass do not call the block: their wrappers
 (decode/step.py) read its submodules and weights directly, with fused kernels, so their loops enter
-`block_on_device(block)` around each wrapper call, which runs the same hook pair. Hooks keep the streamer's state on
+`placement.block_on_device(block)` around each wrapper call, which runs the same hook pair (`StreamedBlock`, in
+placement.py with the pinned copies it moves, so the decode step needs nothing else of this module). Hooks keep the streamer's state on
 the streamer (the handles remove it all) rather than on the diffusers blocks, and the loops stay outside any compiled
 region.
 
@@ -23,14 +24,13 @@ once. Once `stop()`, the hooks are gone and the weights are back where a whole l
 
 from __future__ import annotations
 
-import contextlib
 import logging
 from dataclasses import dataclass
 
 import torch
 
-from .memory import gib, module_bytes
-from .placement import PinnedWeights
+from .memory.sizes import gib, module_bytes  # the byte math alone (the package's budget reads the decode package)
+from .placement import StreamedBlock
 
 logger = logging.getLogger("kvgraph")
 
@@ -77,65 +77,6 @@ def plan_stream(transformer: torch.nn.Module, budget: float) -> StreamPlan | Non
                       largest_block=max(sizes[count:]))
 
 
-class _StreamedBlock:
-    """One block whose weights live on the host and visit the device while it runs. The instance is the block's
-    forward pre-hook (`block_on_device` finds it there); `after` is its forward hook."""
-
-    def __init__(self, block: torch.nn.Module, device: torch.device, pin: bool):
-        # The host copy is packed from wherever the weights are now (a block of a whole load: straight from the
-        # device, with no second host copy on the way).
-        weights = PinnedWeights(block, device, pin=pin, log=False)
-        self.pin_failure = weights.fallback_reason if pin else None
-        if weights.fallback_reason is not None and pin:
-            weights = PinnedWeights(block, device, pin=False, log=False)  # a pageable copy: still no copy back
-        if weights.fallback_reason is not None:
-            block.to("cpu")  # tensor subclasses: moved whole each way by `module.to`
-        self.weights = weights
-        self._depth = 0  # a block entered again inside its own run (a wrapper calling it) loads once
-        self.handles = (block.register_forward_pre_hook(self),
-                        block.register_forward_hook(self.after, always_call=True))
-
-    def __call__(self, module, args) -> None:
-        self.enter()
-
-    def after(self, module, args, output) -> None:
-        self.exit()
-
-    def enter(self) -> None:
-        self._depth += 1
-        if self._depth == 1:
-            self.weights.load(wait=False)
-
-    def exit(self) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            self.weights.offload()
-
-    def remove(self) -> None:
-        for handle in self.handles:
-            handle.remove()
-        if self._depth:
-            self._depth = 0
-            self.weights.offload()
-
-
-def block_on_device(block: torch.nn.Module):
-    """Context manager around running `block` (a diffusers transformer block) by means other than its own forward:
-    a streamed block's weights are on the device inside it; any other block is left alone."""
-    hooks = block._forward_pre_hooks  # noqa: SLF001 - where torch keeps them; empty on a block that is not streamed
-    streamed = next((h for h in hooks.values() if isinstance(h, _StreamedBlock)), None) if hooks else None
-    return contextlib.nullcontext() if streamed is None else _entered(streamed)
-
-
-@contextlib.contextmanager
-def _entered(streamed: _StreamedBlock):
-    streamed.enter()
-    try:
-        yield
-    finally:
-        streamed.exit()
-
-
 class BlockStreamer:
     """Puts `transformer` on `device` within `plan` (`plan_stream`): `start()` moves the weights and hooks the
     streamed blocks, `stop()` removes the hooks and leaves every streamed block's weights on the host (what a whole
@@ -146,7 +87,7 @@ class BlockStreamer:
         self.device = torch.device(device)
         self.plan = plan
         self.pin = self.device.type == "cuda" if pin is None else pin
-        self._streamed: list[_StreamedBlock] = []
+        self._streamed: list[StreamedBlock] = []
 
     @property
     def active(self) -> bool:
@@ -169,7 +110,7 @@ class BlockStreamer:
         streamed = []
         try:
             for block in list(blocks)[self.plan.resident_blocks:]:
-                streamed.append(_StreamedBlock(block, self.device, self.pin))
+                streamed.append(StreamedBlock(block, self.device, self.pin))
             for block in list(blocks)[:self.plan.resident_blocks]:
                 block.to(self.device)
             for child in self.transformer.children():

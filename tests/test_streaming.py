@@ -18,7 +18,8 @@ from graph_runtime.decode import DecodeEngine, TokenLayout
 from graph_runtime.decode.prefill import run_prefill
 from graph_runtime.loaded import LoadedTransformer
 from graph_runtime.memory import module_bytes
-from graph_runtime.streaming import BlockStreamer, block_on_device, plan_stream
+from graph_runtime.placement import block_on_device
+from graph_runtime.streaming import BlockStreamer, plan_stream
 from graph_runtime.tiny import TINY_TRANSFORMER, random_tiny_transformer
 
 ATOL = 1e-6
@@ -91,7 +92,8 @@ def test_streamed_steps_equal_the_whole_models(model, with_target):
     for i in visits:
         to_q = streamed.transformer_blocks[i].attn.to_q
         host = to_q.weight.data_ptr()
-        to_q.register_forward_pre_hook(lambda mod, args, i=i, host=host: visits[i].append(mod.weight.data_ptr() != host))
+        to_q.register_forward_pre_hook(
+            lambda mod, args, i=i, host=host: visits[i].append(mod.weight.data_ptr() != host))
     got = _generate(DecodeEngine(streamed), *inputs, with_target=with_target)
     assert all(v == [True] * 3 for v in visits.values()), visits  # the prefill and two decode steps, each streamed
     for a, b in zip(expected, got):

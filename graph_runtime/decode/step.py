@@ -44,7 +44,7 @@ from ..kernels.int8_quant import norm_modulate_int8, residual_norm_modulate_int8
 from ..kernels.norm_modulate import norm_modulate, residual_norm_modulate
 from ..kernels.qk_norm_rope import qk_norm_rope_write, rotate_pairs
 from ..kernels.silu_mul import silu_mul
-from ..streaming import block_on_device
+from ..placement import block_on_device
 
 
 @dataclass

@@ -10,8 +10,8 @@ Tolerances. A streamed step runs the same eager code on the same values at equal
 streamer's device copies are 512-byte aligned, as the caching allocator's are), so it is expected to be bit-equal to
 the whole model's eager step; the tests allow fp32 round-off on the fp32 model (1e-5 on values of magnitude ~1-5,
 tests/gpu/test_gpu_decode.py; 5e-5 where core's Euler compares replayed steps with eager ones, as
-tests/gpu/test_gpu_core_sampling.py does) and 2% of the largest latent on the bf16 and INT8 models (a few bf16 ulps compounded
-over six steps), while one block computing with wrong or stale weights moves the random model's latents by tens of
+tests/gpu/test_gpu_core_sampling.py does) and 2% of the largest latent on the bf16 and INT8 models (a few bf16 ulps
+compounded over six steps), while one block computing with wrong or stale weights moves the random model's latents by tens of
 percent. Device memory: allocations are exact byte counts rounded to 512 bytes per tensor, so 2 MiB of slack, far
 below one block (13 MiB in INT8, 26 MiB in bf16 at these widths).
 """
