@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 
 import torch
@@ -259,7 +260,10 @@ class StreamedBlock:
         if weights.fallback_reason is not None:
             block.to("cpu")  # tensor subclasses: moved whole each way by `module.to`
         self.weights = weights
-        self._depth = 0  # a block entered again inside its own run (a wrapper calling it) loads once
+        # Runs of this block in progress: one entered again inside its own run (a wrapper calling it), or from another
+        # thread, loads once and is dropped when the last run ends.
+        self._depth = 0
+        self._lock = threading.Lock()
         self.handles = (block.register_forward_pre_hook(self),
                         block.register_forward_hook(self.after, always_call=True))
 
@@ -270,21 +274,24 @@ class StreamedBlock:
         self.exit()
 
     def enter(self) -> None:
-        self._depth += 1
-        if self._depth == 1:
-            self.weights.load(wait=False)
+        with self._lock:
+            self._depth += 1
+            if self._depth == 1:
+                self.weights.load(wait=False)
 
     def exit(self) -> None:
-        self._depth -= 1
-        if self._depth == 0:
-            self.weights.offload()
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                self.weights.offload()
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
-        if self._depth:
-            self._depth = 0
-            self.weights.offload()
+        with self._lock:
+            if self._depth:
+                self._depth = 0
+                self.weights.offload()
 
 
 def block_on_device(block: torch.nn.Module):

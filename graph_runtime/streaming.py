@@ -13,9 +13,9 @@ exception drops). Every caller of the diffusers block's own forward (diffusers' 
 pass) fires them with no change. The decode step and the prefix pass do not call the block: their wrappers
 (decode/step.py) read its submodules and weights directly, with fused kernels, so their loops enter
 `placement.block_on_device(block)` around each wrapper call, which runs the same hook pair (`StreamedBlock`, in
-placement.py with the pinned copies it moves, so the decode step needs nothing else of this module). Hooks keep the streamer's state on
-the streamer (the handles remove it all) rather than on the diffusers blocks, and the loops stay outside any compiled
-region.
+placement.py with the pinned copies it moves, so the decode step needs nothing else of this module). Hooks keep the
+streamer's state on the streamer (the handles remove it all) rather than on the diffusers blocks, and the loops stay
+outside any compiled region.
 
 A streamed model never replays or captures a decode graph: some of its weights are off the device whenever the
 engine judges it, so `decode/eligibility.py` answers WEIGHTS_OFF_GPU and every step runs eagerly, counted and logged
