@@ -7,7 +7,8 @@ handle (and the core MODEL built on it). It owns
 - the merged LoRA set (lora/merge.py);
 - the multi-GPU runtime and its workers (parallel/runtime.py), when the model is sampled on several devices;
 - the sampling runs using it now, and a release of its graphs asked for meanwhile: a run in flight keeps the entries
-  it replays, so such a release is deferred until its last run ends.
+  it replays, so such a release is deferred until its last run ends;
+- its block streamer while it is loaded only partly on its device (streaming.py; ComfyUI's lowvram loads).
 
 Nothing is attached to the transformer itself, and there is no process-wide list of engines: to enumerate the
 loaded models, ask whoever holds them (the nodes' model cache).
@@ -20,9 +21,12 @@ import logging
 import threading
 import weakref
 
+import torch
+
 from .decode import DecodeEngine
 from .lora.merge import LoraMerge, canonical
 from .report import mib
+from .streaming import BlockStreamer, StreamPlan, plan_stream
 
 logger = logging.getLogger("kvgraph")
 
@@ -39,6 +43,8 @@ class LoadedTransformer:
         self._lock = threading.RLock()
         self._runs = 0
         self._deferred_release: str | None = None
+        self._streamer: BlockStreamer | None = None
+        self._plans_seen: set = set()  # (resident blocks, blocks) of each partial load so far: each is logged once
 
     def __repr__(self) -> str:
         return f"LoadedTransformer({type(self.transformer).__name__})"
@@ -148,3 +154,48 @@ class LoadedTransformer:
             if held.get("entries"):
                 logger.info("KV-Graph: released %d decode graph entries (%s) of %s: %s.", held["entries"],
                             mib(held.get("bytes", 0)), engine.name, reason)
+
+
+    # -- partial loads -----------------------------------------------------------------------------------------------
+
+    def plan_within(self, budget: float) -> StreamPlan | None:
+        """How the transformer runs with at most `budget` bytes on its device, or None when it fits whole."""
+        return plan_stream(self.transformer, budget)
+
+    @property
+    def streaming(self) -> StreamPlan | None:
+        """The plan it runs under while loaded partly (some blocks stream from the host), else None."""
+        streamer = self._streamer
+        return streamer.plan if streamer is not None else None
+
+    @property
+    def streamer(self) -> BlockStreamer | None:
+        return self._streamer
+
+    def load_streamed(self, device, plan: StreamPlan) -> bool:
+        """Put the transformer on `device` under `plan` (a streamer with the same resident blocks on the same device
+        is kept as it is). Returns True the first time this model runs with this many resident blocks, so the
+        caller says so once. Its captured graphs go: nothing replays while it streams, and their buffers take
+        memory the streamed load has not got."""
+        with self._lock:
+            current = self._streamer
+            if current is not None and current.device == torch.device(device) and \
+                    current.plan.resident_blocks == plan.resident_blocks:
+                return False
+            self.release_graphs(reason="loaded partly: its blocks stream from the host")
+            if current is not None:
+                current.stop()
+                self._streamer = None
+            self._streamer = BlockStreamer(self.transformer, device, plan).start()
+            key = (plan.resident_blocks, plan.blocks)
+            first = key not in self._plans_seen
+            self._plans_seen.add(key)
+            return first
+
+    def stop_streaming(self) -> None:
+        """Back from a partial load: the streamed blocks' weights stay on the host, where a whole load or an unload
+        expects them."""
+        with self._lock:
+            streamer, self._streamer = self._streamer, None
+        if streamer is not None:
+            streamer.stop()

@@ -18,11 +18,17 @@ hold references stay consistent.
 
 Where pinning is impossible or pointless (no CUDA, a CPU target, tensor subclasses, page-locking refused), the
 module moves with ordinary `module.to()` calls instead; the reason is logged once and kept in `fallback_reason`.
+
+A transformer block of a partial load (streaming.py) keeps its own host copy the same way: `StreamedBlock` loads it
+before the block runs and drops it after, and `block_on_device` does that for code that runs the block's parts
+without calling the block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import threading
 import time
 
 import torch
@@ -128,10 +134,11 @@ class PinnedWeights:
     """One page-locked host copy of a module's weights; the device copy exists only while loaded.
 
     `device` is where `load()` puts the weights. `pin=False` keeps the host copy in ordinary memory (the tests use
-    it to check the swap on a machine without CUDA; there the "device" may be the CPU).
+    it to check the swap on a machine without CUDA; there the "device" may be the CPU). `log=False` leaves the
+    logging to the caller (the block streamer keeps one copy per streamed block and says so once).
     """
 
-    def __init__(self, module: torch.nn.Module, device, pin: bool = True):
+    def __init__(self, module: torch.nn.Module, device, pin: bool = True, log: bool = True):
         self.device = torch.device(device)
         self.fallback_reason = self._unsupported(module, pin)
         self._module = module
@@ -142,9 +149,10 @@ class PinnedWeights:
         self.pinned = False
         self.last_load_seconds = None
         self.last_offload_seconds = None
+        self._log = log
         if self.fallback_reason is None:
             self._adopt(pin)
-        if self.fallback_reason is not None:
+        if self.fallback_reason is not None and log:
             logger.info("KV-Graph: %s weights move with ordinary copies (no pinned host copy): %s.",
                         type(module).__name__, self.fallback_reason)
 
@@ -174,8 +182,9 @@ class PinnedWeights:
         layout.move_into(host)
         self._layout, self._host, self._host_owner, self.pinned = layout, host, owner, owner is not None
         self._device_buffer = None
-        logger.info("KV-Graph: %s: %.1f GiB of weights in one %s host copy (%.1f s).", type(self._module).__name__,
-                    layout.nbytes / 2**30, "pinned" if self.pinned else "pageable", time.perf_counter() - start)
+        if self._log:
+            logger.info("KV-Graph: %s: %.1f GiB of weights in one %s host copy (%.1f s).", type(self._module).__name__,
+                        layout.nbytes / 2**30, "pinned" if self.pinned else "pageable", time.perf_counter() - start)
 
     @property
     def host_bytes(self) -> int:
@@ -186,8 +195,11 @@ class PinnedWeights:
     def loaded(self) -> bool:
         return self._device_buffer is not None
 
-    def load(self, device=None) -> None:
-        """Put the weights on `device` (default: the one given at construction), copying from the host copy."""
+    def load(self, device=None, wait: bool = True) -> None:
+        """Put the weights on `device` (default: the one given at construction), copying from the host copy.
+
+        `wait=False` returns with the copy queued on the current stream: work queued after it on that stream reads
+        the weights in order (the block streamer's way, so the host keeps queueing while the copy runs)."""
         device = torch.device(device) if device is not None else self.device
         if self.fallback_reason is not None:
             self._module.to(device)
@@ -201,7 +213,7 @@ class PinnedWeights:
         start = time.perf_counter()
         buffer = torch.empty(self._layout.nbytes, dtype=torch.uint8, device=device)
         buffer.copy_(self._host, non_blocking=self.pinned)
-        if buffer.is_cuda:
+        if buffer.is_cuda and wait:
             torch.cuda.current_stream(buffer.device).synchronize()
         self._layout.point_at(buffer)
         self._device_buffer = buffer
@@ -232,3 +244,68 @@ class PinnedWeights:
             logger.warning("KV-Graph: %s weights were moved outside their pinned copy; taking a new host copy.",
                            type(self._module).__name__)
             self._adopt(self.pinned)
+
+
+class StreamedBlock:
+    """One block of a partial load (streaming.py) whose weights live on the host and visit the device while it runs.
+    The instance is the block's forward pre-hook (`block_on_device` finds it there); `after` is its forward hook."""
+
+    def __init__(self, block: torch.nn.Module, device: torch.device, pin: bool):
+        # The host copy is packed from wherever the weights are now (a block of a whole load: straight from the
+        # device, with no second host copy on the way).
+        weights = PinnedWeights(block, device, pin=pin, log=False)
+        self.pin_failure = weights.fallback_reason if pin else None
+        if weights.fallback_reason is not None and pin:
+            weights = PinnedWeights(block, device, pin=False, log=False)  # a pageable copy: still no copy back
+        if weights.fallback_reason is not None:
+            block.to("cpu")  # tensor subclasses: moved whole each way by `module.to`
+        self.weights = weights
+        # Runs of this block in progress: one entered again inside its own run (a wrapper calling it), or from another
+        # thread, loads once and is dropped when the last run ends.
+        self._depth = 0
+        self._lock = threading.Lock()
+        self.handles = (block.register_forward_pre_hook(self),
+                        block.register_forward_hook(self.after, always_call=True))
+
+    def __call__(self, module, args) -> None:
+        self.enter()
+
+    def after(self, module, args, output) -> None:
+        self.exit()
+
+    def enter(self) -> None:
+        with self._lock:
+            self._depth += 1
+            if self._depth == 1:
+                self.weights.load(wait=False)
+
+    def exit(self) -> None:
+        with self._lock:
+            self._depth -= 1
+            if self._depth == 0:
+                self.weights.offload()
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        with self._lock:
+            if self._depth:
+                self._depth = 0
+                self.weights.offload()
+
+
+def block_on_device(block: torch.nn.Module):
+    """Context manager around running `block` (a diffusers transformer block) by means other than its own forward:
+    a streamed block's weights are on the device inside it; any other block is left alone."""
+    hooks = block._forward_pre_hooks  # noqa: SLF001 - where torch keeps them; empty on a block that is not streamed
+    streamed = next((h for h in hooks.values() if isinstance(h, StreamedBlock)), None) if hooks else None
+    return contextlib.nullcontext() if streamed is None else _entered(streamed)
+
+
+@contextlib.contextmanager
+def _entered(streamed: StreamedBlock):
+    streamed.enter()
+    try:
+        yield
+    finally:
+        streamed.exit()

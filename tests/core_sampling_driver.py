@@ -97,6 +97,51 @@ def diff(a, b) -> float:
     return float((a.float() - b.float()).abs().max())
 
 
+def partial_load(model, handle, positive, negative, latent, sigmas) -> dict:
+    """SamplerCustomAdvanced after ComfyUI's own `LoadedModel.model_load` asked for part of the MODEL (one of the tiny
+    model's two blocks), against the same run loaded whole. ComfyUI forces whole loads on a CPU device, so its figure
+    is capped here where `model_load` hands it to the patcher (`model_use_more_vram` -> `partially_load`); the rest
+    is ComfyUI's real ModelPatcher and sampling code."""
+    import comfy.model_management as mm
+
+    from graph_runtime.memory import module_bytes
+
+    whole = custom_advanced(model, positive, negative, latent, sigmas, "euler", 1.0, 61)
+    blocks = [module_bytes(b) for b in handle.module.transformer_blocks]
+    budget = module_bytes(handle.module) - sum(blocks) + blocks[0]
+    original = mm.LoadedModel.model_use_more_vram
+
+    def capped(self, extra_memory, force_patch_weights=False):
+        return original(self, min(extra_memory, budget - self.model.loaded_size()), force_patch_weights)
+
+    model.detach(unpatch_all=True)
+    mm.LoadedModel.model_use_more_vram = capped
+    seen = {}
+
+    def during(executor, *args, **kwargs):  # at each model call: after ComfyUI loaded the model for the run
+        plan = model.stream_plan()
+        seen.update(streamed_blocks=plan.streamed_blocks if plan else 0, loaded=int(model.loaded_size()),
+                    lowvram=bool(model.model.model_lowvram),
+                    hooked=bool(handle.module.transformer_blocks[1]._forward_pre_hooks))
+        return executor(*args, **kwargs)
+
+    import comfy.patcher_extension
+
+    clone = model.clone()
+    clone.add_wrapper_with_key(comfy.patcher_extension.WrappersMP.APPLY_MODEL, "see", during)
+    try:
+        partial = custom_advanced(clone, positive, negative, latent, sigmas, "euler", 1.0, 61)
+    finally:
+        mm.LoadedModel.model_use_more_vram = original
+    model.detach(unpatch_all=True)  # ComfyUI unloading it: the streaming ends
+    after = {"streaming": model.stream_plan() is not None, "loaded": int(model.loaded_size()),
+             "hooked": any(b._forward_pre_hooks for b in handle.module.transformer_blocks)}
+    again = custom_advanced(model, positive, negative, latent, sigmas, "euler", 1.0, 61)
+    return {"budget": budget, "during": seen, "max_diff": diff(partial, whole), "after_unload": after,
+            "whole_again_max_diff": diff(again, whole), "whole_again_loaded": int(model.loaded_size()),
+            "size": int(model.model_size())}
+
+
 def main() -> dict:
     env = setup()
     import comfy.model_management as mm
@@ -187,6 +232,8 @@ def main() -> dict:
     out["core_lora"] = refusal(lambda: comfy.sd.load_lora_for_models(
         model, None, {f"{target}.lora_up.weight": torch.zeros(32, 4),
                       f"{target}.lora_down.weight": torch.zeros(4, 32)}, 1.0, 0.0))
+
+    out["partial_load"] = partial_load(model, handle, positive, negative, latent, sigmas)
 
     # Nothing of a run outlives it: no run in progress, the engine not busy, no prefix left owning an entry.
     in_flight = sys.modules[f"{env.pack.__name__}.graph_runtime.in_flight"]

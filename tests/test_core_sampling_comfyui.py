@@ -104,3 +104,17 @@ def test_nothing_of_a_run_outlives_it(measured):
     """After the runs: none in progress, the engine not busy, no prefix still owning a graph entry."""
     after = measured["after"]
     assert after["runs"] == [] and not after["busy"] and after["owned_entries"] == 0
+
+
+def test_a_partial_load_from_comfyuis_model_management_streams_and_ends(measured):
+    """ComfyUI's own `LoadedModel.model_load` handing the patcher a figure of one of two blocks: during the sampling
+    call the MODEL streams one block, ComfyUI's bookkeeping says what is loaded (within the figure, `model_lowvram`
+    set), the latents equal the whole load's (the same fp32 math; 5e-5 as above), an unload ends the streaming, and a
+    later whole load runs the same."""
+    partial = measured["partial_load"]
+    during = partial["during"]
+    assert during["streamed_blocks"] == 1 and during["hooked"] and during["lowvram"]
+    assert 0 < during["loaded"] <= partial["budget"] < partial["size"]
+    assert partial["max_diff"] <= 5e-5
+    assert partial["after_unload"] == {"streaming": False, "loaded": 0, "hooked": False}
+    assert partial["whole_again_max_diff"] <= 5e-5 and partial["whole_again_loaded"] == partial["size"]

@@ -334,7 +334,7 @@ def test_text_encoder_placement_policy(comfy_env, monkeypatch, placement, offloa
     assert any(handle.patcher in c["models"] for c in comfy_env.fake.load_calls)
 
 
-def test_patcher_loads_whole_and_unloading_releases_graphs(comfy_env, models, monkeypatch):
+def test_patcher_loads_whole_or_streams_and_unloading_releases_graphs(comfy_env, models, monkeypatch):
     transformer = models[0]
     patcher = transformer.patcher
     transformer.ensure_loaded()
@@ -345,9 +345,17 @@ def test_patcher_loads_whole_and_unloading_releases_graphs(comfy_env, models, mo
     freed = patcher.partially_unload(patcher.offload_device, memory_to_free=1)
     assert freed == patcher.model_size() and patcher.loaded_size() == 0  # all of it, never a part
     assert released == [1]
-    patcher.partially_load(patcher.load_device, 1.0)
-    assert ("patch_model", patcher.load_device, 0) in patcher.calls  # a full load, whatever ComfyUI offered
-    assert patcher.loaded_size() == patcher.model_size()
+    patcher.partially_load(patcher.load_device, 1.0)  # the transformer streams within ComfyUI's figure
+    plan = patcher.stream_plan()
+    assert plan is not None and plan.resident_blocks == 0 and patcher.loaded_size() == plan.resident
+    patcher.detach(unpatch_all=True)
+    assert patcher.stream_plan() is None and patcher.loaded_size() == 0
+    vae = models[2].patcher  # a model that cannot stream loads whole, whatever ComfyUI offered
+    vae.detach(unpatch_all=True)
+    vae.calls.clear()
+    vae.partially_load(vae.load_device, 1.0)
+    assert ("patch_model", vae.load_device, 0) in vae.calls
+    assert vae.loaded_size() == vae.model_size()
 
 
 def test_release_waits_for_a_running_sampler(comfy_env, models, monkeypatch):

@@ -82,9 +82,12 @@ class DecodeEngine:
         """
         if self.step.compiled:
             return False
-        device = next(self.transformer.parameters()).device
-        if device.type != "cuda":
-            logger.info("KV-Graph: block compile skipped: the model is on %s, not CUDA.", device)
+        devices = {p.device for p in self.transformer.parameters()}
+        if any(device.type != "cuda" for device in devices):
+            # A streamed model (a partial load) included: its steps run eagerly anyway, and compiled blocks would
+            # see their weights change device from call to call.
+            logger.info("KV-Graph: block compile skipped: the model's weights are on %s, not all on CUDA.",
+                        ", ".join(sorted(map(str, devices))))
             return False
         self.step.compile_blocks()
         self.compiles += 1

@@ -16,6 +16,8 @@ layers and weight swaps are seen), with the per-step host work hoisted out:
   `compile+graph-inductor-only` path measures the difference.
 - Each block hands its MLP residual to the next block instead of adding it, so the add shares a pass with the next
   LayerNorm (or the final norm): one read and write of the residual stream per block fewer.
+- A streamed model (a partial load, graph_runtime/streaming.py) has some blocks' weights on the host: the loops
+  below hold each block's weights on the device for its call (`block_on_device`, a no-op for a resident block).
 - FP8 blocks (`graph_runtime/fp8`, Linears converted with `apply_precision`): where a norm or the SwiGLU product
   feeds FP8 Linears, our kernel writes its output as per-token e4m3 + scales (`Fp8Rows`) instead of bf16, so the
   FP8 GEMMs need no quantization pass; any other input (the attention output into `to_out`) is quantized by the
@@ -42,6 +44,7 @@ from ..kernels.int8_quant import norm_modulate_int8, residual_norm_modulate_int8
 from ..kernels.norm_modulate import norm_modulate, residual_norm_modulate
 from ..kernels.qk_norm_rope import qk_norm_rope_write, rotate_pairs
 from ..kernels.silu_mul import silu_mul
+from ..placement import block_on_device
 
 
 @dataclass
@@ -113,8 +116,9 @@ def run_prefix_blocks(blocks, inputs: PrefixInputs) -> None:
         pending, last = None, len(blocks) - 1
         for i, (block, k_rows, v_rows) in enumerate(zip(blocks, inputs.k, inputs.v)):
             # Only the K/V rows are kept: the last block stops once it has written them.
-            x, pending = block(x, pending, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True,
-                               inputs.mask, kv_only=i == last)
+            with block_on_device(block.block):
+                x, pending = block(x, pending, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True,
+                                   inputs.mask, kv_only=i == last)
 
 
 class TargetDecodeBlock(torch.nn.Module):
@@ -359,9 +363,11 @@ class DecodeStep(torch.nn.Module):
         temb = model.time_text_embed(timestep, x)
         modulation = model.modulation(temb)[:batch]
         pending = None
-        for i, block in enumerate(self.blocks):
-            x, pending = block(x, pending, modulation, inputs.cos, inputs.sin, inputs.k[i], inputs.v[i],
-                               inputs.prefix_len, inputs.static_kv, inputs.attn_mask)
+        # The diffusers blocks, for a streamed model's residency (outside the wrappers, which may be compiled).
+        for i, (block, inner) in enumerate(zip(self.blocks, model.transformer_blocks)):
+            with block_on_device(inner):
+                x, pending = block(x, pending, modulation, inputs.cos, inputs.sin, inputs.k[i], inputs.v[i],
+                                   inputs.prefix_len, inputs.static_kv, inputs.attn_mask)
         norm_out = model.norm_out
         scale = norm_out.linear(norm_out.silu(temb).to(x.dtype))[:batch]
         fuse = self.kernels and type(norm_out.norm) is torch.nn.LayerNorm and not norm_out.norm.elementwise_affine

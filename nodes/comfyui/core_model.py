@@ -2,7 +2,8 @@
 
 The way packs that bring their own architecture do it: a `comfy.model_base.BaseModel` subclass over the diffusers
 transformer, with Qwen-Image-2.1's latent format and flow-matching sampling, under a `ModelPatcher` that ComfyUI's
-model management loads whole. Its model function is the pack's runtime (graph_runtime/core_model): core prepares each
+model management loads whole (or, where it has room for only part, with blocks streamed from the host and eager
+steps). Its model function is the pack's runtime (graph_runtime/core_model): core prepares each
 conditioning entry once per run (`extra_conds` names its prefix by content), a wrapper around core's sampling call
 opens a `SamplingRun` (the prefixes live exactly that long, and the model's LoRA set is held merged), and every
 model call is a decode step that replays the captured graph of its shape.
@@ -138,8 +139,12 @@ class QwenImage21KVModel(comfy.model_base.BaseModel):
 
 
 class KVGraphModelPatcher(FullLoadPatcher):
-    """The MODEL's patcher: loaded whole; core weight patches (LoRA, model merging) are refused at once, since the
-    captured graphs read the weights in place and KV-Graph Load LoRA merges there."""
+    """The MODEL's patcher: loaded whole, or within the memory ComfyUI gives it with blocks streamed from the host
+    (patcher.py); core weight patches (LoRA, model merging) are refused at once, since the captured graphs read the
+    weights in place and KV-Graph Load LoRA merges there."""
+
+    def stream_owner(self):
+        return self.model.loaded
 
     def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
         raise KVGraphError(CORE_PATCHES_REFUSED.format(what="core LoRA loaders and model merging nodes"))

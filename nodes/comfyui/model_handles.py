@@ -100,9 +100,12 @@ class ModelHandle:
         except torch.OutOfMemoryError as exc:
             raise RuntimeError(
                 f"KV-Graph: not enough free memory on {self.patcher.load_device} to load the {self.kind} "
-                f"({gib(self.size_bytes)}, {self.source}). KV-Graph keeps a model whole on the GPU while "
-                "it runs (no lowvram streaming); close other models or use a smaller dtype."
+                f"({gib(self.size_bytes)}, {self.source}). The KV-Graph nodes load a model whole on the GPU "
+                "while it runs; close other models or use a smaller dtype (core's samplers on the loader's MODEL "
+                "can stream the transformer's blocks from host memory instead, slower)."
             ) from exc
+        if self.patcher.stream_plan() is not None:
+            return  # ComfyUI had room for part of the transformer: its blocks stream from the host (patcher.py)
         devices = {p.device for p in self.module.parameters()}
         if len(devices) != 1 or not same_device(next(iter(devices)), self.patcher.load_device):
             # Never compute with weights split between devices: put everything back on the offload device.
@@ -144,7 +147,7 @@ class TransformerHandle(ModelHandle):
     # merges them into the shared model at the start of its run. `base` is the loader's handle they were chained on.
     loras: tuple = ()
     base: "TransformerHandle | None" = field(default=None, repr=False)
-    last_budget: dict | None = None  # the memory budget of the last request sampled with it (memory_budget.py)
+    last_budget: dict | None = None  # the memory budget of the last request sampled with it (nodes/comfyui/memory.py)
     gpus: int = 1  # devices each image is decoded on (graph_runtime/parallel); the loader's gpus input
 
     def with_gpus(self, gpus: int) -> "TransformerHandle":

@@ -1,18 +1,31 @@
-"""The ModelPatcher every model of the pack is managed by: whole on its compute device or not there at all.
+"""The ModelPatcher every model of the pack is managed by: whole on its compute device, or (the transformer only)
+within the memory ComfyUI gives it, or not there at all.
 
 ComfyUI's model management loads, sizes and unloads models through a `ModelPatcher` (comfy/model_patcher.py). Its
 lowvram mode streams weights through ComfyUI's own cast-on-use layers, which diffusers' and transformers' layers are
 not, and the pack's captured graphs read weights at fixed addresses; so these patchers load a model whole or not at
 all, and tell the model's owner before its weights leave (`on_unload`).
+
+ComfyUI asks for a partial load through the same call as a whole one (0.8.0 and 0.33.0 alike):
+`LoadedModel.model_load` calls `partially_load(device, extra_memory)`, where `extra_memory` is what the model may add
+on the device beyond what it holds now: 1e32 when it may load whole (`force_full_load`, or nothing smaller to
+say), the free memory left after the request's own needs otherwise (`--lowvram`, or not enough room), and 0.1 under
+`--novram`. Where that is less than the whole transformer, its owner streams blocks from the host
+(graph_runtime/streaming.py) and its steps run eagerly; the text encoder and the VAE still load whole.
 """
 
 from __future__ import annotations
+
+import logging
 
 import torch
 
 import comfy.model_patcher
 
+from ...graph_runtime.memory import gib
 from ...graph_runtime.placement import PinnedWeights
+
+logger = logging.getLogger("kvgraph")
 
 
 class ModuleHost(torch.nn.Module):
@@ -40,11 +53,11 @@ def same_device(a, b) -> bool:
 
 
 class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
-    """A ModelPatcher that loads the whole model or none of it.
+    """A ModelPatcher that loads the whole model or none of it, unless `stream_owner()` can stream its blocks.
 
-    ComfyUI's lowvram mode streams weights through its own cast-on-use layers; diffusers' layers cannot stream, so a
-    partial load would leave some weights on the CPU while the rest computes on the GPU. When ComfyUI asks for part
-    of the model, it gets all of it; when it frees part, it frees all of it. Moving weights also invalidates captured
+    ComfyUI's lowvram mode streams weights through its own cast-on-use layers, which diffusers' layers are not. When
+    ComfyUI asks for part of a model that cannot stream, it gets all of it; part of the transformer is a streamed
+    load within ComfyUI's figure. When ComfyUI frees part, it frees all of it. Moving weights also invalidates captured
     decode graphs (they read weights at fixed addresses), so unloading tells the owner through `on_unload`.
     """
 
@@ -53,7 +66,8 @@ class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
 
     def _resident_on(self, device) -> bool:
         params = list(self.model.parameters())
-        return bool(params) and all(same_device(p.device, device) for p in params) and self.loaded_size() > 0
+        return (bool(params) and all(same_device(p.device, device) for p in params) and self.loaded_size() > 0
+                and self.stream_plan() is None)
 
     def clone(self, *args, **kwargs):
         # ComfyUI's clone copies the patcher's own state but not attributes set on an instance: a clone (a LoRA
@@ -62,14 +76,26 @@ class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
         copy.on_unload, copy.placement = self.on_unload, self.placement
         return copy
 
+    def stream_owner(self):
+        """The owner that can run this model partly loaded (graph_runtime/loaded.py `LoadedTransformer`), or None:
+        this model loads whole or not at all."""
+        return None
+
+    def stream_plan(self):
+        """The plan a partial load runs under now (graph_runtime/streaming.py), or None when loaded whole or not."""
+        owner = self.stream_owner()
+        return owner.streaming if owner is not None else None
+
     def partially_load(self, device_to, extra_memory=0, force_patch_weights=False):
         if self._resident_on(device_to):
-            if getattr(self, "object_patches", None) or getattr(self, "object_patches_backup", None):
-                # Another clone of this model may have run last: swap its object patches for this one's, as
-                # ComfyUI's own partial load does, without moving a weight.
-                self.unpatch_model(self.offload_device, unpatch_weights=False)
-                self.patch_model(load_weights=False)
+            self._swap_object_patches()
             return 0
+        owner = self.stream_owner()
+        if owner is not None and self.placement is None:
+            plan = owner.plan_within(self.loaded_size() + extra_memory)
+            if plan is not None:
+                return self._load_streamed(owner, device_to, plan)
+            self._end_streaming(owner)  # it fits whole now: ComfyUI's own move puts the streamed blocks there
         before = self.loaded_size()
         try:
             if self.placement is not None:
@@ -82,6 +108,47 @@ class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
             raise
         return self.loaded_size() - before
 
+    def _end_streaming(self, owner) -> None:
+        if owner.streaming is not None:
+            owner.stop_streaming()
+            self.model.model_lowvram = False
+            self.model.model_offload_buffer_memory = 0
+
+    def _swap_object_patches(self) -> None:
+        if getattr(self, "object_patches", None) or getattr(self, "object_patches_backup", None):
+            # Another clone of this model may have run last: swap its object patches for this one's, as ComfyUI's
+            # own partial load does, without moving a weight.
+            self.unpatch_model(self.offload_device, unpatch_weights=False)
+            self.patch_model(load_weights=False)
+
+    def _load_streamed(self, owner, device_to, plan) -> int:
+        """The partial load: the owner keeps what `plan` allows on the device and streams the other blocks; ComfyUI
+        is told what is really there (`model_lowvram`, the loaded bytes, the streaming buffer)."""
+        before = self.loaded_size()
+        try:
+            if owner.streaming is None:
+                self.patch_model(device_to, lowvram_model_memory=0, load_weights=False)  # object patches only
+            else:
+                self._swap_object_patches()
+            first = owner.load_streamed(device_to, plan)
+            for child in self.model.children():  # what ComfyUI's model adds around the transformer (its sampling)
+                if child is not owner.transformer:
+                    child.to(device_to)
+        except BaseException:
+            self.detach(unpatch_all=True)
+            raise
+        model = self.model
+        model.device = torch.device(device_to)
+        model.model_loaded_weight_memory = plan.resident
+        model.model_offload_buffer_memory = plan.largest_block
+        model.model_lowvram = True
+        model.current_weight_patches_uuid = self.patches_uuid
+        if first:
+            logger.info("KV-Graph: ComfyUI can put %s of %s of the transformer on %s: %d of %d blocks stream from "
+                        "the host every step (%s stays on the device); steps run eagerly.", gib(plan.budget),
+                        gib(plan.total), device_to, plan.streamed_blocks, plan.blocks, gib(plan.resident))
+        return max(0, plan.resident - before)
+
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
         freed = self.loaded_size()
         self.detach(unpatch_all=True)
@@ -90,6 +157,9 @@ class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
     def detach(self, unpatch_all=True):
         if unpatch_all and self.on_unload is not None:
             self.on_unload(self)
+        owner = self.stream_owner() if unpatch_all else None
+        if owner is not None:
+            self._end_streaming(owner)  # then ComfyUI's own move to the offload device moves the resident part
         if unpatch_all and self.placement is not None:
             self.placement.offload()  # then ComfyUI's own move to the offload device finds nothing to copy
         return super().detach(unpatch_all)

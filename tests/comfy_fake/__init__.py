@@ -8,7 +8,7 @@ Installed into `sys.modules` only for as long as a test fixture holds them:
 Each fake mirrors the real contract the pack relies on (e.g. load_models_gpu moves the model through the patcher's
 `partially_load`, as ComfyUI's LoadedModel.model_load does, and lists it in `current_loaded_models`; every progress
 update is an interrupt check, as the hook ComfyUI's main.py installs is; `get_free_memory` reports `free_memory` when
-a test sets it).
+a test sets it; `weight_budget` makes load_models_gpu ask for a partial load, as ComfyUI's lowvram figure does).
 """
 
 from __future__ import annotations
@@ -128,6 +128,9 @@ class FakeComfy:
         self.recipients = []  # the sid of each send_sync, in the same order (None: every connected browser)
         self.load_calls = []  # kwargs of each load_models_gpu call
         self.free_memory = None  # what get_free_memory reports (bytes); None: the device's own figure
+        # Bytes load_models_gpu lets each model hold on its device when not forced to load it whole (ComfyUI's
+        # lowvram figure); None: no limit (ComfyUI's 1e32).
+        self.weight_budget = None
         self.context = None  # ExecutionContext the node runs under
         self.interrupt_at_step = None
         self.routes = {}
@@ -194,8 +197,12 @@ class FakeComfy:
                             force_full_load=False):
             fake.load_calls.append({"models": list(models), "memory_required": memory_required,
                                     "force_full_load": force_full_load})
-            for patcher in models:  # ComfyUI's LoadedModel.model_load -> partially_load(device, 1e32)
-                patcher.partially_load(patcher.load_device, 1e32, force_patch_weights=force_patch_weights)
+            for patcher in models:  # ComfyUI's LoadedModel.model_load -> partially_load(device, extra_memory)
+                # What the model may add beyond what it holds: 1e32 for "all", as ComfyUI passes it.
+                extra = 1e32
+                if fake.weight_budget is not None and not force_full_load:
+                    extra = fake.weight_budget - patcher.loaded_size()
+                patcher.partially_load(patcher.load_device, extra, force_patch_weights=force_patch_weights)
                 if all(m.model is not patcher for m in mm.current_loaded_models):
                     mm.current_loaded_models.insert(0, LoadedModel(patcher))
 
