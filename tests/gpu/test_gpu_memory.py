@@ -266,6 +266,8 @@ def test_estimate_covers_the_sampler_peaks_of_a_first_prompt():
     from bench.scenarios import Scenario, build_inputs
     from graph_runtime.encoding.prompt import PromptEmbeds
 
+    gc.collect()
+    held = torch.cuda.memory_allocated()  # what earlier tests' session fixtures still hold: not this request's
     transformer = build_transformer()
     dims = memory.TransformerDims.from_config(dict(transformer.config))
     weights = {"transformer": memory.module_bytes(transformer)}
@@ -285,10 +287,11 @@ def test_estimate_covers_the_sampler_peaks_of_a_first_prompt():
         result = sample(engine, request)
         torch.cuda.synchronize()
         assert result.stats["captures"] >= 1
-        peak = torch.cuda.max_memory_allocated()
+        peak = torch.cuda.max_memory_allocated() - held
         shape = memory.GenerationShape(1024, 1024, prefix_tokens=(branch.layout.prefix_len,))
         need = memory.estimate(dims, shape, weights).need
-        print(f"{references} reference(s): estimate {need / 2**30:.2f} GiB, peak allocated {peak / 2**30:.2f} GiB")
+        print(f"{references} reference(s): estimate {need / 2**30:.2f} GiB, peak allocated {peak / 2**30:.2f} GiB "
+              f"(besides {held / 2**30:.2f} GiB held before the test)")
         # The lower slack, 0.05 GiB, is the resolution the bench reports peaks at, which this bound was set against.
         assert peak - 0.05 * 2**30 <= need <= peak + 0.7 * 2**30
         del result, inputs
