@@ -19,7 +19,7 @@ The estimate adds up, for one request:
 The device is a CUDA GPU or the CPU: on the CPU the same budget is checked against the host's available memory
 (`free.host_available_bytes`). Every size is computed from the model's own config and tensors (int8 weights are sized by
 their real bytes), and the formulas are checked in tests/test_memory.py against a trace of the real code's
-allocations and against the H200's measurements. `device_free_bytes` honours
+allocations and on a GPU (tests/gpu/test_gpu_memory.py; the figures are in docs/memory.md). `device_free_bytes` honours
 `torch.cuda.set_per_process_memory_fraction`, so a large card can stand in for a small one. Refusing what does not
 fit, and saying what would, is graph_runtime/memory/budget.py.
 """
@@ -39,15 +39,14 @@ MiB = 2**20
 # One decode step's activations per target token, as tensors of the activation dtype: while the MLP runs, the
 # residual stream, the handed-on MLP residual, the normed input, q, k, v, the attention output and its projection
 # are alive (8 x hidden width) next to the MLP's gate, up and SwiGLU product (3 x MLP width). A trace of the step's
-# allocations at full size gives exactly this, 136 KiB per token (tests/test_memory.py); on the H200 the peak minus
-# weights and static buffers grows by ~130 KiB per target token from 512x512 to 1328x1328 (docs/memory.md).
+# allocations at full size gives exactly this (tests/test_memory.py), and so does a GPU's peak (docs/memory.md).
 STEP_HIDDEN_TENSORS = 8
 STEP_MLP_TENSORS = 3
 
 # The Qwen-Image-2.1 VAE decoder, run without the temporal feature cache (graph_runtime/vae_decode.py), peaks at its
 # full-resolution stage: per output pixel about 9 tensors of `decoder_base_dim` channels in the VAE's dtype and 2 in
-# fp32 (its RMS norms), plus the output. A trace gives 3748 B/px for the full-size bf16 VAE (3.7 GiB at 1024x1024)
-# and 6337 B/px in fp32, within 0.2% of this (tests/test_memory.py).
+# fp32 (its RMS norms), plus the output. A trace of the full-size VAE in bf16 and in fp32 agrees with this to a
+# fraction of a percent (tests/test_memory.py; the figures are in docs/memory.md).
 VAE_DTYPE_TENSORS = 9
 VAE_FP32_TENSORS = 2
 # A tiled decode (diffusers' 256 px tiles with their temporal cache) holds one tile's activations, which the same
