@@ -14,6 +14,7 @@ own mechanism.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import sys
@@ -236,7 +237,7 @@ def main() -> dict:
     out["partial_load"] = partial_load(model, handle, positive, negative, latent, sigmas)
 
     # Nothing of a run outlives it: no run in progress, the engine not busy, no prefix left owning an entry.
-    in_flight = sys.modules[f"{env.pack.__name__}.graph_runtime.in_flight"]
+    in_flight = importlib.import_module(f"{env.pack.__name__}.graph_runtime.in_flight")
     engine = handle.engine
     out["after"] = {"runs": in_flight.runs(), "busy": handle.loaded.busy,
                     "owned_entries": sum(engine.graphs.owners.alive(k) for k in engine.graphs.entries),
