@@ -128,7 +128,7 @@ def check(budget: MemoryBudget, available: int, device, where: str, options) -> 
 def request_shape(request, graphs: bool = True) -> GenerationShape:
     """The memory-relevant shape of a `SamplingRequest` (prefix tokens per branch as its token layouts count them);
     `graphs=False` where the decode cannot replay graphs (off CUDA), which then runs eagerly."""
-    from ..decode import TOKENS_PER_SLOT
+    from ..decode import TOKENS_PER_SLOT  # not at the top, for the reason sizes._is_captured gives
 
     branches = [request.positive] + ([request.negative] if request.do_cfg else [])
     # Each image slot of the encoder sequence becomes TOKENS_PER_SLOT latent tokens of its reference (layout.py).

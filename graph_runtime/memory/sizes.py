@@ -190,7 +190,9 @@ def entry_buffer_bytes(d: TransformerDims, batch: int, prefix: int, target: int)
 
 def _is_captured(prefix: int) -> bool:
     """Whether a prefix of this length is captured (its pass replays from the graph pool): decode/engine.py."""
-    from ..decode import DecodeEngine  # here: the decode package imports this module
+    # Imported here, not at the top: decode/capture.py imports memory.free, and importing it runs this package's
+    # __init__ (and so this module) while the decode package is still being imported.
+    from ..decode import DecodeEngine
 
     return DecodeEngine.captures_prefix_pass(prefix)
 
