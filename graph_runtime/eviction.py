@@ -12,8 +12,8 @@ import os
 from dataclasses import dataclass
 from typing import Hashable
 
-from .memory.free import host_total_bytes
-from .memory import GiB
+from .free_memory import host_total_bytes
+from .report import GiB
 
 logger = logging.getLogger("kvgraph")
 

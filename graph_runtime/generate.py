@@ -10,7 +10,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .encoding.images import decode_latents, encode_pixels, prepare_references, reference_size, to_pil
+from .comfy_interop.pixels import to_pil
+from .encoding.images import decode_latents, encode_pixels, prepare_references, reference_size
 from .encoding.prompt import PromptEncoder
 from .memory import check_runtime_request
 from .loaded import LoadedTransformer

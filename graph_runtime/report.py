@@ -3,7 +3,9 @@ release reports (loaded models, decode-graph caches, the last request's memory b
 
 Pure functions over the plain dicts the runtime already hands out (a `SamplingResult`'s `stats` and `timings`,
 `engine.status()`, `MemoryBudget.as_dict()`, `engine.release()`), so whoever shows them (the ComfyUI nodes, their
-HTTP routes, a log) words them the same way and a test can check the wording without a model.
+HTTP routes, a log) words them the same way and a test can check the wording without a model. The byte units and
+a module's stored size and compute dtype live here too, below the memory budget (graph_runtime/memory) that prices
+them, so the decode package and the reports reach them without importing the budget.
 """
 
 from __future__ import annotations
@@ -12,7 +14,32 @@ from collections import Counter
 
 import torch
 
-from .memory import MiB, compute_dtype, gib
+GiB = 2**30
+MiB = 2**20
+
+def gib(n: int | float) -> str:
+    return f"{n / GiB:.1f} GiB"
+
+
+def module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's parameters and buffers as they are stored (int8 weights count one byte per value),
+    counting shared storage once: the text encoder ties its head to its 1.2 GB embedding table."""
+    seen, total = set(), 0
+    for t in (*module.parameters(), *module.buffers()):
+        key = t.data_ptr() if t.device.type != "meta" else id(t)
+        if key not in seen:
+            seen.add(key)
+            total += t.numel() * t.element_size()
+    return total
+
+
+def compute_dtype(module: torch.nn.Module) -> torch.dtype:
+    """The dtype activations run in: that of the first floating-point parameter (int8 weights are not)."""
+    for p in module.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.bfloat16
+
 
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8",
                getattr(torch, "float8_e4m3fn", None): "fp8 e4m3", getattr(torch, "float8_e5m2", None): "fp8 e5m2"}

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .memory.sizes import gib, module_bytes  # the byte math alone (the package's budget reads the decode package)
+from .report import gib, module_bytes
 from .placement import StreamedBlock
 
 logger = logging.getLogger("kvgraph")

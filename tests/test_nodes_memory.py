@@ -52,7 +52,7 @@ def sample(env, transformer, positive, latent, **overrides):
 
 @pytest.fixture(autouse=True)
 def steady_host_memory(comfy_env, monkeypatch):
-    pack_memory = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.memory.free")
+    pack_memory = importlib.import_module(f"{comfy_env.pack.__name__}.graph_runtime.free_memory")
     monkeypatch.setattr(pack_memory, "host_available_bytes", lambda: DEFAULT_FREE)
 
 

@@ -301,6 +301,28 @@ def test_no_import_cycles_in_the_runtime_and_the_nodes():
     assert import_cycles(graph) == []
 
 
+def folder_of(module: str, path: Path) -> str:
+    """The folder a module belongs to, as a reader sees the tree: its package (graph_runtime/decode/, nodes/comfyui/);
+    a module directly in graph_runtime/ or nodes/ is a folder of its own, as is each package's __init__."""
+    parent = module.rpartition(".")[0]
+    if path.name == "__init__.py" or parent in ("graph_runtime", "nodes"):
+        return module
+    return parent
+
+
+def test_no_import_cycles_between_folders():
+    """The same rule one level up: no folder of graph_runtime/ or nodes/ imports (through any of its modules,
+    function-level imports included) a folder that imports it back, so each folder sits on one layer and a change
+    inside a lower one never has to look upward. Importing a submodule runs its package's __init__ first; with this
+    rule that never drags a higher folder in."""
+    modules = pack_modules()
+    graph: dict[str, set[str]] = {folder_of(name, path): set() for name, path in modules.items()}
+    for name, path in modules.items():
+        here = folder_of(name, path)
+        graph[here] |= {folder_of(m, modules[m]) for m in import_edges(path, modules)} - {here}
+    assert import_cycles(graph) == []
+
+
 def process_registries(path: Path) -> list[str]:
     """Lines of `path` that keep state outside the objects that own it: an entry written into `sys.modules`
     (`sys.modules[...] = ...`, `sys.modules.setdefault(...)`) or an attribute forced onto another object with

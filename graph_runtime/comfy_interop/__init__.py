@@ -20,7 +20,9 @@ from .latents import (
     LATENT_CHANNELS, VAE_SCALE, LatentStats, empty_latent, latent_noise_mask, latent_samples, latent_stats,
     normalized_to_raw, raw_to_normalized,
 )
-from .pixels import comfy_image_to_pil, comfy_image_to_vae_pixels, crop_to_multiple, vae_pixels_to_comfy_image
+from .pixels import (
+    comfy_image_to_pil, comfy_image_to_vae_pixels, crop_to_multiple, to_pil, vae_pixels_to_comfy_image,
+)
 from .previews import PreviewProjection, fit_preview_projection, gray_projection, preview_image
 
 __all__ = [
@@ -28,5 +30,5 @@ __all__ = [
     "comfy_image_to_vae_pixels", "conditioning_to", "conditioning_to_prompt", "crop_to_multiple", "decode_raw_latents", "empty_latent",
     "encode_pixels_raw", "file_identity", "fit_preview_projection", "gray_projection", "latent_noise_mask", "latent_samples",
     "latent_stats", "normalized_to_raw", "preview_image", "prompt_to_conditioning", "raw_to_normalized",
-    "vae_pixels_to_comfy_image",
+    "to_pil", "vae_pixels_to_comfy_image",
 ]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from ..encoding.images import image_processor
 from ..errors import InputError
 from .latents import VAE_SCALE
 
@@ -54,3 +55,15 @@ def comfy_image_to_pil(image: torch.Tensor):
 
     array = (image[0].float().clamp(0, 1) * 255.0).round().to(torch.uint8).cpu().numpy()
     return Image.fromarray(array, mode="RGBA" if array.shape[-1] == 4 else "RGB")
+
+
+def to_pil(images: torch.Tensor, keep_alpha: bool = False) -> list:
+    """The VAE's [-1, 1] RGBA (or RGB) output -> PIL images.
+
+    By default RGB with the alpha composited over white, as the ComfyUI nodes show them (the same conversion);
+    `keep_alpha` keeps the VAE's alpha channel (mostly transparent for a Qwen-Image-2.1 text-to-image).
+    """
+    if keep_alpha:
+        return image_processor().postprocess(images.float(), output_type="pil")
+    rgb = vae_pixels_to_comfy_image(images)
+    return [comfy_image_to_pil(rgb[i:i + 1]) for i in range(rgb.shape[0])]

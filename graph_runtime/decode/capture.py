@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels.preload import wait_for_preload
-from ..memory.free import device_free_bytes
+from ..free_memory import device_free_bytes
 from .eligibility import static_reason
 from .prefill import PrefixCache
 from .step import DecodeInputs, PrefixInputs

@@ -143,17 +143,3 @@ def decode_latents(vae, latents: torch.Tensor, engines=()) -> torch.Tensor:
     raw = latents * std + mean
     tiled = should_tile(vae, raw.shape[-2] * VAE_SCALE, raw.shape[-1] * VAE_SCALE, available_bytes(param.device, engines))
     return decode_each(vae, raw, tiled)
-
-
-def to_pil(images: torch.Tensor, keep_alpha: bool = False) -> list:
-    """The VAE's [-1, 1] RGBA (or RGB) output -> PIL images.
-
-    By default RGB with the alpha composited over white, as the ComfyUI nodes show them (the same conversion);
-    `keep_alpha` keeps the VAE's alpha channel (mostly transparent for a Qwen-Image-2.1 text-to-image).
-    """
-    if keep_alpha:
-        return image_processor().postprocess(images.float(), output_type="pil")
-    from ..comfy_interop.pixels import comfy_image_to_pil, vae_pixels_to_comfy_image
-
-    rgb = vae_pixels_to_comfy_image(images)
-    return [comfy_image_to_pil(rgb[i:i + 1]) for i in range(rgb.shape[0])]

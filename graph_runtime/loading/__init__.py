@@ -23,7 +23,7 @@ from .comfy_layout import (
 from .detect import CheckpointInfo, detect_checkpoint, inspect_checkpoint
 from .folder import QwenImageModels, default_scheduler_config, load_pipeline_folder
 from .processor import load_processor
-from .safetensors_file import read_header
+from ..safetensors_file import read_header
 from .text_encoder import load_text_encoder
 from .transformer import load_transformer
 from .vae import load_vae

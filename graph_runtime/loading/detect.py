@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass, replace
 from typing import Mapping
 
-from .safetensors_file import read_header
+from ..safetensors_file import read_header
 
 COMFY_DIFFUSION_PREFIX = "model.diffusion_model."
 

@@ -25,7 +25,7 @@ from ..quantized import (
 )
 from ..quantized.comfy_quant import RECORD, SCALE, WEIGHT, check_scale
 from ..quantized.int8_convrot import per_row_scale
-from .safetensors_file import iter_tensors, owned
+from ..safetensors_file import iter_tensors, owned
 
 KeyMap = Callable[[Mapping[str, torch.Tensor]], dict[str, torch.Tensor]]
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from ..errors import CheckpointError
 from .detect import CheckpointInfo, inspect_shapes
-from .safetensors_file import SafetensorsHeader, read_headers
+from ..safetensors_file import SafetensorsHeader, read_headers
 
 # diffusers / transformers file names, preferred over any other .safetensors in a folder.
 STANDARD_WEIGHT_NAMES = ("diffusion_pytorch_model.safetensors", "model.safetensors")

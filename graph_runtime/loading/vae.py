@@ -12,7 +12,7 @@ from .checks import require_kind
 from .comfy_layout import vae_comfy_key_namer, vae_from_comfy_state_dict
 from .config_infer import infer_vae_config
 from .detect import QWEN21_VAE
-from .safetensors_file import iter_tensors
+from ..safetensors_file import iter_tensors
 from .sources import resolve
 
 BF16_FILE = "qwen_image_2.1_vae_bf16.safetensors"

@@ -37,7 +37,7 @@ def transformer_variant(path: str | os.PathLike) -> str:
     if any(_says_turbo(name) for name in names):
         return TURBO
     if path.is_file():
-        from .safetensors_file import read_header
+        from ..safetensors_file import read_header
 
         try:
             metadata = read_header(path).metadata

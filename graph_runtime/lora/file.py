@@ -18,7 +18,7 @@ import torch
 
 from ..comfy_interop.files import file_identity
 from ..errors import CheckpointError, shorten
-from ..loading.safetensors_file import iter_tensors, read_header
+from ..safetensors_file import iter_tensors, read_header
 from .formats import (ALPHA, DIFF, DIFF_BIAS, DOWN, UP, Target, foreign_model, peft_scale, split_key,
                       unsupported_kind, weight_aliases)
 

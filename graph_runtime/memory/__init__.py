@@ -1,7 +1,8 @@
 """Memory budgeting: what a request needs on its device and on the host, checked before anything is allocated.
 
 - `sizes`: the byte math per model part (weights, prefix K/V, graph buffers and pool, prefill, VAE decode).
-- `free`: how much memory a new allocation can get, on the host and on a CUDA device.
+- `free` (graph_runtime/free_memory.py, below the decode package, which reads it before a capture): how much
+  memory a new allocation can get, on the host and on a CUDA device.
 - `budget`: refusing what cannot fit and saying what would; `check_sampling_request` is the one check of a
   sampling request, which the command line (`check_runtime_request`) and the ComfyUI sampler node
   (nodes/comfyui/memory.py, which adds what ComfyUI could unload) both go through.
@@ -10,7 +11,8 @@ Tests pin the host's memory by patching `memory.free.host_available_bytes`: ever
 that module.
 """
 
-from . import budget, free, sizes  # noqa: F401 - the modules, for callers that reach one by name
+from .. import free_memory as free  # noqa: F401 - what a new allocation can get (graph_runtime/free_memory.py)
+from . import budget, sizes  # noqa: F401 - the modules, for callers that reach one by name
 from .budget import (  # noqa: F401
     Available, MemoryBudgetError, RequestPlan, alternatives, check, check_decoded_on_host, check_runtime_request,
     check_sampling_request, largest_fitting_batch, largest_fitting_size, request_shape,
@@ -23,4 +25,4 @@ from .sizes import (  # noqa: F401 - the byte math, as `memory.<name>`
     IMAGE_BYTES_PER_PIXEL, decoded_images_bytes, vae_encode_bytes, GenerationShape, MemoryBudget, estimate,
     fitting_estimate, available_bytes, eager_free_bytes, graph_bytes_held, graph_pool_bytes,
 )
-from .free import device_free_bytes, host_available_bytes, host_total_bytes  # noqa: F401
+from ..free_memory import device_free_bytes, host_available_bytes, host_total_bytes  # noqa: F401

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import KVGraphError
-from . import free as free_memory, sizes as memory
+from .. import free_memory
+from ..decode import TOKENS_PER_SLOT
+from . import sizes as memory
 from .sizes import (
     GenerationShape, MemoryBudget, TransformerDims, VaeDims, available_bytes, estimate, fitting_estimate, gib,
     graph_bytes_held, module_bytes,
@@ -128,8 +130,6 @@ def check(budget: MemoryBudget, available: int, device, where: str, options) -> 
 def request_shape(request, graphs: bool = True) -> GenerationShape:
     """The memory-relevant shape of a `SamplingRequest` (prefix tokens per branch as its token layouts count them);
     `graphs=False` where the decode cannot replay graphs (off CUDA), which then runs eagerly."""
-    from ..decode import TOKENS_PER_SLOT  # not at the top, for the reason sizes._is_captured gives
-
     branches = [request.positive] + ([request.negative] if request.do_cfg else [])
     # Each image slot of the encoder sequence becomes TOKENS_PER_SLOT latent tokens of its reference (layout.py).
     prefixes = tuple(int(e.image_mask.shape[-1] + (TOKENS_PER_SLOT - 1) * e.num_image_slots) for e in branches)

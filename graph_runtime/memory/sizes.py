@@ -31,10 +31,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from . import free
+from .. import free_memory as free
+from ..decode import DecodeEngine
+from ..report import GiB, MiB, compute_dtype, gib, module_bytes  # noqa: F401 - re-exported as memory.<name>
 
-GiB = 2**30
-MiB = 2**20
 
 # One decode step's activations per target token, as tensors of the activation dtype: while the MLP runs, the
 # residual stream, the handed-on MLP residual, the normed input, q, k, v, the attention output and its projection
@@ -66,30 +66,6 @@ LATENT_COPIES = 3
 
 MARGIN_BYTES = 256 * MiB
 MARGIN_FRACTION = 0.02
-
-
-def gib(n: int | float) -> str:
-    return f"{n / GiB:.1f} GiB"
-
-
-def module_bytes(module: torch.nn.Module) -> int:
-    """Bytes of a module's parameters and buffers as they are stored (int8 weights count one byte per value),
-    counting shared storage once: the text encoder ties its head to its 1.2 GB embedding table."""
-    seen, total = set(), 0
-    for t in (*module.parameters(), *module.buffers()):
-        key = t.data_ptr() if t.device.type != "meta" else id(t)
-        if key not in seen:
-            seen.add(key)
-            total += t.numel() * t.element_size()
-    return total
-
-
-def compute_dtype(module: torch.nn.Module) -> torch.dtype:
-    """The dtype activations run in: that of the first floating-point parameter (int8 weights are not)."""
-    for p in module.parameters():
-        if p.is_floating_point():
-            return p.dtype
-    return torch.bfloat16
 
 
 # -- model dimensions ----------------------------------------------------------------------------------------------
@@ -190,10 +166,6 @@ def entry_buffer_bytes(d: TransformerDims, batch: int, prefix: int, target: int)
 
 def _is_captured(prefix: int) -> bool:
     """Whether a prefix of this length is captured (its pass replays from the graph pool): decode/engine.py."""
-    # Imported here, not at the top: decode/capture.py imports memory.free, and importing it runs this package's
-    # __init__ (and so this module) while the decode package is still being imported.
-    from ..decode import DecodeEngine
-
     return DecodeEngine.captures_prefix_pass(prefix)
 
 

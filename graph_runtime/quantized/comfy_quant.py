@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from ..errors import CheckpointError
+from ..safetensors_file import iter_tensors
 from .int8_convrot import group_size_problem
 
 INT8_TENSORWISE = "int8_tensorwise"
@@ -83,8 +84,6 @@ def read_layers(files: list[Path], header, expected: str | None = None) -> dict[
     the header: a record of a supported format, an int8 2-D weight, a float scale of a shape comfy-kitchen accepts
     (`[out, 1]`, `[out]`, `[1]` or a scalar) and a group size that can rotate the layer's input features. Every
     int8 weight needs a record and every scale a record. Raises CheckpointError naming the file and the key."""
-    from ..loading.safetensors_file import iter_tensors
-
     tensors = header.tensors
     path = header.path
     records = [k for k in tensors if k.endswith(RECORD)]
@@ -136,8 +135,6 @@ def check_scale(scale: torch.Tensor, path, key: str, expected: str | None = None
 def first_record_format(files: list[Path], header) -> str | None:
     """What the first quantization record in the file says, for detection ("int8 ConvRot (group 256)",
     "nvfp4", ...); None without records."""
-    from ..loading.safetensors_file import iter_tensors
-
     key = next((k for k in sorted(header.tensors) if k.endswith(RECORD)), None)
     if key is None:
         return None

@@ -18,7 +18,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-from ..errors import CheckpointError, shorten
+from .errors import CheckpointError, shorten
 
 # The reference implementation refuses headers above 100 MB; a "length" beyond that means the first 8 bytes are not a
 # safetensors length at all.
