@@ -50,10 +50,10 @@ class StreamPlan:
     def streamed_blocks(self) -> int:
         return self.blocks - self.resident_blocks
 
-    def describe(self) -> str:
-        return (f"{gib(self.budget)} of {gib(self.total)} of the transformer fit on the GPU: "
+    def describe(self, device="the GPU") -> str:
+        return (f"{gib(self.budget)} of {gib(self.total)} of the transformer on {device}: "
                 f"{self.streamed_blocks} of {self.blocks} blocks stream from the host every step "
-                f"({gib(self.resident)} stays on the GPU); steps run eagerly")
+                f"({gib(self.resident)} stays on the device); steps run eagerly")
 
 
 def plan_stream(transformer: torch.nn.Module, budget: float) -> StreamPlan | None:

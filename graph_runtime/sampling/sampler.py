@@ -61,11 +61,12 @@ class SamplingRequest:
         if self.latent_height < 1 or self.latent_width < 1:
             raise InputError("latent size", (self.latent_height, self.latent_width),
                              "at least 1x1 latent tokens (16 px)")
-        check_count("batch_size", self.batch_size)
-        check_count("steps", self.steps)
-        check_seed(self.seed)
-        check_cfg(self.cfg)
-        check_denoise(self.denoise)
+        # Kept as checked: a numpy or torch integer becomes an int, so the loop sees plain numbers.
+        self.batch_size = check_count("batch_size", self.batch_size)
+        self.steps = check_count("steps", self.steps)
+        self.seed = check_seed(self.seed)
+        self.cfg = check_cfg(self.cfg)
+        self.denoise = check_denoise(self.denoise)
 
     @property
     def do_cfg(self) -> bool:

@@ -4,7 +4,7 @@ within the memory ComfyUI gives it, or not there at all.
 ComfyUI's model management loads, sizes and unloads models through a `ModelPatcher` (comfy/model_patcher.py). Its
 lowvram mode streams weights through ComfyUI's own cast-on-use layers, which diffusers' and transformers' layers are
 not, and the pack's captured graphs read weights at fixed addresses; so these patchers load a model whole or not at
-all, and tell the model's owner before its weights leave (`on_unload`).
+all (the transformer excepted, below), and tell the model's owner before its weights leave (`on_unload`).
 
 ComfyUI asks for a partial load through the same call as a whole one (0.8.0 and 0.33.0 alike):
 `LoadedModel.model_load` calls `partially_load(device, extra_memory)`, where `extra_memory` is what the model may add
@@ -22,7 +22,6 @@ import torch
 
 import comfy.model_patcher
 
-from ...graph_runtime.memory import gib
 from ...graph_runtime.placement import PinnedWeights
 
 logger = logging.getLogger("kvgraph")
@@ -144,9 +143,7 @@ class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
         model.model_lowvram = True
         model.current_weight_patches_uuid = self.patches_uuid
         if first:
-            logger.info("KV-Graph: ComfyUI can put %s of %s of the transformer on %s: %d of %d blocks stream from "
-                        "the host every step (%s stays on the device); steps run eagerly.", gib(plan.budget),
-                        gib(plan.total), device_to, plan.streamed_blocks, plan.blocks, gib(plan.resident))
+            logger.info("KV-Graph: ComfyUI can put %s.", plan.describe(device_to))
         return max(0, plan.resident - before)
 
     def partially_unload(self, device_to, memory_to_free=0, force_patch_weights=False):
