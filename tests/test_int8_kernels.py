@@ -78,8 +78,8 @@ def check_rotation(widths):
 
 
 def test_rotated_rows_equal_comfy_kitchens_rotation():
-    """Our kernel's group-wise rotation (two 16x16 products per group) equals comfy-kitchen's `_rotate_activation`
-    (one 256x256 product) in fp32; the int8 rows equal the reference quantizer's (rounding half to even), padded
+    """Our kernel's group-wise rotation (a fast transform: four stages of 4-point sums) equals comfy-kitchen's
+    `_rotate_activation` (one 256x256 product) in fp32; the int8 rows equal the reference quantizer's (rounding half to even), padded
     widths (768 in a 1024 block) included."""
     interpreted(check_rotation, [256, 768, 4096])
 
@@ -101,14 +101,35 @@ def check_norm_and_swiglu():
         x_ref, h = reference_norm_modulate_fp32(x, delta, gate, scale, 1e-6)
         torch.testing.assert_close(x_new, x_ref, rtol=1e-6, atol=1e-6)
         assert torch.equal(rows.data, reference_quantize_rows_int8(h, rotate)[0])
-        rows = silu_mul_int8(delta, up, rotate)
-        assert torch.equal(rows.data, reference_quantize_rows_int8(torch.nn.functional.silu(delta) * up, rotate)[0])
+    # SwiGLU rows one power of two wide, three times one (held as three exact parts) and neither (padded).
+    for cols in (512, 768, 48, 320):
+        gate_rows, up_rows = (torch.randn(3, 2, cols, generator=g) * 2 for _ in range(2))
+        for rotate in (False, True) if cols % 256 == 0 else (False,):
+            rows = silu_mul_int8(gate_rows, up_rows, rotate)
+            q, s = reference_quantize_rows_int8(torch.nn.functional.silu(gate_rows) * up_rows, rotate)
+            assert torch.equal(rows.data, q), (cols, rotate)
+            torch.testing.assert_close(rows.scale, s, rtol=1e-5, atol=0)
 
 
 def test_norm_and_swiglu_kernels_write_the_reference_int8_rows():
     """The block's two norm kernels and its SwiGLU kernel, with their int8 output on (rotated or not), write the
-    reference quantizer's rows of the fp32 values they compute; the residual stream is unchanged by the int8 mode."""
+    reference quantizer's rows of the fp32 values they compute; the residual stream is unchanged by the int8 mode.
+    SwiGLU rows three times a power of two wide (the MLP's) share one scale over their three parts."""
     interpreted(check_norm_and_swiglu)
+
+
+def test_rows_are_held_as_exact_parts_where_they_can_be():
+    """A row three times a power of two wide is three exact parts (a rotated part holds whole rotation groups);
+    any other row is one power-of-two block, padded."""
+    from graph_runtime.kernels.int8_quant import row_parts
+
+    assert row_parts(12288, rotate=True) == (4096, 3)
+    assert row_parts(4096, rotate=True) == (4096, 1)
+    assert row_parts(768, rotate=True) == (256, 3)
+    assert row_parts(384, rotate=True) == (512, 1)  # a third of 128 would split a rotation group
+    assert row_parts(384, rotate=False) == (128, 3)
+    assert row_parts(320, rotate=False) == (512, 1)
+    assert row_parts(12, rotate=False) == (16, 1)
 
 
 def test_tile_configs_are_looked_up_by_shape_and_the_nearest_measured_token_count(monkeypatch):

@@ -133,7 +133,11 @@ def _define_quantize_rows_int8():
         if _on_triton(x) and (not rotate or _rotatable(x.shape[-1])):
             from .int8_quant_triton import quantize_rows_int8_kernel
 
-            return _rows_launch(quantize_rows_int8_kernel, rotate, x)
+            out, scale, rows, cols = _row_outputs(x)
+            block = _block(cols, rotate)
+            quantize_rows_int8_kernel[(rows,)](x, out, scale, rows, cols, ROTATE=rotate, BLOCK=block,
+                                               num_warps=_warps(block))
+            return out, scale
         return reference_quantize_rows_int8(x, rotate)
 
     @quantize_rows_int8.register_fake
@@ -151,7 +155,11 @@ def _define_silu_mul_int8():
         if _on_triton(gate, up) and gate.shape == up.shape and (not rotate or _rotatable(gate.shape[-1])):
             from .int8_quant_triton import silu_mul_int8_kernel
 
-            return _rows_launch(silu_mul_int8_kernel, rotate, gate, up)
+            out, scale, rows, cols = _row_outputs(gate)
+            part, parts = row_parts(cols, rotate)
+            silu_mul_int8_kernel[(rows,)](gate, up, out, scale, rows, cols, ROTATE=rotate, PART=part, PARTS=parts,
+                                          num_warps=_warps(part * parts))
+            return out, scale
         return reference_quantize_rows_int8(torch.nn.functional.silu(gate.float()) * up.float(), rotate)
 
     @silu_mul_int8.register_fake
@@ -185,16 +193,31 @@ def silu_mul_int8(gate, up, rotate: bool) -> Int8Rows:
     return Int8Rows(*_silu_mul_int8(gate, up, rotate), rotate, gate.dtype)
 
 
-def _rows_launch(kernel, rotate: bool, x, *others):
-    wait_for_preload()
+def row_parts(cols: int, rotate: bool) -> tuple[int, int]:
+    """How a row of `cols` values is held in a program's registers: `(part, parts)`, `parts` power-of-two blocks of
+    `part` values. Three exact parts for a row three times a power of two wide (the MLP's), else one block padded
+    to a power of two (at least a rotation group when rotating)."""
+    third = cols // 3
+    if cols % 3 == 0 and third & (third - 1) == 0 and third >= (CONVROT_GROUP if rotate else 16):
+        return third, 3
+    return _block(cols, rotate), 1
+
+
+def _block(cols: int, rotate: bool) -> int:
     import triton
 
+    return max(triton.next_power_of_2(cols), CONVROT_GROUP if rotate else 16)
+
+
+def _warps(values: int) -> int:
+    # A whole row per program, in registers: ~32 fp32 values per thread at the MLP's 12288 wide rows.
+    return 16 if values >= 8192 else 8
+
+
+def _row_outputs(x):
+    """The int8 rows and scales a row kernel writes for `x` `[..., cols]`, and the row and column counts."""
+    wait_for_preload()
     cols = x.shape[-1]
-    rows = x.numel() // cols
     out = torch.empty_like(x, dtype=torch.int8, memory_format=torch.contiguous_format)
     scale = torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
-    block = max(triton.next_power_of_2(cols), CONVROT_GROUP if rotate else 16)
-    # A whole row per program, in registers: ~32 fp32 values per thread at the MLP's 12288 wide rows.
-    kernel[(rows,)](x, *others, out, scale, rows, cols, ROTATE=rotate, BLOCK=block,
-                    num_warps=16 if block >= 8192 else 8)
-    return out, scale
+    return out, scale, x.numel() // cols, cols

@@ -1,9 +1,11 @@
 """The Triton side of `int8_quant.py`: per-token int8 rows, rotated group-wise first for ConvRot weights.
 
-The rotation is ComfyUI's ConvRot one (comfy-kitchen's regular Hadamard of 256 = the Kronecker product of four 4x4
-blocks, normalized): a group `x` of 256 values read as a 16x16 matrix `X[a, b] = x[16 a + b]` rotates to
-`H16 X H16` (`H16` = two of the 4x4 blocks, normalized, symmetric), two small matrix products per group instead of
-one 256-wide one. The products run on the tensor cores in tf32: its rounding (2^-11) is far below the int8 step.
+The rotation is ComfyUI's ConvRot one: comfy-kitchen's regular Hadamard of 256, the Kronecker product of four copies
+of the 4x4 block `B` (1 everywhere but -1 where row + column = 3), normalized. It runs as a fast transform, one stage
+per base-4 digit of a value's index in its group: `B x = sum(x) - 2 * reversed(x)` for each 4 values that differ only
+in that digit, halved. That is adds in fp32 (exact but for fp32's own rounding) on values a thread mostly holds
+already, where matrix products of 16x16 tiles need shared-memory transposes that made these kernels run at half
+the memory rate.
 """
 
 import triton
@@ -19,34 +21,42 @@ ROUND_MAGIC = tl.constexpr(12582912.0)
 
 
 @triton.jit
-def _hadamard16():
-    """The normalized 16x16 regular Hadamard matrix: the Kronecker square of comfy-kitchen's 4x4 block, / 4."""
-    i = tl.arange(0, 16)[:, None]
-    j = tl.arange(0, 16)[None, :]
-    # The 4x4 block is 1 everywhere but -1 where the row and column indices add up to 3.
-    outer = tl.where(i // 4 + j // 4 == 3, -1.0, 1.0)
-    inner = tl.where(i % 4 + j % 4 == 3, -1.0, 1.0)
-    return outer * inner * 0.25
+def _hadamard4_stage(x, OUTER: tl.constexpr, INNER: tl.constexpr):
+    """`B / 2` applied along the digit whose stride is `INNER` (`x` read as `[OUTER, 4, INNER]`)."""
+    x3 = tl.reshape(x, (OUTER, 4, INNER))
+    total = tl.sum(x3, axis=1)
+    y = (total[:, None, :] - 2.0 * tl.flip(x3, 1)) * 0.5
+    return tl.reshape(y, (OUTER * 4 * INNER,))
 
 
 @triton.jit
 def rotate_row(x, BLOCK: tl.constexpr):
     """`x` `[BLOCK]` fp32 (BLOCK a multiple of 256; padding columns zero) rotated group-wise by the 256 Hadamard."""
-    h = _hadamard16()
     groups: tl.constexpr = BLOCK // 256
-    # X H16 over b (the fast index), then H16 over a: transpose each group's 16x16, multiply, transpose back.
-    y = tl.dot(tl.reshape(x, (BLOCK // 16, 16)), h, input_precision="tf32")
-    y = tl.reshape(tl.permute(tl.reshape(y, (groups, 16, 16)), (0, 2, 1)), (BLOCK // 16, 16))
-    y = tl.dot(y, h, input_precision="tf32")
-    return tl.reshape(tl.permute(tl.reshape(y, (groups, 16, 16)), (0, 2, 1)), (BLOCK,))
+    x = _hadamard4_stage(x, groups * 64, 1)
+    x = _hadamard4_stage(x, groups * 16, 4)
+    x = _hadamard4_stage(x, groups * 4, 16)
+    return _hadamard4_stage(x, groups, 64)
+
+
+@triton.jit
+def row_scale(amax):
+    """The int8 scale of a row whose largest magnitude is `amax`."""
+    return tl.maximum(amax / INT8_MAX, MIN_SCALE)
+
+
+@triton.jit
+def quantize(y, scale):
+    """fp32 values -> int8 values (as fp32 integers) at `scale`, rounded half to even."""
+    q = (y / scale + ROUND_MAGIC) - ROUND_MAGIC
+    return tl.minimum(tl.maximum(q, -INT8_MAX), INT8_MAX)
 
 
 @triton.jit
 def quantize_row(y):
-    """fp32 row -> (int8 values as fp32 integers, scale): `scale = amax(|y|) / 127`, rounded half to even."""
-    scale = tl.maximum(tl.max(tl.abs(y), axis=0) / INT8_MAX, MIN_SCALE)
-    q = (y / scale + ROUND_MAGIC) - ROUND_MAGIC
-    return tl.minimum(tl.maximum(q, -INT8_MAX), INT8_MAX), scale
+    """fp32 row -> (int8 values as fp32 integers, scale): `scale = amax(|y|) / 127`."""
+    scale = row_scale(tl.max(tl.abs(y), axis=0))
+    return quantize(y, scale), scale
 
 
 @triton.jit(do_not_specialize=["rows"])
@@ -64,16 +74,34 @@ def quantize_rows_int8_kernel(x_ptr, out_ptr, scale_ptr, rows, cols, ROTATE: tl.
     tl.store(out_ptr + row * cols + offsets, q.to(tl.int8), mask=mask)
 
 
+@triton.jit
+def _swiglu_part(gate_ptr, up_ptr, offsets, mask, ROTATE: tl.constexpr, PART: tl.constexpr):
+    y = silu_mul_fp32(gate_ptr, up_ptr, offsets, mask)
+    if ROTATE:
+        y = rotate_row(y, PART)
+    return y
+
+
 @triton.jit(do_not_specialize=["rows"])
 def silu_mul_int8_kernel(gate_ptr, up_ptr, out_ptr, scale_ptr, rows, cols, ROTATE: tl.constexpr,
-                         BLOCK: tl.constexpr):
-    """`silu(gate) * up` of one row (one token's MLP hidden state) as int8 with the row's scale."""
+                         PART: tl.constexpr, PARTS: tl.constexpr):
+    """`silu(gate) * up` of one row (one token's MLP hidden state) as int8 with the row's scale.
+
+    The row is held in registers as `PARTS` (1 or 3) power-of-two parts of `PART` values: the MLP's rows are three
+    times a power of two wide, which three parts fill exactly where one block would be padded by a third."""
     row = tl.program_id(0).to(tl.int64)
-    offsets = tl.arange(0, BLOCK)
-    mask = offsets < cols
-    y = silu_mul_fp32(gate_ptr, up_ptr, row * cols + offsets, mask)
-    if ROTATE:
-        y = rotate_row(y, BLOCK)
-    q, scale = quantize_row(y)
+    offsets = tl.arange(0, PART)
+    mask = offsets < cols  # all true unless one part is padded to a power of two
+    start = row * cols + offsets
+    y0 = _swiglu_part(gate_ptr, up_ptr, start, mask, ROTATE, PART)
+    amax = tl.max(tl.abs(y0), axis=0)
+    if PARTS == 3:
+        y1 = _swiglu_part(gate_ptr, up_ptr, start + PART, mask, ROTATE, PART)
+        y2 = _swiglu_part(gate_ptr, up_ptr, start + 2 * PART, mask, ROTATE, PART)
+        amax = tl.maximum(amax, tl.maximum(tl.max(tl.abs(y1), axis=0), tl.max(tl.abs(y2), axis=0)))
+    scale = row_scale(amax)
     tl.store(scale_ptr + row, scale)
-    tl.store(out_ptr + row * cols + offsets, q.to(tl.int8), mask=mask)
+    tl.store(out_ptr + start, quantize(y0, scale).to(tl.int8), mask=mask)
+    if PARTS == 3:
+        tl.store(out_ptr + start + PART, quantize(y1, scale).to(tl.int8), mask=mask)
+        tl.store(out_ptr + start + 2 * PART, quantize(y2, scale).to(tl.int8), mask=mask)

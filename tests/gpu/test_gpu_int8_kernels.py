@@ -1,9 +1,9 @@
 """Our INT8 GEMM and int8 row kernels on a real GPU (run on the H200: `pytest -m gpu`).
 
 Tolerances: int32 accumulation is exact, so a GEMM result differs from the float64 reference only by its rounding to
-bf16 (2^-9 relative to the largest output; 2^-8 allowed). The rotation runs in tf32 on the tensor cores where the
-reference rotates in fp32: a value within a tf32 rounding (2^-11 relative) of a rounding boundary may round to the
-neighbouring integer, so at most a small fraction of values may differ, by exactly 1.
+bf16 (2^-9 relative to the largest output; 2^-8 allowed). The rotation runs as fp32 adds where the reference rotates
+with an fp32 matrix product: the two differ by fp32 rounding (a few 2^-24 relative; 2^-18 allowed), so a value
+only that close to a rounding boundary may round to the neighbouring integer: rare, and by exactly 1.
 """
 
 import pytest
@@ -61,25 +61,26 @@ def test_gemm_replays_in_a_cuda_graph_bit_equal():
 @pytest.mark.parametrize("cols", [4096, 12288])
 @pytest.mark.parametrize("rotate", [False, True])
 def test_row_quantizer_matches_the_reference(cols, rotate):
-    """Scales agree to the rotation's rounding (two tf32 passes, each rounding its inputs to 10 mantissa bits: 2^-9
-    relative at worst); values equal the reference's but for rare neighbours of a rounding boundary."""
+    """Scales agree to fp32 rounding; values equal the reference's but for rare neighbours of a rounding boundary."""
     x = torch.randn(333, cols, device="cuda", dtype=torch.bfloat16) * 4
     got = quantize_rows_int8(x, rotate)
     q, s = reference_quantize_rows_int8(x, rotate)
-    assert torch.allclose(got.scale, s, rtol=2 ** -9, atol=0)
+    assert torch.allclose(got.scale, s, rtol=2 ** -18, atol=0)
     diff = (got.data.int() - q.int()).abs()
     assert diff.max().item() <= 1
-    assert diff.float().mean().item() < 1e-2
+    assert diff.float().mean().item() < 1e-4
 
 
 def test_silu_mul_quantizer_matches_the_reference():
-    """The same bounds as the row quantizer's: only the rotation's tf32 passes round differently."""
+    """The same bounds as the row quantizer's, on the MLP's rows (three exact parts of 4096 sharing one scale)."""
     gate = torch.randn(100, 12288, device="cuda", dtype=torch.bfloat16)
     up = torch.randn(100, 12288, device="cuda", dtype=torch.bfloat16)
     got = silu_mul_int8(gate, up, True)
     q, s = reference_quantize_rows_int8(torch.nn.functional.silu(gate.float()) * up.float(), True)
-    assert torch.allclose(got.scale, s, rtol=2 ** -9, atol=0)
-    assert (got.data.int() - q.int()).abs().max().item() <= 1
+    assert torch.allclose(got.scale, s, rtol=2 ** -18, atol=0)
+    diff = (got.data.int() - q.int()).abs()
+    assert diff.max().item() <= 1
+    assert diff.float().mean().item() < 1e-4
 
 
 def _convrot_layer(n, k):
