@@ -20,7 +20,7 @@ def _profiled(fn, device):
     return prof
 
 
-def kernel_table(fn, device, rows: int = 30) -> str:
+def kernel_table(fn, device, rows: int = 45) -> str:
     return _profiled(fn, device).key_averages().table(sort_by="cuda_time_total", row_limit=rows,
                                                       max_name_column_width=90)
 

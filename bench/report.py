@@ -11,6 +11,7 @@ COLUMNS = [
     ("dit_40_steps_ms", "DiT 40 steps s", "{:.2f}", 1e-3), ("dit_8_steps_ms", "DiT 8 steps s", "{:.3f}", 1e-3),
     ("host_ms", "host ms/step", "{:.2f}"), ("capture_s", "capture s", "{:.2f}"), ("warmup_s", "warm-up+compile s", "{:.1f}"),
     ("peak_gb", "peak GiB", "{:.1f}"), ("weights_gb", "weights GiB", "{:.1f}"),
+    ("block_weights_gb", "block weights GB", "{:.2f}"),
     ("graph_bytes", "graph GiB", "{:.2f}", 2**-30),
     ("psnr_vs_fp32_db", "PSNR vs fp32 dB", "{:.1f}"), ("err_ratio_vs_diffusers", "err / diffusers err", "{:.3f}"),
     ("quality_ok", "guard", "{}"), ("vs_own_eager_maxabs", "vs eager path", "{:.2e}"),

@@ -111,9 +111,20 @@ def _fp32_references(transformer, scenarios, device, context, channels):
     return refs
 
 
+def _weight_bytes(module) -> int:
+    """A module's weights in bytes (int8 layers at one byte per weight, their scales included)."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
 def _weights_gb(model) -> float:
-    """The model's weights in GiB (int8 layers at one byte per weight, their scales included)."""
-    return sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers())) / 2**30
+    """The whole model's weights in GiB: the blocks, and the embeddings, shared modulation and output layers that
+    every precision keeps in bf16."""
+    return _weight_bytes(model) / 2**30
+
+
+def _block_weights_gb(model) -> float:
+    """The transformer blocks' weights alone, in GB (10^9 bytes): what a precision quantizes."""
+    return sum(_weight_bytes(block) for block in model.transformer_blocks) / 1e9
 
 
 def _peak_reset(device):
@@ -220,6 +231,7 @@ def _measure(row, step, path, spec, transformer, inputs, prefixes, caches, refs,
     if path is not None:
         row["graph_bytes"] = path.engine.bytes_held()
         row["weights_gb"] = _weights_gb(path.engine.transformer)
+        row["block_weights_gb"] = _block_weights_gb(path.engine.transformer)
     if spec.reference:
         seen["reference_outputs"] = outputs
         row["prefill_ms"] = device_ms(reference_prefill(transformer, inputs), device, iters=2, warmup=1)

@@ -10,7 +10,7 @@ from bench.cli import main
 def test_tiny_bench_writes_markdown_and_json_with_every_path_guarded(tmp_path, capsys):
     """On CPU the default paths are the reference and our eager step; each scenario row carries a decode time and a
     passing quality guard, and the markdown names the columns a reader compares (clock columns stay empty off
-    CUDA)."""
+    CUDA); our rows give the blocks' weights apart from the whole model's."""
     assert main(["--tiny", "--device", "cpu", "--out-dir", str(tmp_path)]) == 0
     (md,) = tmp_path.glob("decode-*.md")
     (js,) = tmp_path.glob("decode-*.json")
@@ -20,6 +20,9 @@ def test_tiny_bench_writes_markdown_and_json_with_every_path_guarded(tmp_path, c
     assert {row["path"] for row in rows} == {"diffusers", "eager"}
     assert all(row["decode_ms"] > 0 and row["quality_ok"] is True for row in rows)
     assert not any("decode_ms_after_idle" in row or "clock_limit" in row for row in rows)
+    # Block weights (what a precision quantizes) are a part of the whole model's, which also holds the embeddings.
+    ours = [row for row in rows if row["path"] == "eager"]
+    assert all(0 < row["block_weights_gb"] * 1e9 < row["weights_gb"] * 2**30 for row in ours)
     text = md.read_text()
     assert "| path | prefill ms | decode ms/step |" in text and "clock held by" in text
     assert "fastest path passing the guard: **eager**" in text
