@@ -3,10 +3,11 @@
 
 Phases: `encode` (Qwen3-VL over the prompt, and the reference image for an edit), `ref_vae_encode` (the reference
 through the VAE encoder; the pipeline's latent preparation), `prefill`, `steps`, `vae_decode`, `postprocess` (to PIL)
-and `png_encode` (ComfyUI's SaveImage settings: PNG, compression level 4). Our prefill is the prefix rows' pass and
-all `steps` are decode steps; the pipeline's prefill is its first step (an extract forward that also predicts step 1),
-so its `steps` are one fewer. `total` is the wall time from the call to the PNG bytes; `other` what no phase covers
-(host work between them).
+and `png_encode` (ComfyUI's SaveImage settings: PNG, compression level 4; ours encodes on several CPU threads with
+`graph_runtime.png_writer`, as the command line writes its files, the pipeline's image is saved by PIL on one thread,
+as a diffusers user has it). Our prefill is the prefix rows' pass and all `steps` are decode steps; the pipeline's
+prefill is its first step (an extract forward that also predicts step 1), so its `steps` are one fewer. `total` is the
+wall time from the call to the PNG bytes; `other` what no phase covers (host work between them).
 """
 
 from __future__ import annotations
@@ -17,15 +18,21 @@ import time
 
 import torch
 
+from graph_runtime.png_writer import COMFYUI_COMPRESS_LEVEL, encode_png
+
 from .phases import Phases
 
-PNG_COMPRESS_LEVEL = 4  # ComfyUI's SaveImage default
 
-
-def png_bytes(image) -> int:
+def pil_png_bytes(image) -> int:
+    """The PNG's size, encoded by PIL on one thread at ComfyUI's SaveImage level."""
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+    image.save(buffer, format="PNG", compress_level=COMFYUI_COMPRESS_LEVEL)
     return buffer.tell()
+
+
+def ours_png_bytes(image) -> int:
+    """The PNG's size, encoded on several threads at the same level."""
+    return len(encode_png(image, COMFYUI_COMPRESS_LEVEL))
 
 
 def _record(phases: Phases, start: float, end: float, **extra) -> dict:
@@ -57,7 +64,7 @@ def run_ours(generator, scenario, prompt: str, image=None, seed: int = 0, device
                                     # white), so both paths encode the same PNG
                                     keep_alpha=True, on_event=lambda name, data: events.setdefault(name, data))
         with phases.phase("png_encode"):
-            size = png_bytes(result.images[0])
+            size = ours_png_bytes(result.images[0])
         end = time.perf_counter()
     if keep is not None:
         keep.append(result.images[0])
@@ -94,7 +101,7 @@ def run_diffusers(pipe, scenario, prompt: str, image=None, seed: int = 0, device
                    sigmas=_pipeline_sigmas(scenario), generator=generator, output_type="pil",
                    output_resolution=scenario.size, callback_on_step_end=on_step_end)
         with phases.phase("png_encode"):
-            size = png_bytes(out.images[0])
+            size = pil_png_bytes(out.images[0])
         end = time.perf_counter()
     if keep is not None:
         keep.append(out.images[0])

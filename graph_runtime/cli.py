@@ -11,7 +11,7 @@ import time
 from dataclasses import dataclass
 
 from .errors import InputError, KVGraphError, OutputWriteError
-from .output_files import check_target, write_atomically
+from .output_files import check_target, save_image, write_atomically
 from .validation import check_cfg, check_count, check_reference_resolution, check_seed, check_size
 
 DTYPES = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
@@ -253,7 +253,7 @@ def cmd_generate(args) -> int:
         print(f"run {run + 1}: graph statistics for this run: {json.dumps(result.stats)}")
     for index, image in enumerate(result.images):
         path = output_path(args.out, len(result.images), index)
-        write_atomically(path, lambda file: image.save(file, format=checked.out_format))
+        write_atomically(path, lambda file: save_image(file, image, checked.out_format))
         print(f"wrote {path} ({image.size[0]}x{image.size[1]} {image.mode})")
     if args.gpus == 1:
         print("graph manager: " + json.dumps(generator.engine.status()))

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import BinaryIO, Callable
 
 from .errors import InputError, OutputWriteError
+from .png_writer import COMFYUI_COMPRESS_LEVEL, write_png
 
 # The temporary file's own name: short, so any name that fits the folder's limit also leaves room for it.
 TEMP_PREFIX = ".kvgraph-"
@@ -88,6 +89,16 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None])
     except BaseException:  # an encoder's error, Ctrl-C: still no partial file left behind
         _remove_quietly(temp)
         raise
+
+
+def save_image(file: BinaryIO, image, image_format: str) -> None:
+    """`image` in PIL format name `image_format` into the open binary `file`: PNG through the threaded writer at
+    ComfyUI's SaveImage compression level (a file the command line writes is compressed as a ComfyUI workflow saves
+    it); other formats through PIL with its defaults."""
+    if image_format == "PNG":
+        write_png(file, image, COMFYUI_COMPRESS_LEVEL)
+    else:
+        image.save(file, format=image_format)
 
 
 def _remove_quietly(path: Path) -> None:

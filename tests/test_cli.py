@@ -133,14 +133,19 @@ def test_a_good_run_after_refused_arguments_equals_the_first(tmp_path, capsys, b
 
 def test_png_is_rgb_over_white_by_default_and_keep_alpha_keeps_the_alpha(tmp_path):
     """What the nodes show: the VAE's RGBA composited over white. The tolerance is two 8-bit roundings (the RGBA file
-    rounds colour and alpha once each before this test composites them again)."""
+    rounds colour and alpha once each before this test composites them again). Both files are the threaded PNG
+    writer's at ComfyUI's SaveImage level 4 (the same bytes it gives for the decoded pixels), not PIL's default."""
     import numpy as np
+
+    from graph_runtime.png_writer import encode_png
 
     args = ["generate", "--width", "64", "--height", "64", "--steps", "2"]
     assert main(args + ["--out", str(tmp_path / "rgb.png")]) == 0
     assert main(args + ["--out", str(tmp_path / "rgba.png"), "--keep-alpha"]) == 0
     rgb, rgba = Image.open(tmp_path / "rgb.png"), Image.open(tmp_path / "rgba.png")
     assert rgb.mode == "RGB" and rgba.mode == "RGBA"
+    for name, image in (("rgb.png", rgb), ("rgba.png", rgba)):
+        assert (tmp_path / name).read_bytes() == encode_png(Image.fromarray(np.asarray(image)), 4)
     colour = np.asarray(rgba)[..., :3].astype(float) / 255
     alpha = np.asarray(rgba)[..., 3:].astype(float) / 255
     assert alpha.min() < 0.98  # not opaque: compositing changes the picture, so the test can tell the two apart
@@ -230,7 +235,9 @@ def test_a_full_disk_leaves_the_existing_out_whole_and_no_partial_file(tmp_path,
     fails (ENOSPC) leaves keep.png as it was, no temporary file, and a one-line error."""
     keep = tmp_path / "keep.png"
     keep.write_bytes(b"my picture")
-    _disk_full_after(monkeypatch, Image.Image, "save")
+    import graph_runtime.output_files as output_files
+
+    _disk_full_after(monkeypatch, output_files, "write_png")  # what writes a PNG's bytes
     args = ["generate", "--width", "32", "--height", "32", "--steps", "1"]
     assert main(args + ["--out", str(keep), "--overwrite"]) == 2
     err = capsys.readouterr().err
