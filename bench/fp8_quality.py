@@ -31,7 +31,7 @@ from graph_runtime.fp8.precisions import GROUPS, groups_of
 
 from .int8_reference import KitchenInt8Linear, convrot_group
 from .model import fp32_copy
-from .swap import quantized_linears, swapped
+from .swap import ATTENTION_8BIT, attention_swapped, quantized_linears, swapped
 
 INT8 = "int8-convrot"
 ROTATED = "fp8+rotation"
@@ -124,8 +124,11 @@ class QualityRun:
             return {}
         from graph_runtime.fp8.convert import int8_factory
 
-        # "int8" is our INT8 W8A8 (the same ConvRot weights as the bound, through our kernels).
+        # "int8" is our INT8 W8A8 (the same ConvRot weights as the bound, through our kernels); with 8-bit
+        # attention, the same Linears.
         factories = {INT8: KitchenInt8Linear, ROTATED: RotatedFp8Linear, "int8": int8_factory()}
+        if variant == ATTENTION_8BIT:
+            variant = "int8"
         if variant in factories:
             if variant not in self._modules:
                 self._modules[variant] = quantized_linears(self.transformer, "fp8", factory=factories[variant])
@@ -198,7 +201,8 @@ def measure(transformer, scenario_inputs: dict, device, variants=DEFAULT_VARIANT
                 reference = _reference(model32, inputs.to(torch.float32))
                 per_variant = {}
                 for variant in variants:
-                    with swapped(transformer, run.modules(variant)):
+                    attention = "int8" if variant == ATTENTION_8BIT else "sdpa"
+                    with swapped(transformer, run.modules(variant)), attention_swapped(attention):
                         blocks = _block_errors(transformer, reference, dtype)
                         step = _step_errors(transformer, inputs, reference["outputs"])
                     per_variant[variant] = {"block_err": blocks, "step_err": step}

@@ -20,7 +20,7 @@ from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVC
 from graph_runtime.decode import DecodeEngine
 from graph_runtime.fp8.convert import int8_factory
 
-from .swap import quantized_linears, swapped
+from .swap import ATTENTION_8BIT, attention_swapped, quantized_linears, swapped
 
 
 @dataclass(frozen=True)
@@ -32,6 +32,7 @@ class PathSpec:
     kernels: bool = True  # the hand-written kernels of graph_runtime/kernels (off: inductor's own code)
     weights: str = "bf16"  # "int8" / "dequantized": a ConvRot copy of the blocks (see quantized_transformer)
     precision: str = "bf16"  # graph_runtime/fp8's presets: FP8 block Linears swapped in beside the bf16 ones
+    attention: str = "sdpa"  # "int8": comfy-kitchen's 8-bit attention swapped in (swap.attention_swapped)
 
 
 ALL_PATHS = [
@@ -52,6 +53,8 @@ ALL_PATHS = [
     # Not in the default set: `precision: int8`, a float file's block Linears quantized at load to INT8 ConvRot and
     # run on our INT8 GEMM (the same int8 weights as graph-int8, swapped in beside the bf16 ones).
     PathSpec("int8", precision="int8"),
+    # Not in the default set: the same with 8-bit attention, to measure it over whole steps and against the bound.
+    PathSpec(ATTENTION_8BIT, precision="int8", attention="int8"),
 ]
 CONVROT_GROUP = 256  # ComfyUI's default group size, the one comfy-kitchen's fused CUDA quantizer runs
 DEFAULT_PATHS = ["diffusers", "eager", "graph", "compile+graph"]
@@ -130,9 +133,12 @@ class OursPath:
         self.modules = ({} if spec.precision == "bf16" else
                         quantized_linears(transformer, spec.precision, **({"factory": factory} if factory else {})))
 
+    @contextlib.contextmanager
     def installed(self):
-        """This path's Linears in the model while inside (nothing to do for bf16 paths)."""
-        return swapped(self.transformer, self.modules) if self.modules else contextlib.nullcontext()
+        """This path's Linears in the model, and its attention in the blocks, while inside."""
+        with swapped(self.transformer, self.modules) if self.modules else contextlib.nullcontext():
+            with attention_swapped(self.spec.attention):
+                yield
 
     def step(self, inputs, prefixes):
         engine, mode = self.engine, self.spec.mode

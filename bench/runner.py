@@ -428,7 +428,10 @@ def _fp8_quality(transformer, scenarios, specs, device, context, channels, every
 
 def _bound_variant(spec) -> str:
     """The quality variant whose verdict judges `spec`: its precision, and for an INT8 file kept int8 the `int8`
-    variant (the same ConvRot weights through our kernels), since its error is W8A8's and not bf16's."""
+    variant (the same ConvRot weights through our kernels), since its error is W8A8's and not bf16's; a path with
+    another attention is a variant of its own."""
+    if spec.attention != "sdpa":
+        return spec.name
     return "int8" if spec.weights == "int8" else spec.precision
 
 

@@ -23,3 +23,39 @@ def swapped(transformer, modules: dict):
         yield transformer
     finally:
         install(transformer, replaced)
+
+
+# The step's attention in 8 bits, measured over whole steps against SDPA and against the INT8 bound; the attention
+# kernel alone is `bench/attention8.py`'s.
+ATTENTION_8BIT = "int8-attn8"
+
+
+def _kitchen_int8_attention(q, keys, values, attn_mask):
+    """comfy-kitchen's `int8_attention` (INT8 Q.K^T and P.V, Hadamard-rotated Q/K) in the step's `[B, S, H, D]`
+    layout; a masked call (the eager padded-text path) keeps SDPA."""
+    from comfy_kitchen.sage_attention import int8_attention
+
+    from graph_runtime.decode.step import TargetDecodeBlock
+
+    if attn_mask is not None or not q.is_cuda:
+        return TargetDecodeBlock.sdpa_attention(q, keys, values, attn_mask)
+    out = int8_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2))
+    return out.transpose(1, 2).type_as(q)
+
+
+@contextlib.contextmanager
+def attention_swapped(kind: str):
+    """Every decode block's attention replaced while inside: `"int8"` runs comfy-kitchen's 8-bit attention, `"sdpa"`
+    changes nothing."""
+    from graph_runtime.decode.step import TargetDecodeBlock
+
+    if kind == "sdpa":
+        yield
+        return
+    if kind != "int8":
+        raise ValueError(f"attention {kind!r}: expected 'sdpa' or 'int8'")
+    TargetDecodeBlock.attention = staticmethod(_kitchen_int8_attention)
+    try:
+        yield
+    finally:
+        TargetDecodeBlock.attention = staticmethod(TargetDecodeBlock.sdpa_attention)

@@ -68,6 +68,8 @@ def test_int8_paths_are_judged_by_the_int8_bound_not_the_bf16_guard():
     assert _bound_variant(kept) == _bound_variant(quantized) == "int8"
     assert _bound_variant(PathSpec("graph")) == "bf16"
     assert _bound_variant(PathSpec("fp8-attn", precision="fp8-attn")) == "fp8-attn"
+    # 8-bit attention on top of int8 Linears is judged by its own measured variant, not int8's.
+    assert _bound_variant(PathSpec("int8-attn8", precision="int8", attention="int8")) == "int8-attn8"
     specs = [PathSpec("graph"), kept, quantized]
     rows = [{"path": "graph", "decode_ms": 100.0, "quality_ok": True}, {"path": "graph-int8", "decode_ms": 70.0},
             {"path": "int8", "decode_ms": 71.0, "quality_ok": True}]
@@ -103,3 +105,28 @@ def test_bench_runs_as_a_module_from_the_repository_root():
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: python -m bench") and "--e2e" in done.stdout and "--tiny" in done.stdout
+
+
+def test_attention_swap_is_undone_and_falls_back_to_sdpa_off_cuda():
+    """The 8-bit attention path swaps every block's attention only while inside and restores SDPA after, an error
+    included; off CUDA (where comfy-kitchen's kernel does not run) the swapped attention is SDPA's, so a CPU step is
+    unchanged; an unknown attention is refused by name."""
+    import torch
+
+    from bench.swap import attention_swapped
+    from graph_runtime.decode.step import TargetDecodeBlock
+
+    plain = TargetDecodeBlock.attention
+    q, k = torch.randn(1, 5, 2, 16), torch.randn(1, 7, 2, 16)
+    expected = TargetDecodeBlock.attention(q, k, k, None)
+    with attention_swapped("int8"):
+        assert TargetDecodeBlock.attention is not plain
+        assert torch.equal(TargetDecodeBlock.attention(q, k, k, None), expected)
+    assert TargetDecodeBlock.attention is plain
+    with pytest.raises(RuntimeError), attention_swapped("int8"):
+        raise RuntimeError("a failed measurement")
+    assert TargetDecodeBlock.attention is plain
+    with attention_swapped("sdpa"):
+        assert TargetDecodeBlock.attention is plain
+    with pytest.raises(ValueError, match="'fp4'"), attention_swapped("fp4"):
+        pass

@@ -164,7 +164,7 @@ def test_fp8_rows_helpers_quantize_per_token():
 def test_quality_bound_measures_blocks_and_steps_against_int8_convrot(tiny_parts):
     """The benchmark's bound on the tiny model (fp32 on the CPU): bf16 is the model itself here (zero error), INT8
     ConvRot and FP8 have errors of their formats' size, every variant gets one error per block and one per step,
-    and the verdicts compare them with INT8's."""
+    and the verdicts compare them with INT8's; the 8-bit attention variant is measured on int8's Linears."""
     from bench import fp8_quality
     from bench.scenarios import Scenario, build_inputs
 
@@ -172,7 +172,8 @@ def test_quality_bound_measures_blocks_and_steps_against_int8_convrot(tiny_parts
     config = model.config
     inputs = {"s": build_inputs(Scenario("s", 128, quality=True), config.context_in_dim, config.in_channels, "cpu",
                                 torch.float32)}
-    variants = ["bf16", fp8_quality.INT8, "fp8", "fp8:mlp_down", fp8_quality.ROTATED]
+    variants = ["bf16", fp8_quality.INT8, "fp8", "fp8:mlp_down", fp8_quality.ROTATED, "int8",
+                fp8_quality.ATTENTION_8BIT]
     before = [id(m) for m in model.modules()]
     report = fp8_quality.measure(model, inputs, "cpu", variants)
     assert [id(m) for m in model.modules()] == before  # every variant swapped back out
@@ -182,6 +183,8 @@ def test_quality_bound_measures_blocks_and_steps_against_int8_convrot(tiny_parts
     for variant in (fp8_quality.INT8, "fp8", fp8_quality.ROTATED):
         assert 1e-3 < min(errs[variant]["block_err"]) and max(errs[variant]["block_err"]) < 0.2
     assert errs["fp8:mlp_down"]["step_err"] < errs["fp8"]["step_err"]  # one group of four costs less than all
+    # 8-bit attention runs on the int8 variant's Linears; off CUDA its attention is SDPA, so its errors are int8's.
+    assert errs[fp8_quality.ATTENTION_8BIT] == errs["int8"] and errs["int8"]["step_err"] > 0
     verdict = report["verdicts"]["fp8"]["s"]
     ratios = [e / b for e, b in zip(errs["fp8"]["block_err"], errs[fp8_quality.INT8]["block_err"])]
     assert verdict["worst_block_ratio"] == pytest.approx(max(ratios))
