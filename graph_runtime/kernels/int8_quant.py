@@ -210,7 +210,7 @@ def _block(cols: int, rotate: bool) -> int:
 
 
 def _warps(values: int) -> int:
-    # A whole row per program, in registers: ~32 fp32 values per thread at the MLP's 12288 wide rows.
+    # A whole row per program, in registers: 24 fp32 values per thread at the MLP's 12288-wide rows.
     return 16 if values >= 8192 else 8
 
 
