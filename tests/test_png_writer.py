@@ -44,9 +44,13 @@ def noise_image(width: int, height: int, mode: str, seed: int = 0) -> Image.Imag
                            mode)
 
 
-def pil_png(image: Image.Image, level: int = 4) -> bytes:
+def pil_png(image: Image.Image, level: int = 4, text: dict | None = None) -> bytes:
+    """PIL's own file, with `text` added through `PngInfo.add_text` (the reference the writer is held to)."""
+    info = PngImagePlugin.PngInfo()
+    for keyword, value in (text or {}).items():
+        info.add_text(keyword, value)
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG", compress_level=level)
+    image.save(buffer, format="PNG", compress_level=level, pnginfo=info)
     return buffer.getvalue()
 
 
@@ -262,15 +266,6 @@ COMFY_TEXT = {"prompt": json.dumps({"1": {"class_type": "KVGraphSampler", "input
 MIXED_TEXT = {"Title": "café crème", "parameters": "a cat, 猫, ✓", "prompt": json.dumps("snow ❄", ensure_ascii=False)}
 
 
-def pil_png_with_text(image: Image.Image, text: dict, level: int = 4) -> bytes:
-    info = PngImagePlugin.PngInfo()
-    for keyword, value in text.items():
-        info.add_text(keyword, value)
-    buffer = io.BytesIO()
-    image.save(buffer, format="PNG", compress_level=level, pnginfo=info)
-    return buffer.getvalue()
-
-
 @pytest.mark.parametrize("text", [COMFY_TEXT, MIXED_TEXT], ids=["ascii-json", "non-latin-1"])
 @pytest.mark.parametrize("mode", ["RGB", "RGBA"])
 def test_text_reads_back_as_given_and_pixels_are_unchanged(text, mode):
@@ -291,7 +286,7 @@ def test_text_chunks_are_the_ones_pil_writes(text):
     """For the same text, the chunks (type and data, in order) are those PIL's `PngInfo.add_text` writes, placed
     right after IHDR as PIL places them on an image without other metadata."""
     image = gradient_image(64, 48, "RGB")
-    ours, theirs = chunks(encode_png(image, 4, text=text)), chunks(pil_png_with_text(image, text))
+    ours, theirs = chunks(encode_png(image, 4, text=text)), chunks(pil_png(image, 4, text))
     text_kinds = (b"tEXt", b"iTXt")
     assert [c for c in ours if c[0] in text_kinds] == [c for c in theirs if c[0] in text_kinds]
     assert [kind for kind, _ in ours[:len(text) + 1]] == [kind for kind, _ in theirs[:len(text) + 1]]
@@ -303,7 +298,7 @@ def test_text_chunks_are_the_ones_pil_writes(text):
 def test_text_on_an_image_pil_saves_is_pils_file():
     """An image the writer hands to PIL (a grey image here) gets the same text from PIL: the same bytes."""
     image = gradient_image(33, 17, "RGB").convert("L")
-    assert encode_png(image, 4, text=MIXED_TEXT) == pil_png_with_text(image, MIXED_TEXT)
+    assert encode_png(image, 4, text=MIXED_TEXT) == pil_png(image, 4, MIXED_TEXT)
 
 
 @pytest.mark.parametrize("keyword", ["", "k" * 80, "a\0b", "猫", 7])
