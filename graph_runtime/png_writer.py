@@ -5,8 +5,9 @@ visible part of a fast prompt. This writer filters the rows in numpy (PNG's adap
 and PIL make it) and deflates the filtered bytes in pieces on a thread pool with pigz's scheme: each piece is a raw
 deflate stream primed with the previous piece's last 32 KiB as its dictionary and ended on a byte boundary
 (Z_SYNC_FLUSH), so the pieces concatenate into one valid zlib stream. zlib releases the GIL while it compresses (and
-numpy while it filters), so the pieces run in parallel. Only 8-bit RGB and RGBA images without metadata take this
-path; anything else is saved by PIL.
+numpy while it filters), so the pieces run in parallel. Only 8-bit RGB and RGBA images without metadata of their own
+take this path; anything else is saved by PIL. Text given to the writer (ComfyUI's "prompt" and "workflow") is
+written as PIL's `PngInfo.add_text` writes it, in the same chunks.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ MIN_PIECE_BYTES = 128 * 1024
 MAX_PIECE_BYTES = 4 * 1024 * 1024
 MAX_CHUNK_BYTES = 2**31 - 1  # PNG's limit on a chunk's length
 WINDOW_BYTES = 32 * 1024  # deflate's window: the most history a piece can use from the one before it
+MAX_KEYWORD_CHARS = 79  # PNG's limit on a text chunk's keyword
 BYTES_PER_PIXEL = {"RGB": 3, "RGBA": 4}
 COLOR_TYPE = {"RGB": 2, "RGBA": 6}
 
@@ -130,15 +132,58 @@ def _chunks(kind: bytes, data: bytes) -> list[bytes]:
             for part in parts]
 
 
+def _check_keyword(keyword) -> bytes:
+    """A text chunk's keyword as PNG requires it (1-79 Latin-1 characters, no NUL), encoded."""
+    if not isinstance(keyword, str) or not 1 <= len(keyword) <= MAX_KEYWORD_CHARS or "\0" in keyword:
+        raise ValueError(f"text keyword {keyword!r}: expected 1 to {MAX_KEYWORD_CHARS} characters without NUL")
+    try:
+        return keyword.encode("latin-1")
+    except UnicodeEncodeError:
+        raise ValueError(f"text keyword {keyword!r}: expected Latin-1 characters only") from None
+
+
+def text_chunks(text: dict[str, str]) -> list[bytes]:
+    """`text` (keyword -> value) as PNG text chunks, in its order, as PIL's `PngInfo.add_text` writes them: tEXt
+    where the value is Latin-1, else iTXt (uncompressed, UTF-8, no language tag or translated keyword)."""
+    found = []
+    for keyword, value in text.items():
+        key = _check_keyword(keyword)
+        if not isinstance(value, str):
+            raise ValueError(f"text {keyword!r}: expected a str value, got {type(value).__name__}")
+        try:
+            found += _chunks(b"tEXt", key + b"\0" + value.encode("latin-1"))
+        except UnicodeEncodeError:
+            # compression flag 0, method 0, empty language tag, empty translated keyword
+            found += _chunks(b"iTXt", key + b"\0\0\0\0\0" + value.encode("utf-8"))
+    return found
+
+
+def _pil_png(image, compress_level: int, text: dict[str, str]) -> bytes:
+    from PIL import PngImagePlugin
+
+    info = None
+    if text:
+        info = PngImagePlugin.PngInfo()
+        for keyword, value in text.items():
+            info.add_text(keyword, value)
+    buffer = io.BytesIO()
+    image.save(buffer, format="PNG", compress_level=compress_level, pnginfo=info)
+    return buffer.getvalue()
+
+
 def _check_level(compress_level: int) -> None:
     if isinstance(compress_level, bool) or not isinstance(compress_level, int) or not 0 <= compress_level <= 9:
         raise ValueError(f"compress_level: expected an integer from 0 to 9, got {compress_level!r}")
 
 
-def encode_png(image, compress_level: int = COMFYUI_COMPRESS_LEVEL, threads: int | None = None) -> bytes:
+def encode_png(image, compress_level: int = COMFYUI_COMPRESS_LEVEL, threads: int | None = None,
+               text: dict[str, str] | None = None) -> bytes:
     """The PNG file of PIL image `image` at zlib `compress_level` (0-9), deflated on `threads` threads (default:
-    the CPU count, at most MAX_THREADS). Decodes to exactly `image`'s pixels."""
+    the CPU count, at most MAX_THREADS), with `text` (keyword -> value) in text chunks after the header. Decodes to
+    exactly `image`'s pixels."""
     _check_level(compress_level)
+    text = dict(text or {})
+    metadata = text_chunks(text)  # checked before any work
     threads = default_threads() if threads is None else threads
     if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
         raise ValueError(f"threads: expected a positive integer or None, got {threads!r}")
@@ -146,9 +191,7 @@ def encode_png(image, compress_level: int = COMFYUI_COMPRESS_LEVEL, threads: int
     # back to PIL's own encoder, which knows their chunks and what it keeps of them; this writer writes pixels only.
     # Empty images too: PIL refuses them with its own error.
     if image.mode not in BYTES_PER_PIXEL or image.info or 0 in image.size:
-        buffer = io.BytesIO()
-        image.save(buffer, format="PNG", compress_level=compress_level)
-        return buffer.getvalue()
+        return _pil_png(image, compress_level, text)
 
     width, height = image.size
     bpp = BYTES_PER_PIXEL[image.mode]
@@ -181,9 +224,11 @@ def encode_png(image, compress_level: int = COMFYUI_COMPRESS_LEVEL, threads: int
     pieces[-1] = pieces[-1] + struct.pack(">I", adler)
     header = struct.pack(">IIBBBBB", width, height, 8, COLOR_TYPE[image.mode], 0, 0, 0)
     idat = [chunk for piece in pieces for chunk in _chunks(b"IDAT", piece)]
-    return b"".join([SIGNATURE, *_chunks(b"IHDR", header), *idat, *_chunks(b"IEND", b"")])
+    # Text right after the header, where PIL puts it for an image without other metadata.
+    return b"".join([SIGNATURE, *_chunks(b"IHDR", header), *metadata, *idat, *_chunks(b"IEND", b"")])
 
 
-def write_png(file: BinaryIO, image, compress_level: int = COMFYUI_COMPRESS_LEVEL, threads: int | None = None) -> None:
+def write_png(file: BinaryIO, image, compress_level: int = COMFYUI_COMPRESS_LEVEL, threads: int | None = None,
+              text: dict[str, str] | None = None) -> None:
     """`encode_png(image, ...)` written to the open binary `file`."""
-    file.write(encode_png(image, compress_level, threads))
+    file.write(encode_png(image, compress_level, threads, text))

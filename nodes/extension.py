@@ -9,11 +9,12 @@ from .encode import KVGraphTextEncode
 from .loaders import LOADER_NODES
 from .lora import LORA_NODES
 from .sampler import KVGraphSampler
+from .save import SAVE_NODES
 from .sigmas import KVGraphSigmas
 from .vae import VAE_NODES
 
 NODE_LIST: list[type[io.ComfyNode]] = [*LOADER_NODES, *LORA_NODES, KVGraphTextEncode, KVGraphSampler, KVGraphSigmas,
-                                       *VAE_NODES, *CACHE_NODES]
+                                       *VAE_NODES, *SAVE_NODES, *CACHE_NODES]
 
 
 class KVGraphExtension(ComfyExtension):

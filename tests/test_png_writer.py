@@ -8,6 +8,8 @@ same level; whatever the writer does not handle (other modes, metadata, empty im
 """
 
 import io
+import json
+import re
 import struct
 import zlib
 
@@ -42,9 +44,13 @@ def noise_image(width: int, height: int, mode: str, seed: int = 0) -> Image.Imag
                            mode)
 
 
-def pil_png(image: Image.Image, level: int = 4) -> bytes:
+def pil_png(image: Image.Image, level: int = 4, text: dict | None = None) -> bytes:
+    """PIL's own file, with `text` added through `PngInfo.add_text` (the reference the writer is held to)."""
+    info = PngImagePlugin.PngInfo()
+    for keyword, value in (text or {}).items():
+        info.add_text(keyword, value)
     buffer = io.BytesIO()
-    image.save(buffer, format="PNG", compress_level=level)
+    image.save(buffer, format="PNG", compress_level=level, pnginfo=info)
     return buffer.getvalue()
 
 
@@ -250,3 +256,61 @@ def test_write_png_writes_the_encoded_bytes(tmp_path):
     with open(tmp_path / "x.png", "wb") as file:
         write_png(file, image, 4, threads=2)
     assert (tmp_path / "x.png").read_bytes() == encode_png(image, 4, threads=2)
+
+
+# -- text chunks (ComfyUI's "prompt" and "workflow") ---------------------------------------------------------------
+
+COMFY_TEXT = {"prompt": json.dumps({"1": {"class_type": "KVGraphSampler", "inputs": {"seed": 7, "cfg": 1.0}}}),
+              "workflow": json.dumps({"nodes": [{"id": 1, "type": "KVGraphSampler"}], "links": []})}
+# Latin-1 beyond ASCII stays tEXt; a character outside Latin-1 makes that value iTXt (UTF-8).
+MIXED_TEXT = {"Title": "café crème", "parameters": "a cat, 猫, ✓", "prompt": json.dumps("snow ❄", ensure_ascii=False)}
+
+
+@pytest.mark.parametrize("text", [COMFY_TEXT, MIXED_TEXT], ids=["ascii-json", "non-latin-1"])
+@pytest.mark.parametrize("mode", ["RGB", "RGBA"])
+def test_text_reads_back_as_given_and_pixels_are_unchanged(text, mode):
+    """PIL reads every keyword back with its exact value, in order, and the pixels are the input's; the file's
+    pixel data is the same as without text (the text only adds chunks)."""
+    image = gradient_image(300, 200, mode)
+    data = encode_png(image, 4, threads=4, text=text)
+    with Image.open(io.BytesIO(data)) as read:
+        read.load()
+        assert read.text == text and list(read.text) == list(text)
+        assert np.array_equal(np.asarray(read), np.asarray(image))
+    without = encode_png(image, 4, threads=4)
+    assert [c for c in chunks(data) if c[0] not in (b"tEXt", b"iTXt")] == chunks(without)
+
+
+@pytest.mark.parametrize("text", [COMFY_TEXT, MIXED_TEXT], ids=["ascii-json", "non-latin-1"])
+def test_text_chunks_are_the_ones_pil_writes(text):
+    """For the same text, the chunks (type and data, in order) are those PIL's `PngInfo.add_text` writes, placed
+    right after IHDR as PIL places them on an image without other metadata."""
+    image = gradient_image(64, 48, "RGB")
+    ours, theirs = chunks(encode_png(image, 4, text=text)), chunks(pil_png(image, 4, text))
+    text_kinds = (b"tEXt", b"iTXt")
+    assert [c for c in ours if c[0] in text_kinds] == [c for c in theirs if c[0] in text_kinds]
+    assert [kind for kind, _ in ours[:len(text) + 1]] == [kind for kind, _ in theirs[:len(text) + 1]]
+    assert ours[0][0] == b"IHDR" and all(kind in text_kinds for kind, _ in ours[1:len(text) + 1])
+    kinds = {kind for kind, _ in ours if kind in text_kinds}
+    assert kinds == ({b"tEXt"} if text is COMFY_TEXT else {b"tEXt", b"iTXt"})
+
+
+def test_text_on_an_image_pil_saves_is_pils_file():
+    """An image the writer hands to PIL (a grey image here) gets the same text from PIL: the same bytes."""
+    image = gradient_image(33, 17, "RGB").convert("L")
+    assert encode_png(image, 4, text=MIXED_TEXT) == pil_png(image, 4, MIXED_TEXT)
+
+
+@pytest.mark.parametrize("keyword", ["", "k" * 80, "a\0b", "猫", 7])
+def test_bad_keywords_are_refused_naming_the_keyword(keyword):
+    """PNG keywords are 1-79 Latin-1 characters without NUL; anything else is refused before any work, the error
+    naming the keyword. 79 characters and Latin-1 beyond ASCII are accepted."""
+    with pytest.raises(ValueError, match=re.escape(f"text keyword {keyword!r}: expected")):
+        encode_png(gradient_image(4, 4, "RGB"), text={keyword: "value"})
+    data = encode_png(gradient_image(4, 4, "RGB"), text={"k" * 79: "long", "Légende": "ok"})
+    assert Image.open(io.BytesIO(data)).text == {"k" * 79: "long", "Légende": "ok"}
+
+
+def test_a_value_that_is_not_a_string_is_refused_naming_its_keyword():
+    with pytest.raises(ValueError, match=r"^text 'prompt': expected a str value, got dict"):
+        encode_png(gradient_image(4, 4, "RGB"), text={"prompt": {"1": {}}})

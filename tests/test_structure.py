@@ -131,7 +131,7 @@ def test_comfy_interop_is_split_by_concern_and_reexports_every_name():
 
     import graph_runtime.comfy_interop as interop
 
-    for concern in ("latents", "conditioning", "pixels", "previews", "files"):
+    for concern in ("latents", "conditioning", "pixels", "previews", "files", "saved_images"):
         module = importlib.import_module(f"graph_runtime.comfy_interop.{concern}")
         public = [n for n, v in vars(module).items() if not n.startswith("_") and getattr(v, "__module__", None)
                   == module.__name__]

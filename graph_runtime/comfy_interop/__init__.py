@@ -5,7 +5,8 @@ speak ComfyUI's data formats (as core ComfyUI's Qwen-Image-2.1 support uses them
 - conditioning: CONDITIONING <-> PromptEmbeds and reference latents;
 - pixels: IMAGE tensors <-> VAE pixels, cropping, PIL;
 - previews: the latent -> RGB projection for live previews;
-- files: a model file's identity (the loaded-model cache key).
+- files: a model file's identity (the loaded-model cache key);
+- saved_images: IMAGE batches saved as core's SaveImage saves them, through the threaded PNG writer.
 
 Every name is re-exported here, so `from graph_runtime.comfy_interop import X` works for all of them.
 """
@@ -24,11 +25,12 @@ from .pixels import (
     comfy_image_to_pil, comfy_image_to_vae_pixels, crop_to_multiple, to_pil, vae_pixels_to_comfy_image,
 )
 from .previews import PreviewProjection, fit_preview_projection, gray_projection, preview_image
+from .saved_images import png_text, save_batch, saved_pixels
 
 __all__ = [
     "LATENT_CHANNELS", "VAE_SCALE", "LatentStats", "ParsedConditioning", "PreviewProjection", "comfy_image_to_pil",
     "comfy_image_to_vae_pixels", "conditioning_to", "conditioning_to_prompt", "crop_to_multiple", "decode_raw_latents", "empty_latent",
     "encode_pixels_raw", "file_identity", "fit_preview_projection", "gray_projection", "latent_noise_mask", "latent_samples",
-    "latent_stats", "normalized_to_raw", "preview_image", "prompt_to_conditioning", "raw_to_normalized",
-    "to_pil", "vae_pixels_to_comfy_image",
+    "latent_stats", "normalized_to_raw", "png_text", "preview_image", "prompt_to_conditioning", "raw_to_normalized",
+    "save_batch", "saved_pixels", "to_pil", "vae_pixels_to_comfy_image",
 ]

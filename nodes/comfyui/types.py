@@ -11,6 +11,7 @@ CONDITIONING = f"{CATEGORY}/conditioning"
 SAMPLING = f"{CATEGORY}/sampling"
 LATENT = f"{CATEGORY}/latent"
 CACHE = f"{CATEGORY}/cache"
+IMAGE = f"{CATEGORY}/image"
 
 # Handles to models loaded by this pack. They are not core MODEL/CLIP/VAE objects (those are ComfyUI's own model
 # classes), so they get their own socket types and cannot be wired into core nodes by mistake.

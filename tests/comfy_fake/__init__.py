@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import enum
 import importlib.util
+import os
 import shutil
 import sys
 import tempfile
@@ -136,6 +137,10 @@ class FakeComfy:
         self.routes = {}
         # ComfyUI's input folder (folder_paths.get_input_directory): empty, as on a fresh install; removed on uninstall.
         self.input_dir = Path(tempfile.mkdtemp(prefix="kvgraph-input-"))
+        # ComfyUI's output folder; get_save_image_path names files in it from `save_counter` on, and records its calls.
+        self.output_dir = Path(tempfile.mkdtemp(prefix="kvgraph-output-"))
+        self.save_counter = 1
+        self.save_path_calls = []  # (filename_prefix, output_dir, width, height) per get_save_image_path call
         self.modules = self._build()
         self._saved = {}
 
@@ -172,6 +177,17 @@ class FakeComfy:
 
         fp.get_filename_list, fp.get_full_path = get_filename_list, get_full_path
         fp.get_input_directory = lambda: str(self.input_dir)
+        fp.get_output_directory = lambda: str(self.output_dir)
+
+        def get_save_image_path(filename_prefix, output_dir, image_width=0, image_height=0):
+            # ComfyUI's contract, without its %date% formatting or its scan of existing files for the counter.
+            self.save_path_calls.append((filename_prefix, output_dir, image_width, image_height))
+            subfolder, filename = os.path.split(os.path.normpath(filename_prefix))
+            folder = os.path.join(output_dir, subfolder)
+            os.makedirs(folder, exist_ok=True)
+            return folder, filename, self.save_counter, subfolder, filename_prefix
+
+        fp.get_save_image_path = get_save_image_path
         m["folder_paths"] = fp
 
         comfy = types.ModuleType("comfy")
@@ -259,7 +275,8 @@ class FakeComfy:
             TAESD = "taesd"
 
         cli.LatentPreviewMethod = LatentPreviewMethod
-        cli.args = types.SimpleNamespace(preview_method=LatentPreviewMethod.NoPreviews, preview_size=512)
+        cli.args = types.SimpleNamespace(preview_method=LatentPreviewMethod.NoPreviews, preview_size=512,
+                                         disable_metadata=False)
 
         te = types.ModuleType("comfy.text_encoders")
         te.__path__ = [str(self.tokenizer_parent)]  # a namespace package in ComfyUI: no __file__
@@ -341,6 +358,7 @@ class FakeComfy:
                 sys.modules[name] = previous
         self._saved.clear()
         shutil.rmtree(self.input_dir, ignore_errors=True)
+        shutil.rmtree(self.output_dir, ignore_errors=True)
 
     def set_context(self, prompt_id="prompt-1", node_id="5"):
         self.context = self.modules["comfy_execution.utils"].ExecutionContext(prompt_id, node_id, None)

@@ -5,6 +5,7 @@ one of them), storing what they are given so tests can inspect schemas. No behav
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 
 class Input:
@@ -180,6 +181,15 @@ class Combo:
     Output = type("Output", (Output,), {"io_type": "COMBO"})
 
 
+class Hidden(str, Enum):
+    """The hidden inputs a node may ask for; ComfyUI hands their values to `execute` as `cls.hidden.<name>`."""
+
+    unique_id = "UNIQUE_ID"
+    prompt = "PROMPT"
+    extra_pnginfo = "EXTRA_PNGINFO"
+    dynprompt = "DYNPROMPT"
+
+
 WIDGET_TYPES = ("BOOLEAN", "INT", "FLOAT", "STRING", "COMBO")
 
 
@@ -202,6 +212,8 @@ class Schema:
 
 
 class ComfyNode:
+    hidden = None  # the hidden inputs' values while a node runs (ComfyUI's HiddenHolder)
+
     @classmethod
     def define_schema(cls) -> Schema:
         raise NotImplementedError
