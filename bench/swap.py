@@ -54,8 +54,10 @@ def attention_swapped(kind: str):
         return
     if kind != "int8":
         raise ValueError(f"attention {kind!r}: expected 'sdpa' or 'int8'")
+    # The class's own attribute is put back as it was (a swap inside a swap restores the outer one).
+    before = TargetDecodeBlock.__dict__["attention"]
     TargetDecodeBlock.attention = staticmethod(_kitchen_int8_attention)
     try:
         yield
     finally:
-        TargetDecodeBlock.attention = staticmethod(TargetDecodeBlock.sdpa_attention)
+        TargetDecodeBlock.attention = before

@@ -109,8 +109,8 @@ def test_bench_runs_as_a_module_from_the_repository_root():
 
 def test_attention_swap_is_undone_and_falls_back_to_sdpa_off_cuda():
     """The 8-bit attention path swaps every block's attention only while inside and restores SDPA after, an error
-    included; off CUDA (where comfy-kitchen's kernel does not run) the swapped attention is SDPA's, so a CPU step is
-    unchanged; an unknown attention is refused by name."""
+    included, and an inner swap gives back the outer one; off CUDA (where comfy-kitchen's kernel does not run) the
+    swapped attention is SDPA's, so a CPU step is unchanged; an unknown attention is refused by name."""
     import torch
 
     from bench.swap import attention_swapped
@@ -125,6 +125,12 @@ def test_attention_swap_is_undone_and_falls_back_to_sdpa_off_cuda():
     assert TargetDecodeBlock.attention is plain
     with pytest.raises(RuntimeError), attention_swapped("int8"):
         raise RuntimeError("a failed measurement")
+    assert TargetDecodeBlock.attention is plain
+    with attention_swapped("int8"):
+        swapped_in = TargetDecodeBlock.attention
+        with attention_swapped("int8"):
+            pass
+        assert TargetDecodeBlock.attention is swapped_in  # an inner swap restores the outer one
     assert TargetDecodeBlock.attention is plain
     with attention_swapped("sdpa"):
         assert TargetDecodeBlock.attention is plain
