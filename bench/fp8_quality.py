@@ -31,7 +31,7 @@ from graph_runtime.fp8.precisions import GROUPS, groups_of
 
 from .int8_reference import KitchenInt8Linear, convrot_group
 from .model import fp32_copy
-from .swap import ATTENTION_8BIT, attention_swapped, quantized_linears, swapped
+from .swap import ATTENTION_8BIT, ATTENTION_VARIANTS, attention_swapped, quantized_linears, swapped  # noqa: F401
 
 INT8 = "int8-convrot"
 ROTATED = "fp8+rotation"
@@ -127,7 +127,7 @@ class QualityRun:
         # "int8" is our INT8 W8A8 (the same ConvRot weights as the bound, through our kernels); with 8-bit
         # attention, the same Linears.
         factories = {INT8: KitchenInt8Linear, ROTATED: RotatedFp8Linear, "int8": int8_factory()}
-        if variant == ATTENTION_8BIT:
+        if variant in ATTENTION_VARIANTS:
             variant = "int8"
         if variant in factories:
             if variant not in self._modules:
@@ -163,6 +163,8 @@ def _block_errors(transformer, reference: dict, dtype) -> list[float]:
     step = DecodeEngine(transformer).step  # built now: the variant's Linears are the ones swapped in
     static32 = reference["blocks"][0]["static"]
     prefix_len = static32.prefix_len
+    # Blocks called one by one get the attention kernel the step would run them with.
+    step.use_attention(step.blocks, static32.hidden.device, dtype)
     errors = []
     for i, (block, record) in enumerate(zip(step.blocks, reference["blocks"])):
         x, pending = _cast(record["x"], dtype), _cast(record["pending"], dtype)
@@ -201,7 +203,7 @@ def measure(transformer, scenario_inputs: dict, device, variants=DEFAULT_VARIANT
                 reference = _reference(model32, inputs.to(torch.float32))
                 per_variant = {}
                 for variant in variants:
-                    attention = "int8" if variant == ATTENTION_8BIT else "sdpa"
+                    attention = ATTENTION_VARIANTS.get(variant, "sdpa")
                     with swapped(transformer, run.modules(variant)), attention_swapped(attention):
                         blocks = _block_errors(transformer, reference, dtype)
                         step = _step_errors(transformer, inputs, reference["outputs"])

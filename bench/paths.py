@@ -18,9 +18,11 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVCache
 
 from graph_runtime.decode import DecodeEngine
+from graph_runtime.decode.attention import ATTENTION_CHOICES
 from graph_runtime.fp8.convert import int8_factory
 
-from .swap import ATTENTION_8BIT, attention_swapped, quantized_linears, swapped
+from .swap import (ATTENTION_8BIT, ATTENTION_FP8, ATTENTION_VARIANTS, attention_swapped, quantized_linears,
+                   swapped)
 
 
 @dataclass(frozen=True)
@@ -32,13 +34,18 @@ class PathSpec:
     kernels: bool = True  # the hand-written kernels of graph_runtime/kernels (off: inductor's own code)
     weights: str = "bf16"  # "int8" / "dequantized": a ConvRot copy of the blocks (see quantized_transformer)
     precision: str = "bf16"  # graph_runtime/fp8's presets: FP8 block Linears swapped in beside the bf16 ones
-    attention: str = "sdpa"  # "int8": comfy-kitchen's 8-bit attention swapped in (swap.attention_swapped)
+    # The engine's attention kernel: "auto" (FlashAttention-3 where it runs, else SDPA), "sdpa" or "fa3"; "int8":
+    # comfy-kitchen's 8-bit attention swapped in (swap.attention_swapped).
+    attention: str = "auto"
 
 
 ALL_PATHS = [
     PathSpec("diffusers", reference=True),
     PathSpec("eager", mode="eager"),
     PathSpec("graph"),
+    # Not in the default set: the graph and int8 paths with SDPA pinned, to measure what FlashAttention-3 gives.
+    PathSpec("graph-sdpa", attention="sdpa"),
+    PathSpec("int8-sdpa", precision="int8", attention="sdpa"),
     PathSpec("compile+graph", compile=True),
     # Not in the default set: the same path with inductor's own code where our kernels would run, to measure them.
     PathSpec("compile+graph-inductor-only", compile=True, kernels=False),
@@ -55,6 +62,8 @@ ALL_PATHS = [
     PathSpec("int8", precision="int8"),
     # Not in the default set: the same with 8-bit attention, to measure it over whole steps and against the bound.
     PathSpec(ATTENTION_8BIT, precision="int8", attention="int8"),
+    # Not in the default set: the same with FlashAttention-3's FP8 attention (its error against the bound).
+    PathSpec(ATTENTION_FP8, precision="int8", attention="fp8"),
 ]
 CONVROT_GROUP = 256  # ComfyUI's default group size, the one comfy-kitchen's fused CUDA quantizer runs
 DEFAULT_PATHS = ["diffusers", "eager", "graph", "compile+graph"]
@@ -125,7 +134,8 @@ class OursPath:
             # the engine holds its transformer weakly: the path keeps its own copy alive
             transformer = quantized_transformer(transformer, spec.weights)
         self.transformer = transformer
-        self.engine = DecodeEngine(transformer, max_entries=4, kernels=spec.kernels)
+        engine_attention = spec.attention if spec.attention in ATTENTION_CHOICES else "sdpa"
+        self.engine = DecodeEngine(transformer, max_entries=4, kernels=spec.kernels, attention=engine_attention)
         if spec.compile:
             self.engine.enable_compile()
         # FP8 paths keep their quantized Linears (7 GB for the full model) and swap them in while they run.
@@ -137,7 +147,8 @@ class OursPath:
     def installed(self):
         """This path's Linears in the model, and its attention in the blocks, while inside."""
         with swapped(self.transformer, self.modules) if self.modules else contextlib.nullcontext():
-            with attention_swapped(self.spec.attention):
+            with attention_swapped(self.spec.attention if self.spec.attention in ATTENTION_VARIANTS.values()
+                                   else "sdpa"):
                 yield
 
     def step(self, inputs, prefixes):

@@ -28,6 +28,10 @@ def swapped(transformer, modules: dict):
 # The step's attention in 8 bits, measured over whole steps against SDPA and against the INT8 bound; the attention
 # kernel alone is `bench/attention8.py`'s.
 ATTENTION_8BIT = "int8-attn8"
+# The same with FlashAttention-3's FP8 forward (e4m3 q/k/v, per-head scales found by a pass over them each call:
+# the error a fused quantization would give, not its speed, which `bench/attention8.py` measures).
+ATTENTION_FP8 = "int8-fp8attn"
+ATTENTION_VARIANTS = {ATTENTION_8BIT: "int8", ATTENTION_FP8: "fp8"}  # path / variant name -> attention_swapped kind
 
 
 def _kitchen_int8_attention(q, keys, values, attn_mask):
@@ -43,20 +47,43 @@ def _kitchen_int8_attention(q, keys, values, attn_mask):
     return out.transpose(1, 2).type_as(q)
 
 
+def _fa3_fp8_attention(q, keys, values, attn_mask):
+    """FlashAttention-3's FP8 forward on q/k/v quantized to e4m3 with per-head amax scales; a masked call (the
+    prefix pass, the eager padded-text path) keeps SDPA."""
+    from graph_runtime.decode.attention import _load_fa3
+    from graph_runtime.decode.step import TargetDecodeBlock
+
+    from .attention8 import head_scales, quantize
+
+    forward, reason = _load_fa3()
+    if forward is None:
+        raise RuntimeError(f"FP8 attention needs FlashAttention-3: {reason}")
+    if attn_mask is not None or not q.is_cuda:
+        return TargetDecodeBlock.sdpa_attention(q, keys, values, attn_mask)
+    scales = [head_scales(t) for t in (q, keys, values)]
+    q8, k8, v8 = (quantize(t, s) for t, s in zip((q, keys, values), scales))
+    batch = q.shape[0]
+    descale = [s[None].expand(batch, -1).contiguous() for s in scales]
+    return forward(q8, k8, v8, q_descale=descale[0], k_descale=descale[1], v_descale=descale[2])[0].type_as(q)
+
+
+_SWAPS = {"int8": _kitchen_int8_attention, "fp8": _fa3_fp8_attention}
+
+
 @contextlib.contextmanager
 def attention_swapped(kind: str):
-    """Every decode block's attention replaced while inside: `"int8"` runs comfy-kitchen's 8-bit attention, `"sdpa"`
-    changes nothing."""
+    """Every decode block's attention replaced while inside: `"int8"` runs comfy-kitchen's 8-bit attention, `"fp8"`
+    FlashAttention-3's FP8 forward, `"sdpa"` changes nothing (the engine's own choice runs)."""
     from graph_runtime.decode.step import TargetDecodeBlock
 
     if kind == "sdpa":
         yield
         return
-    if kind != "int8":
-        raise ValueError(f"attention {kind!r}: expected 'sdpa' or 'int8'")
+    if kind not in _SWAPS:
+        raise ValueError(f"attention {kind!r}: expected 'sdpa', 'int8' or 'fp8'")
     # The class's own attribute is put back as it was (a swap inside a swap restores the outer one).
     before = TargetDecodeBlock.__dict__["attention"]
-    TargetDecodeBlock.attention = staticmethod(_kitchen_int8_attention)
+    TargetDecodeBlock.attention = staticmethod(_SWAPS[kind])
     try:
         yield
     finally:

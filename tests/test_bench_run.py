@@ -118,7 +118,7 @@ def test_attention_swap_is_undone_and_falls_back_to_sdpa_off_cuda():
 
     plain = TargetDecodeBlock.attention
     q, k = torch.randn(1, 5, 2, 16), torch.randn(1, 7, 2, 16)
-    expected = TargetDecodeBlock.attention(q, k, k, None)
+    expected = TargetDecodeBlock.sdpa_attention(q, k, k, None)  # what a block runs off CUDA
     with attention_swapped("int8"):
         assert TargetDecodeBlock.attention is not plain
         assert torch.equal(TargetDecodeBlock.attention(q, k, k, None), expected)

@@ -189,7 +189,9 @@ class PrefixGraph(CaptureRecord):
             self.inputs = PrefixInputs(hidden=torch.empty_like(like.hidden),
                                        modulation=torch.empty_like(like.modulation), cos=like.cos.clone(),
                                        sin=like.sin.clone(), mask=like.mask.clone(),
-                                       k=list(like.k), v=list(like.v))  # own lists: a request's release clears its
+                                       # own lists: a request's release clears its
+                                       k=list(like.k), v=list(like.v),
+                                       segments=like.segments)  # the key pins the layout, so its segments too
 
     def load(self, inputs: PrefixInputs) -> None:
         self.inputs.hidden.copy_(inputs.hidden)

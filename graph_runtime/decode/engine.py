@@ -49,16 +49,19 @@ def check_mode(mode: str) -> str:
 class DecodeEngine:
     """`backend`: how graphs are captured and replayed (default: CUDA graphs; tests inject a recording one, which
     runs the whole policy on CPU). `kernels=False`: the step body without the hand-written kernels. `step`: the
-    step body (default a `DecodeStep` of `transformer`; sequence parallelism passes its own)."""
+    step body (default a `DecodeStep` of `transformer`; sequence parallelism passes its own). `attention`: the step's
+    attention kernel, "auto" (FlashAttention-3 where it runs), "sdpa" or "fa3" (attention.py)."""
 
     def __init__(self, transformer: torch.nn.Module, max_entries: int = 4, backend=None, kernels: bool = True,
-                 step: DecodeStep | None = None):
+                 step: DecodeStep | None = None, attention: str = "auto"):
         self._transformer = weakref.ref(transformer)
         backend = backend if backend is not None else CudaGraphBackend()
         self.stats = DecodeStats()
         self.graphs = DecodeGraphs(type(transformer).__name__, backend, self.stats, max_entries)
         self.guard = ModelGuard(transformer, backend)
-        self.step = step if step is not None else DecodeStep(transformer, kernels=kernels)
+        self.step = step if step is not None else DecodeStep(transformer, kernels=kernels, attention=attention)
+        # The attention kernel chosen per device, and its fallbacks, are counted with the other fallbacks.
+        self.stats.attention_choice = self.step.attention
         self.compiles = 0
 
     @property

@@ -63,7 +63,7 @@ class GraphKey:
 
 def make_key(step: DecodeStep, branch: str, batch: int, layout, dtype, device) -> GraphKey:
     return GraphKey(branch=branch, batch=batch, layout=layout.signature, dtype=str(dtype).removeprefix("torch."),
-                    device=str(device), backend=step.variant(), parallel=step.parallel_key())
+                    device=str(device), backend=step.variant(device), parallel=step.parallel_key())
 
 
 @dataclass

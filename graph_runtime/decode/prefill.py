@@ -192,5 +192,6 @@ def _prefix_inputs(model, layout, x, zero_modulation, rotary, key_valid, static_
         static_kv = ([x.new_empty(shape) for _ in blocks], [x.new_empty(shape) for _ in blocks])
     return PrefixInputs(hidden=x, modulation=zero_modulation, cos=cos, sin=sin, mask=mask,
                         k=[buffer[:, :prefix_len] for buffer in static_kv[0]],
-                        v=[buffer[:, :prefix_len] for buffer in static_kv[1]])
+                        v=[buffer[:, :prefix_len] for buffer in static_kv[1]],
+                        segments=layout.segments if key_valid is None else None)
 

@@ -18,6 +18,8 @@ class DecodeStats:
     prefill_replays: int = 0
     prefill_captures: int = 0
     eager_prefills: Counter = field(default_factory=Counter)
+    # The step's attention kernel per device (attention.AttentionChoice), whose fallbacks to SDPA count here too.
+    attention_choice: object = None
 
     @property
     def eager_total(self) -> int:
@@ -34,6 +36,8 @@ class DecodeStats:
             "prefill_replays": self.prefill_replays,
             "prefill_captures": self.prefill_captures,
             "eager_prefills": dict(self.eager_prefills),
+            "attention": {} if self.attention_choice is None else self.attention_choice.chosen(),
+            "attention_fallbacks": {} if self.attention_choice is None else dict(self.attention_choice.fallbacks),
         }
 
     def delta(self, before: dict) -> dict:

@@ -18,6 +18,8 @@ layers and weight swaps are seen), with the per-step host work hoisted out:
   LayerNorm (or the final norm): one read and write of the residual stream per block fewer.
 - A streamed model (a partial load, graph_runtime/streaming.py) has some blocks' weights on the host: the loops
   below hold each block's weights on the device for its call (`block_on_device`, a no-op for a resident block).
+- Attention runs the kernel `attention.py` chose for the step's device when the step first ran there
+  (FlashAttention-3 on Hopper where installed, SDPA elsewhere): one seam, `TargetDecodeBlock.attention`.
 - FP8 blocks (`graph_runtime/fp8`, Linears converted with `apply_precision`): where a norm or the SwiGLU product
   feeds FP8 Linears, our kernel writes its output as per-token e4m3 + scales (`Fp8Rows`) instead of bf16, so the
   FP8 GEMMs need no quantization pass; any other input (the attention output into `to_out`) is quantized by the
@@ -31,7 +33,6 @@ import weakref
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from diffusers.models.normalization import RMSNorm
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21SwiGLUFeedForward
@@ -45,6 +46,7 @@ from ..kernels.norm_modulate import norm_modulate, residual_norm_modulate
 from ..kernels.qk_norm_rope import qk_norm_rope_write, rotate_pairs
 from ..kernels.silu_mul import silu_mul
 from ..placement import block_on_device
+from .attention import SDPA_ATTENTION, AttentionChoice, PrefixMask, sdpa
 
 
 @dataclass
@@ -98,6 +100,7 @@ class PrefixInputs:
     mask: torch.Tensor  # [B or 1, 1, P, P] bool: the prefix's block-causal mask (and valid keys)
     k: list[torch.Tensor]  # per block, [B, P, H, head_dim]: where the block's K land
     v: list[torch.Tensor]
+    segments: tuple | None = None  # the layout's (start, end, is_text) runs `mask` encodes; None with key padding
 
 
 # Up to this many prefix tokens (a text-only prompt) the pass is host-bound: it is captured and replayed, and its
@@ -111,6 +114,7 @@ SHORT_PREFIX_TOKENS = 1024
 def run_prefix_blocks(blocks, inputs: PrefixInputs) -> None:
     """The pass itself, over `TargetDecodeBlock`s: prefix rows are decoded like target rows with a zero timestep."""
     x = inputs.hidden
+    mask = PrefixMask(inputs.mask, inputs.segments)
     short = x.is_cuda and x.shape[1] <= SHORT_PREFIX_TOKENS
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if short else contextlib.nullcontext():
         pending, last = None, len(blocks) - 1
@@ -118,7 +122,7 @@ def run_prefix_blocks(blocks, inputs: PrefixInputs) -> None:
             # Only the K/V rows are kept: the last block stops once it has written them.
             with block_on_device(block.block):
                 x, pending = block(x, pending, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True,
-                                   inputs.mask, kv_only=i == last)
+                                   mask, kv_only=i == last)
 
 
 class TargetDecodeBlock(torch.nn.Module):
@@ -258,15 +262,16 @@ class TargetDecodeBlock(torch.nn.Module):
         return qk_norm_rope_write(q, k, v, attn.norm_q.weight, attn.norm_k.weight, cos, sin, k_cache, v_cache,
                                   prefix_len, attn.norm_q.eps)
 
-    @staticmethod
-    def sdpa_attention(q, keys, values, attn_mask):
-        """SDPA over `[B, S, H, D]` queries and `[B, L, H, D]` keys/values; returns `[B, S, H, D]`."""
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), keys.transpose(1, 2), values.transpose(1, 2),
-                                             attn_mask=attn_mask)
-        return out.transpose(1, 2).type_as(q)
+    # SDPA over `[B, S, H, D]` queries and `[B, L, H, D]` keys/values (a mask: a tensor or a `PrefixMask`).
+    sdpa_attention = staticmethod(sdpa)
 
-    # The attention every block runs (the benchmark swaps in 8-bit ones to measure them over whole steps).
-    attention = sdpa_attention
+    # The kernel the step chose for this block's device (`DecodeStep.use_attention`); SDPA until one is chosen.
+    attention_backend = SDPA_ATTENTION
+
+    def attention(self, q, keys, values, attn_mask):
+        """The attention every block runs, `[B, S, H, D]` out (the benchmark swaps in 8-bit ones to measure them
+        over whole steps)."""
+        return self.attention_backend(q, keys, values, attn_mask)
 
     @staticmethod
     def add_pending_and_norm(x, pending, norm, scale, fuse: bool, mlp_residual: bool = True,
@@ -303,8 +308,10 @@ class TargetDecodeBlock(torch.nn.Module):
 class DecodeStep(torch.nn.Module):
     """The whole decode step over a transformer's blocks: `forward(inputs) -> [B, T, out_channels]`."""
 
-    def __init__(self, transformer: torch.nn.Module, kernels: bool = True, block_factory=TargetDecodeBlock):
-        """`block_factory(block, kernels)` wraps each diffusers block (sequence parallelism passes its own)."""
+    def __init__(self, transformer: torch.nn.Module, kernels: bool = True, block_factory=TargetDecodeBlock,
+                 attention: str = "auto"):
+        """`block_factory(block, kernels)` wraps each diffusers block (sequence parallelism passes its own).
+        `attention`: "auto" (FlashAttention-3 where it runs, else SDPA), "sdpa" or "fa3" (attention.py)."""
         super().__init__()
         # A weak reference: the transformer holds this step (through its engine), and the weights must not be
         # registered twice under this module.
@@ -313,6 +320,7 @@ class DecodeStep(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(block_factory(b, kernels) for b in transformer.transformer_blocks)
         self.kernels = kernels
         self.compiled = False
+        self.attention = AttentionChoice(attention)
 
     @property
     def model(self):
@@ -332,10 +340,21 @@ class DecodeStep(torch.nn.Module):
         # would recompile for the prefix's shapes and mask.
         return [self.block_factory(b, True) for b in self.model.transformer_blocks]
 
+    def use_attention(self, blocks, device, dtype) -> None:
+        """Hand `blocks` the attention kernel chosen for `device` and `dtype` (chosen, logged and counted the first
+        time). Set only when it changes: a compiled block guards on its attributes."""
+        backend = self.attention.pick(device, dtype)
+        for block in blocks:
+            inner = getattr(block, "_orig_mod", block)
+            if inner.attention_backend is not backend:
+                inner.attention_backend = backend
+
     def run_prefix(self, inputs) -> None:
         """The prefix pass (`PrefixInputs`) over this step's kind of block: K/V rows written, eagerly; the engine
         calls it, and captures it for a short prefix."""
-        run_prefix_blocks(self.prefix_blocks(), inputs)
+        blocks = self.prefix_blocks()
+        self.use_attention(blocks, inputs.hidden.device, inputs.hidden.dtype)
+        run_prefix_blocks(blocks, inputs)
 
     def compile_blocks(self) -> None:
         """Regionally compile every block; inductor's own CUDA graphs stay off so graph layers never stack.
@@ -350,15 +369,20 @@ class DecodeStep(torch.nn.Module):
             self.blocks[i] = torch.compile(block, options={"triton.cudagraphs": False})
         self.compiled = True
 
-    def variant(self) -> str:
-        """Names what a captured graph of this step recorded (graph keys include it)."""
-        name = "sdpa+compiled-blocks" if self.compiled else "sdpa"
+    def variant(self, device=None, dtype=None) -> str:
+        """Names what a captured graph of this step recorded on `device` with `dtype` (default: the model's own;
+        graph keys include it): the attention kernel, compiled blocks, our kernels, the precision."""
+        if device is None or dtype is None:
+            first = next(self.model.parameters())
+            device, dtype = device or first.device, dtype or first.dtype
+        name = self.attention.pick(device, dtype).name + ("+compiled-blocks" if self.compiled else "")
         precision = precision_of(self.model)
         return name + ("+kernels" if self.kernels else "") + ("" if precision == "bf16" else f"+{precision}")
 
     def forward(self, inputs: DecodeInputs) -> torch.Tensor:
         model = self.model
         x = model.img_in(inputs.hidden)
+        self.use_attention(self.blocks, x.device, x.dtype)
         batch = x.shape[0]
         # The trailing t = 0 row is what diffusers computes for the prefix rows; keeping it makes the target rows'
         # GEMMs run at the same M as the reference forward, so they round the same way.

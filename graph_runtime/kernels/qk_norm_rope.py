@@ -82,3 +82,36 @@ def _triton_qk_norm_rope_write(q, k, v, q_weight, k_weight, cos, sin, k_cache, v
         k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), prefix_len, eps, HEAD_DIM=head_dim,
         BLOCK_H=block_h, num_warps=4)
     return q_out
+
+
+# e4m3's largest finite value: a scale maps a tensor's bound onto it.
+E4M3_MAX = 448.0
+
+
+def norm_bound_scale(weight: torch.Tensor, head_dim: int) -> float:
+    """A scale under which RMS-normed, weighted, rotated rows never leave e4m3's range: a normed head has 2-norm
+    sqrt(head_dim), so no channel exceeds sqrt(head_dim) * max|weight|, and RoPE only rotates pairs. Static (it
+    depends on the weights alone), so the kernel needs no pass over the rows to find it."""
+    return float(weight.float().abs().max()) * head_dim ** 0.5 * 1.01 / E4M3_MAX
+
+
+def qk_norm_rope_write_fp8(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, prefix_len: int, eps: float,
+                           q_inv, k_inv, v_inv) -> torch.Tensor:
+    """`qk_norm_rope_write` with e4m3 outputs: q `[B, T, H, D]` e4m3 returned, k and v written e4m3 into rows
+    `prefix_len:` of `k_cache`/`v_cache`; each divided by its per-head scale (`*_inv`: `[H]` fp32 inverse scales)
+    and saturated to e4m3's range. CUDA only (FlashAttention-3's FP8 forward, its one consumer, is too)."""
+    batch, tokens, heads, head_dim = q.shape
+    if not (q.is_cuda and _triton_ok(q, k, v, k_cache, v_cache)):
+        raise ValueError("qk_norm_rope_write_fp8 needs CUDA tensors whose heads and channels are packed")
+    wait_for_preload()
+    q_out = torch.empty((batch, tokens, heads, head_dim), dtype=torch.float8_e4m3fn, device=q.device)
+    from .qk_norm_rope_triton import qk_norm_rope_fp8_kernel
+
+    block_h = 8
+    grid = (batch * tokens, -(-heads // block_h))
+    qk_norm_rope_fp8_kernel[grid](
+        q, k, v, q_weight, k_weight, cos.contiguous(), sin.contiguous(), q_out, k_cache, v_cache, q_inv, k_inv, v_inv,
+        tokens, heads, q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), v_cache.stride(0), v_cache.stride(1), prefix_len, eps,
+        HEAD_DIM=head_dim, BLOCK_H=block_h, num_warps=4)
+    return q_out
