@@ -4,17 +4,7 @@ import torch
 
 from bench.model import build_transformer
 from graph_runtime.loading.transformer import load_transformer
-
-
-def _out(model):
-    g = torch.Generator().manual_seed(1)
-    text, h, w = 5, 4, 4
-    x = torch.randn(1, h * w, 64, generator=g)
-    ctx = torch.randn(1, text, 64, generator=g)
-    img_mask = torch.cat([torch.zeros(1, text, dtype=torch.bool), torch.ones(1, h * w // 4, dtype=torch.bool)], 1)
-    with torch.no_grad():
-        return model(hidden_states=x.to(torch.bfloat16), encoder_hidden_states=ctx.to(torch.bfloat16),
-                     timestep=torch.tensor([0.5]), img_shapes=[[(1, h, w)]], img_mask=img_mask).sample
+from tests.test_loading import _transformer_out
 
 
 def test_bench_built_model_equals_the_loader_built_one(tmp_path):
@@ -34,4 +24,4 @@ def test_bench_built_model_equals_the_loader_built_one(tmp_path):
         assert got[name].dtype == tensor.dtype, name
         assert torch.equal(got[name], tensor), name
     assert bench.time_text_embed.time_proj.freqs.dtype == torch.float32
-    assert torch.equal(_out(bench), _out(loaded))
+    assert torch.equal(_transformer_out(bench), _transformer_out(loaded))
