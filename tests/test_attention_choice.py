@@ -101,3 +101,48 @@ def test_prefix_segments_run_by_fa3_equal_the_dense_block_causal_mask():
     torch.testing.assert_close(Fa3Attention(_fa3_on_cpu)(q, k, v, padded), attention.sdpa(q, k, v, padded.dense))
     # No mask: the whole of it in one call.
     torch.testing.assert_close(Fa3Attention(_fa3_on_cpu)(q, k, v, None), attention.sdpa(q, k, v, None))
+
+
+def test_an_engine_on_fa3_gives_the_sdpa_engines_prefix_and_steps(tiny_models, generator, reference_image,
+                                                                   monkeypatch):
+    """Through the whole engine (prefix pass with a reference image, then a decode step), an engine whose attention
+    is FA3 (its semantics emulated on the CPU) computes the SDPA engine's prefix K/V and prediction: the prefix pass
+    hands FA3 the layout's segments, text segments causal and image segments not, and every block runs the kernel the
+    step chose. fp32 on the CPU; the two split attention into different calls, so 1e-4 as in test_cached_decode."""
+    from graph_runtime.encoding.images import encode_pixels, prepare_references
+    from graph_runtime.sampling.sampler import initial_noise, pack
+
+    calls = []
+
+    def recording_fa3(q, k, v, causal=False):
+        calls.append(causal)
+        return _fa3_on_cpu(q, k, v, causal)
+
+    transformer = tiny_models.transformer
+    refs = prepare_references([reference_image], 256)
+    embeds = generator.encoder.encode("a lamp", [r.vision_image for r in refs])
+    cond = [encode_pixels(tiny_models.vae, r.vae_pixels) for r in refs]
+    shapes = [(1, c.shape[2], c.shape[3]) for c in cond] + [(1, 8, 6)]
+    layout = TokenLayout.build(embeds.image_mask, shapes, "cpu")
+    latents = pack(initial_noise(3, 1, 64, 8, 6, torch.float32))
+    hidden = torch.cat([*(pack(c) for c in cond), latents], 1)
+    t = torch.full((1,), 0.9)
+    results = {}
+    for name in ("sdpa", "fa3"):
+        if name == "fa3":
+            monkeypatch.setattr(attention, "choose",
+                                lambda device, dtype, requested, loader: (Fa3Attention(recording_fa3), None))
+        engine = DecodeEngine(transformer)
+        with torch.no_grad():
+            _, prefix = engine.prefill(layout, hidden, embeds.embeds, t, with_target=False)
+            out = engine.decode_step(prefix, latents, t, mode="eager").output
+        results[name] = (prefix.k + prefix.v, out)
+        assert engine.step.variant().startswith(name)
+    blocks = len(transformer.transformer_blocks)
+    texts = [is_text for _, _, is_text in layout.segments]
+    # The prefix pass by segment (its last block only writes K/V: no attention), then one call per decode block.
+    assert calls == texts * (blocks - 1) + [False] * blocks
+    assert True in texts and False in texts
+    for a, b in zip(*(results[n][0] for n in ("sdpa", "fa3"))):
+        assert (a - b).abs().max().item() <= 1e-4
+    assert (results["sdpa"][1] - results["fa3"][1]).abs().max().item() <= 1e-4
