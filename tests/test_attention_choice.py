@@ -109,8 +109,7 @@ def test_an_engine_on_fa3_gives_the_sdpa_engines_prefix_and_steps(tiny_models, g
     is FA3 (its semantics emulated on the CPU) computes the SDPA engine's prefix K/V and prediction: the prefix pass
     hands FA3 the layout's segments, text segments causal and image segments not, and every block runs the kernel the
     step chose. fp32 on the CPU; the two split attention into different calls, so 1e-4 as in test_cached_decode."""
-    from graph_runtime.encoding.images import encode_pixels, prepare_references
-    from graph_runtime.sampling.sampler import initial_noise, pack
+    from tests.test_cached_decode import lamp_request
 
     calls = []
 
@@ -119,13 +118,7 @@ def test_an_engine_on_fa3_gives_the_sdpa_engines_prefix_and_steps(tiny_models, g
         return _fa3_on_cpu(q, k, v, causal)
 
     transformer = tiny_models.transformer
-    refs = prepare_references([reference_image], 256)
-    embeds = generator.encoder.encode("a lamp", [r.vision_image for r in refs])
-    cond = [encode_pixels(tiny_models.vae, r.vae_pixels) for r in refs]
-    shapes = [(1, c.shape[2], c.shape[3]) for c in cond] + [(1, 8, 6)]
-    layout = TokenLayout.build(embeds.image_mask, shapes, "cpu")
-    latents = pack(initial_noise(3, 1, 64, 8, 6, torch.float32))
-    hidden = torch.cat([*(pack(c) for c in cond), latents], 1)
+    layout, hidden, embeds, latents = lamp_request(tiny_models, generator, [reference_image])
     t = torch.full((1,), 0.9)
     results = {}
     for name in ("sdpa", "fa3"):

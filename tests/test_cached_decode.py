@@ -79,6 +79,19 @@ def test_wrong_prefix_would_be_detected(tiny_models, generator):
     assert (wrong - full).abs().max().item() > 10 * ATOL
 
 
+def lamp_request(tiny_models, generator, images):
+    """A prompt's prefill inputs on the CPU: the token layout, the joint hidden rows (references first), the prompt's
+    embeddings and the 8x6 target latents."""
+    refs = prepare_references(images, 256)
+    embeds = generator.encoder.encode("a lamp", [r.vision_image for r in refs])
+    cond_latents = [encode_pixels(tiny_models.vae, r.vae_pixels) for r in refs]
+    img_shapes = [(1, c.shape[2], c.shape[3]) for c in cond_latents] + [(1, 8, 6)]
+    layout = TokenLayout.build(embeds.image_mask, img_shapes, "cpu")
+    latents = pack(initial_noise(3, 1, 64, 8, 6, torch.float32))
+    hidden = torch.cat([*(pack(c) for c in cond_latents), latents], 1)
+    return layout, hidden, embeds, latents
+
+
 @pytest.mark.parametrize("with_reference,padded", [(False, False), (True, False), (True, True)],
                          ids=["text-to-image", "edit", "edit-padded-text"])
 def test_prefix_only_prefill_gives_the_same_cache(tiny_models, generator, reference_image, with_reference, padded):
@@ -88,13 +101,7 @@ def test_prefix_only_prefill_gives_the_same_cache(tiny_models, generator, refere
     (the last two text positions masked out, as a shorter prompt of a batch is)."""
     transformer = tiny_models.transformer
     engine = DecodeEngine(transformer)
-    refs = prepare_references([reference_image] if with_reference else [], 256)
-    embeds = generator.encoder.encode("a lamp", [r.vision_image for r in refs])
-    cond_latents = [encode_pixels(tiny_models.vae, r.vae_pixels) for r in refs]
-    img_shapes = [(1, c.shape[2], c.shape[3]) for c in cond_latents] + [(1, 8, 6)]
-    layout = TokenLayout.build(embeds.image_mask, img_shapes, "cpu")
-    latents = pack(initial_noise(3, 1, 64, 8, 6, torch.float32))
-    hidden = torch.cat([*(pack(c) for c in cond_latents), latents], 1)
+    layout, hidden, embeds, latents = lamp_request(tiny_models, generator, [reference_image] if with_reference else [])
     t = torch.full((1,), 0.9)
     text_mask = None
     if padded:
