@@ -340,3 +340,48 @@ def test_an_origin_comfyui_was_told_to_allow_is_answered(comfy_env, monkeypatch)
     assert post_release(comfy_env, b"{}", {"Origin": "http://studio.example", "Host": HOST})[0] == 200
     assert post_release(comfy_env, b"{}", {"Origin": "http://evil.example", "Host": HOST})[0] == 403
     assert post_release(comfy_env, b"{}", {"Origin": "null", "Host": HOST})[0] == 403
+
+
+# -- what docs/robustness.md promises ----------------------------------------------------------------------------
+
+
+def test_the_robustness_page_quotes_the_refusals_as_the_code_words_them(comfy_env, text_encoder, tmp_path):
+    """docs/robustness.md quotes each new refusal; each quote is what the code says (whitespace aside)."""
+    doc = " ".join((Path(__file__).parents[1] / "docs" / "robustness.md").read_text().split())
+    errors, routes = from_pack(comfy_env, "errors"), comfy_env.pack.nodes.comfyui.server_routes
+
+    def says(text: str) -> None:
+        assert " ".join(text.split()) in doc, text
+
+    says(routes.CROSS_ORIGIN.format(origin="'null'"))
+    says(comfy_env.nodes["KVGraphTextEncode"].validate_inputs(**{"images.image11": None}))
+    positive, _, latent = encode(comfy_env, text_encoder)
+    entry = [positive[0][0], dict(positive[0][1], reference_latents=[torch.zeros(1, 64, 2, 2)] * 11)]
+    for model, conditioning in (("a text", positive), (None, [entry])):
+        with pytest.raises(errors.InputError) as info:
+            model = model or run(comfy_env, "KVGraphLoadTransformer", transformer_name=T_FILE, dtype="fp32")[0]
+            run(comfy_env, "KVGraphSampler", **sampler_inputs(model, conditioning, latent))
+        says(str(info.value))
+
+    from safetensors.torch import save_file
+
+    clean = tmp_path / "clean.safetensors"
+    save_file({"x.weight": torch.zeros(4, 8, dtype=torch.bfloat16)}, str(clean))
+    for change in (float_shape, string_offsets):
+        rewrite_header(clean, tmp_path / "damaged.safetensors", change)
+        with pytest.raises(errors.CheckpointError) as info:
+            from_pack(comfy_env, "safetensors_file").read_header(tmp_path / "damaged.safetensors")
+        says(str(info.value).split(": ", 1)[1].split(" Expected")[0])
+
+    # The refusal where the system has no /proc/self/fd or /dev/fd folder.
+    safetensors_file = from_pack(comfy_env, "safetensors_file")
+    odd = tmp_path / NOT_UTF8
+    shutil.copyfile(clean, odd)
+    real_isdir = os.path.isdir
+    try:
+        os.path.isdir = lambda path: False if path in ("/proc/self/fd", "/dev/fd") else real_isdir(path)
+        with pytest.raises(errors.CheckpointError) as info:
+            list(safetensors_file.iter_tensors([odd]))
+    finally:
+        os.path.isdir = real_isdir
+    says(str(info.value).split(" Expected ")[1])
