@@ -23,14 +23,14 @@ import requests
 sys.path.insert(0, str(Path(__file__).parent))
 
 from comfy_server import (  # noqa: E402
-    LORA_FILE, REFERENCE_IMAGES, load_api_workflow, node_of, prepare_base, start_server, with_diffusers_loader,
+    LORA_FILE, REFERENCE_IMAGES, load_api_workflow, node_of, prepare_base, with_diffusers_loader,
 )
+from test_comfyui_robustness import ENCODE, SAMPLER, DECODE, execution_error, good_prompt  # noqa: E402
 
 pytestmark = pytest.mark.comfyui
 
-T2I, EDIT, LORA_EXAMPLE = "qwen_image_2.1_text_to_image", "qwen_image_2.1_edit_one_reference", "qwen_image_2.1_lora"
-STEPS = 2
-ENCODE, SAMPLER, DECODE = "4", "5", "6"  # node ids in the example API workflows
+EDIT, LORA_EXAMPLE = "qwen_image_2.1_edit_one_reference", "qwen_image_2.1_lora"
+STEPS = 2  # the LoRA and edit prompts only need to run
 SURROGATE = "x\ud800.safetensors"  # sent as the JSON escape "x\\ud800.safetensors"
 ODD_BYTES = b"kvgraph_\xff.safetensors"  # a file name that is not UTF-8
 ODD = os.fsdecode(ODD_BYTES)  # as ComfyUI lists it, and as the JSON escape "kvgraph_\\udcff.safetensors" sends it
@@ -83,14 +83,8 @@ def base(comfyui_install, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(comfyui_install, base):
-    srv = start_server(comfyui_install, base, "--cache-none")
-    yield srv
-    srv.stop()
-
-
-def good_prompt() -> dict:
-    return load_api_workflow(T2I, seed=2024, steps=STEPS)
+def server(uncached_server):
+    return uncached_server
 
 
 @pytest.fixture(scope="module")
@@ -99,15 +93,14 @@ def reference(server):
 
 
 def assert_server_runs_the_good_prompt(server, reference) -> None:
-    """The same server runs the next valid prompt (its worker lives) and gives the first image again."""
+    """The same server runs the next valid prompt (its worker lives: a dead one never answers) and gives the first
+    image again."""
     entry = server.run(good_prompt(), timeout=90)
     assert server.output_pixels(entry) == reference
 
 
-def execution_error(server, prompt: dict) -> dict:
-    entry = server.wait(server.queue_ok(prompt), timeout=90)
-    assert entry["status"]["status_str"] == "error", entry["status"]
-    return next(data for kind, data in entry["status"]["messages"] if kind == "execution_error")
+def run_to_error(server, prompt: dict) -> dict:
+    return execution_error(server.wait(server.queue_ok(prompt), timeout=90))
 
 
 def switched(prompt: dict, value) -> list:
@@ -169,7 +162,7 @@ def test_a_lone_surrogate_reaching_a_loader_through_a_switch_leaves_the_server_r
     the prompt worker died; the good prompt after it never ran."""
     prompt = prompt_for(node_type, input_name, None)
     node_of(prompt, node_type)["inputs"][input_name] = switched(prompt, SURROGATE)
-    error = execution_error(server, prompt)
+    error = run_to_error(server, prompt)
     assert error["node_type"] == node_type
     assert "x\\ud800.safetensors" in error["exception_message"]
     assert_server_runs_the_good_prompt(server, reference)
@@ -195,7 +188,7 @@ def test_a_lora_with_a_non_utf8_name_gives_the_same_image_as_its_copy(server, re
 @pytest.mark.parametrize("node_type, input_name", ALL_LOADERS[:3] + ALL_LOADERS[4:])
 def test_a_damaged_file_with_a_non_utf8_name_is_refused_and_the_server_runs_on(server, reference, node_type,
                                                                                input_name):
-    error = execution_error(server, prompt_for(node_type, input_name, os.fsdecode(DAMAGED_ODD_BYTES)))
+    error = run_to_error(server, prompt_for(node_type, input_name, os.fsdecode(DAMAGED_ODD_BYTES)))
     assert error["node_type"] == node_type
     assert "kvgraph_damaged_\\xfe.safetensors" in error["exception_message"]
     assert "not a safetensors file" in error["exception_message"]
@@ -205,16 +198,16 @@ def test_a_damaged_file_with_a_non_utf8_name_is_refused_and_the_server_runs_on(s
 # -- damaged headers -----------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, words", [(FLOAT_SHAPE, "whose shape"), (STRING_OFFSETS, "whose data_offsets")])
-@pytest.mark.parametrize("node_type, input_name", ALL_LOADERS)
+DAMAGED_HEADERS = [(*loader, name, words) for loader in ALL_LOADERS if loader[0] != "KVGraphLoadDiffusers"
+                   for name, words in ((FLOAT_SHAPE, "whose shape"), (STRING_OFFSETS, "whose data_offsets"))]
+DAMAGED_HEADERS.append(("KVGraphLoadDiffusers", "folder", "kvgraph-damaged", "whose shape"))  # its transformer's
+
+
+@pytest.mark.parametrize("node_type, input_name, name, words", DAMAGED_HEADERS)
 def test_a_header_with_a_float_shape_or_string_offsets_is_refused_by_name(server, reference, node_type, input_name,
                                                                           name, words):
     """Before: `SafetensorError: invalid JSON in header`, naming neither the file nor the entry."""
-    if node_type == "KVGraphLoadDiffusers":
-        if name == STRING_OFFSETS:
-            pytest.skip("the damaged pipeline folder has a float shape (string offsets: the file loaders)")
-        name, words = "kvgraph-damaged", "whose shape"
-    error = execution_error(server, prompt_for(node_type, input_name, name))
+    error = run_to_error(server, prompt_for(node_type, input_name, name))
     assert error["node_type"] == node_type and error["exception_type"].endswith("CheckpointError")
     assert words in error["exception_message"] and "a damaged file" in error["exception_message"]
     assert_server_runs_the_good_prompt(server, reference)
@@ -249,7 +242,7 @@ def test_a_wrong_type_through_a_switch_is_refused_by_name(server, reference, cha
     """Before: `AttributeError: 'str' object has no attribute ...` from inside the node."""
     prompt = good_prompt()
     change(prompt)
-    error = execution_error(server, prompt)
+    error = run_to_error(server, prompt)
     assert error["node_type"] == node_type and error["exception_message"].startswith(start), error
     assert_server_runs_the_good_prompt(server, reference)
 
@@ -257,7 +250,7 @@ def test_a_wrong_type_through_a_switch_is_refused_by_name(server, reference, cha
 def test_a_text_into_the_encode_nodes_vae_is_refused_by_name(server, reference):
     prompt = load_api_workflow(EDIT, seed=2024, steps=STEPS)
     prompt[ENCODE]["inputs"]["vae"] = switched(prompt, "a text")
-    error = execution_error(server, prompt)
+    error = run_to_error(server, prompt)
     assert error["exception_message"].startswith("vae='a STRING' is invalid: expected a KV-Graph VAE")
     assert_server_runs_the_good_prompt(server, reference)
 
