@@ -119,4 +119,11 @@ class PrintableRecords(logging.Filter):
         return True
 
 
-logging.getLogger("kvgraph").addFilter(PrintableRecords())
+def _install_log_filter() -> None:
+    logger = logging.getLogger("kvgraph")
+    # Once per process, though tests load the pack more than once (each copy has its own class).
+    if not any(type(f).__name__ == PrintableRecords.__name__ for f in logger.filters):
+        logger.addFilter(PrintableRecords())
+
+
+_install_log_filter()
