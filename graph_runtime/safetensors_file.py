@@ -233,7 +233,7 @@ def iter_tensors(paths: Iterable[str | os.PathLike], dtype: torch.dtype | None =
     # Reading straight onto an accelerator skips a host copy of every tensor.
     open_device = str(target) if target.type != "cpu" else "cpu"
     for p in paths:
-        with openable_path(p) as name, safe_open(name, framework="pt", device=open_device) as f:
+        with openable_path(p) as openable, safe_open(openable, framework="pt", device=open_device) as f:
             for name in f.keys():
                 if wanted is not None and name not in wanted:
                     continue
