@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 
 # Values and paths echoed in a message are cut to about this many characters: a linked input or a file name can be
@@ -18,8 +19,39 @@ def shorten(text: str, limit: int = ECHO_LIMIT) -> str:
     return f"{text[:head]}...{text[-(limit - head):]} ({len(text)} characters)"
 
 
+def printable(text: str) -> str:
+    """`text` with every character that cannot be written as UTF-8 shown as an escape: a lone surrogate from a JSON
+    `\\ud800` escape as `\\ud800`, and a byte of a file name that is not UTF-8 (which Python holds as a surrogate
+    from U+DC80 to U+DCFF) as `\\xff`. ComfyUI writes its log through a strict UTF-8 stream: a message holding such
+    a character cannot be written, and the prompt worker that tried dies with it."""
+    try:
+        text.encode("utf-8")
+        return text
+    except UnicodeEncodeError:
+        pass
+    out = []
+    for char in text:
+        code = ord(char)
+        if 0xDC80 <= code <= 0xDCFF:
+            out.append(f"\\x{code - 0xDC00:02x}")
+        elif 0xD800 <= code <= 0xDFFF:
+            out.append(f"\\u{code:04x}")
+        else:
+            out.append(char)
+    return "".join(out)
+
+
+def describe_name(name) -> str:
+    """A file name, path or other user-given text as an error message quotes it: printable and `shorten`ed."""
+    return shorten(printable(os.fsdecode(name) if isinstance(name, (bytes, os.PathLike)) else str(name)))
+
+
 class KVGraphError(ValueError):
-    """Base class for every error the runtime raises about its inputs."""
+    """Base class for every error the runtime raises about its inputs. Its message is made `printable`, whatever a
+    subclass put in it, so no error of the pack can stop ComfyUI's prompt worker."""
+
+    def __init__(self, *args):
+        super().__init__(*(printable(a) if isinstance(a, str) else a for a in args))
 
 
 class CheckpointError(KVGraphError):
@@ -32,7 +64,7 @@ class CheckpointError(KVGraphError):
         self.path = os.fspath(path)
         self.problem = problem
         self.expected = expected
-        message = f"{shorten(self.path)}: {problem}"
+        message = f"{describe_name(self.path)}: {problem}"
         if expected:
             message += f" Expected {expected}."
         super().__init__(message)
@@ -75,3 +107,23 @@ class OutputWriteError(KVGraphError):
     def __init__(self, path: str | os.PathLike, problem: str):
         self.path, self.problem = os.fspath(path), problem
         super().__init__(f"{self.path} could not be written: {problem}.")
+
+
+class PrintableRecords(logging.Filter):
+    """Makes the pack's log lines `printable` (a loaded file's path may hold bytes that are not UTF-8)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if printable(message) is not message:
+            record.msg, record.args = printable(message), ()
+        return True
+
+
+def _install_log_filter() -> None:
+    logger = logging.getLogger("kvgraph")
+    # Once per process, though tests load the pack more than once (each copy has its own class).
+    if not any(type(f).__name__ == PrintableRecords.__name__ for f in logger.filters):
+        logger.addFilter(PrintableRecords())
+
+
+_install_log_filter()

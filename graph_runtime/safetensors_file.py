@@ -8,6 +8,7 @@ becomes a `CheckpointError` that says which file and what went wrong.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -61,6 +62,11 @@ class SafetensorsHeader:
             dtype = TORCH_DTYPES.get(info.dtype) or torch.uint8
             out[name] = torch.empty(info.shape, dtype=dtype, device="meta")
         return out
+
+
+def _is_count(value) -> bool:
+    """A non-negative JSON integer (a bool is not one, though Python's json gives it as a subclass of int)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
 def _sniff_foreign_format(head: bytes) -> str | None:
@@ -123,16 +129,26 @@ def read_header(path: str | os.PathLike, expected: str | None = None) -> Safeten
     for name, entry in parsed.items():
         shown = shorten(repr(name))
         try:
-            dtype, shape, (begin, end) = entry["dtype"], tuple(int(s) for s in entry["shape"]), entry["data_offsets"]
-            begin, end = int(begin), int(end)
+            dtype, shape, (begin, end) = entry["dtype"], entry["shape"], entry["data_offsets"]
         except (KeyError, TypeError, ValueError):
             raise CheckpointError(path, f"has a malformed header entry for tensor {shown}: not a valid safetensors "
                                         "file.", expected) from None
+        # The safetensors library refuses anything but JSON integers here ("invalid JSON in header"): a float
+        # shape or a string offset is a damaged header, named before that library ever sees the file.
+        if not isinstance(shape, list) or not all(_is_count(s) for s in shape):
+            raise CheckpointError(path, f"has a header entry for tensor {shown} whose shape "
+                                        f"{shorten(repr(shape), 80)} is not a list of whole numbers: a damaged "
+                                        "file.", expected)
+        if not (_is_count(begin) and _is_count(end)):
+            raise CheckpointError(path, f"has a header entry for tensor {shown} whose data_offsets "
+                                        f"{shorten(repr([begin, end]), 80)} are not two whole numbers: a damaged "
+                                        "file.", expected)
+        shape = tuple(shape)
         if dtype not in DTYPE_SIZES:
             raise CheckpointError(path, f"stores tensor {shown} as {shorten(repr(dtype))}, a dtype KV-Graph does not "
                                         f"read (one of {', '.join(DTYPE_SIZES)}): a damaged or foreign file.",
                                   expected)
-        if min(shape, default=0) < 0 or end < begin or end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
+        if end < begin or end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
             raise CheckpointError(path, f"has an inconsistent header entry for tensor {shown} (its byte range does "
                                         f"not fit shape {list(shape)} of {dtype}): a damaged file.", expected)
         tensors[name] = TensorInfo(dtype, shape)
@@ -176,6 +192,30 @@ def owned(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.clone() if tensor.device.type == "cpu" else tensor
 
 
+@contextlib.contextmanager
+def openable_path(path: str | os.PathLike) -> Iterator[str]:
+    """A name of `path` the safetensors library can open. It takes only UTF-8 names ("Path ... is not valid UTF-8"),
+    while a file in a model folder may have any bytes in its name: such a file is opened here and handed over as
+    its open descriptor's name under /proc/self/fd (or /dev/fd), which the library opens like any path."""
+    name = os.fsdecode(path)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        pass
+    else:
+        yield name
+        return
+    folder = next((f for f in ("/proc/self/fd", "/dev/fd") if os.path.isdir(f)), None)
+    if folder is None:
+        raise CheckpointError(path, "has a name that is not valid UTF-8, which the safetensors library cannot open "
+                                    "here.", "a file name in UTF-8: rename the file")
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        yield f"{folder}/{fd}"
+    finally:
+        os.close(fd)
+
+
 def iter_tensors(paths: Iterable[str | os.PathLike], dtype: torch.dtype | None = None,
                  device: str | torch.device = "cpu", names: Iterable[str] | None = None, own: bool = True,
                  ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -193,7 +233,7 @@ def iter_tensors(paths: Iterable[str | os.PathLike], dtype: torch.dtype | None =
     # Reading straight onto an accelerator skips a host copy of every tensor.
     open_device = str(target) if target.type != "cpu" else "cpu"
     for p in paths:
-        with safe_open(str(p), framework="pt", device=open_device) as f:
+        with openable_path(p) as openable, safe_open(openable, framework="pt", device=open_device) as f:
             for name in f.keys():
                 if wanted is not None and name not in wanted:
                     continue

@@ -176,3 +176,30 @@ def check_finite(name: str, tensor: torch.Tensor, cause: str) -> None:
     """One reduction (and one host sync) over an input tensor; call once per request, not per step."""
     if not bool(torch.isfinite(tensor).all()):
         raise InputError(name, "a tensor with NaN or infinite values", f"finite values ({cause})")
+
+
+# ComfyUI's names for the types a user can wire, so a refusal says what arrived in the words of the UI's sockets.
+_SOCKET_NAMES = ((bool, "a BOOLEAN"), (int, "an INT"), (float, "a FLOAT"), (str, "a STRING"))
+
+
+def describe_value(value) -> str:
+    """What arrived at an input, for a refusal: the socket type a Switch-like node passed on (a STRING, an INT, ...),
+    a tensor's shape, or the object's class (ComfyUI's MODEL is a ModelPatcher)."""
+    for kind, name in _SOCKET_NAMES:
+        if isinstance(value, kind):
+            return name
+    if isinstance(value, torch.Tensor):
+        return f"a tensor of shape {list(value.shape)}"
+    if value is None:
+        return "nothing"
+    kind = type(value).__name__
+    return f"a MODEL ({kind})" if kind.endswith("ModelPatcher") else f"a {kind}"
+
+
+def check_kind(name: str, value, kinds, expected: str):
+    """`value` when it is an instance of `kinds`; else an InputError naming the input, what arrived and `expected`.
+    A typed socket only takes its type in the UI, but a Switch-like node (any output type) or the API can hand any
+    object to any input."""
+    if not isinstance(value, kinds):
+        raise InputError(name, describe_value(value), expected)
+    return value

@@ -11,10 +11,11 @@ from comfy_api.latest import io
 
 from ..graph_runtime.comfy_interop.conditioning import conditioning_to, prompt_to_conditioning
 from ..graph_runtime.comfy_interop.latents import empty_latent
-from ..graph_runtime.comfy_interop.pixels import comfy_image_to_pil
+from ..graph_runtime.comfy_interop.pixels import check_image, comfy_image_to_pil
 from ..graph_runtime.encoding.images import prepare_references
 from ..graph_runtime.errors import InputError
 from ..graph_runtime.validation import MAX_REFERENCES, check_size
+from .comfyui.model_handles import TextEncoderHandle, VAEHandle, expect_handle
 from .comfyui.types import CONDITIONING, TextEncoder, Vae
 from .vae import encode_raw
 
@@ -24,15 +25,31 @@ MAX_SIZE = 8192
 REFERENCE_SOCKETS = [f"image{i}" for i in range(1, MAX_REFERENCES + 1)]
 
 
-def reference_images(images) -> list:
-    """The connected reference sockets' images in socket order (image1, image2, ...). A socket left empty between
-    connected ones is skipped, so the prompt's image numbers follow the images actually given."""
-    images = images or {}
-    unknown = sorted(set(images) - set(REFERENCE_SOCKETS))
+GROUP = "images."  # how ComfyUI names a reference socket in a prompt: "images.image1"
+
+
+def check_sockets(images, others) -> None:
+    """Refuse reference sockets that do not exist (`images.image0`, `images.image11`, `images.imagefoo` sent
+    through the API): in `images` itself, or handed over as separate inputs (ComfyUI passes a socket it does not
+    know under its prompt name, `others` here)."""
+    names = set(images or {}) | {k[len(GROUP):] for k in others if k.startswith(GROUP)}
+    unknown = sorted(names - set(REFERENCE_SOCKETS))
     if unknown:
         raise InputError("images", unknown, f"at most {MAX_REFERENCES} reference images, at sockets "
                                             f"{REFERENCE_SOCKETS[0]} to {REFERENCE_SOCKETS[-1]}")
-    return [images[name] for name in REFERENCE_SOCKETS if images.get(name) is not None]
+    strays = sorted(k for k in others if not k.startswith(GROUP))
+    if strays:
+        raise InputError("inputs", strays, "only the inputs KV-Graph Text Encode has")
+
+
+def reference_images(images, others=()) -> list:
+    """The connected reference sockets' images in socket order (image1, image2, ...), each checked to be an IMAGE.
+    A socket left empty between connected ones is skipped, so the prompt's image numbers follow the images actually
+    given."""
+    check_sockets(images, others)
+    images = images or {}
+    return [check_image(images[name], f"{GROUP}{name}") for name in REFERENCE_SOCKETS
+            if images.get(name) is not None]
 
 
 class KVGraphTextEncode(io.ComfyNode):
@@ -92,34 +109,37 @@ class KVGraphTextEncode(io.ComfyNode):
         )
 
     @classmethod
-    def validate_inputs(cls, width=None, height=None, **_linked):
+    def validate_inputs(cls, width=None, height=None, images=None, **others):
         """Checked when the prompt is queued, before any loader runs: ComfyUI answers POST /prompt with this node's
         error. ComfyUI skips its own min/max check for inputs validated here, so the bounds are checked too. A side
-        linked from another node is not known yet (None) and is checked by execute; the other inputs (ComfyUI 0.8 also
-        hands over the linked reference images) are checked by execute."""
-        for name, value in (("width", width), ("height", height)):
-            if value is None:
-                continue
-            try:
-                check_size(name, value, MAX_SIZE)
-            except InputError as exc:
-                return str(exc)
+        linked from another node is not known yet (None) and is checked by execute; so are the other inputs. The
+        reference sockets' names are known: one beyond the limit is refused here."""
+        try:
+            check_sockets(images if isinstance(images, dict) else None,
+                          [k for k in others if k.startswith(GROUP)])
+            for name, value in (("width", width), ("height", height)):
+                if value is not None:
+                    check_size(name, value, MAX_SIZE)
+        except InputError as exc:
+            return str(exc)
         return True
 
     @classmethod
     def execute(cls, text_encoder, prompt, negative_prompt, width, height, size_from_reference, reference_resolution,
-                vae=None, images=None) -> io.NodeOutput:
+                vae=None, images=None, **others) -> io.NodeOutput:
+        encoder = expect_handle("text_encoder", text_encoder, TextEncoderHandle).encoder
         width, height = check_size("width", width, MAX_SIZE), check_size("height", height, MAX_SIZE)
         if not isinstance(reference_resolution, int) or reference_resolution < 32:
             raise InputError("reference_resolution", reference_resolution, "an integer of at least 32 pixels")
-        images = reference_images(images)
+        images = reference_images(images, others)
         if images and vae is None:
             raise InputError("vae", None, "a KV-Graph VAE connected: reference images enter the transformer as "
                                           "VAE latents")
+        if vae is not None:
+            expect_handle("vae", vae, VAEHandle)
         references = prepare_references([comfy_image_to_pil(img) for img in images], reference_resolution)
         vision_images = [r.vision_image for r in references]
 
-        encoder = text_encoder.encoder
         # Both texts are checked before the text encoder is loaded onto the device.
         encoder.check_prompt(prompt, len(images), "prompt")
         encoder.check_prompt(negative_prompt or "", len(images), "negative_prompt")

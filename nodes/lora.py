@@ -72,11 +72,11 @@ class KVGraphLoadLoRA(io.ComfyNode):
     def execute(cls, model, lora_name, strength) -> io.NodeOutput:
         if not math.isfinite(strength) or abs(strength) > MAX_STRENGTH:
             raise InputError("strength", strength, f"a finite number in [-{MAX_STRENGTH:g}, {MAX_STRENGTH:g}]")
+        handle = model if isinstance(model, TransformerHandle) else None
+        transformer = handle.module if handle is not None else kv_model(model).diffusion_model  # checks the MODEL
         path = model_files.full_path(LORA_FOLDER, lora_name, "lora_name")
-        if isinstance(model, TransformerHandle):
-            return io.NodeOutput(model.with_lora(LoraChoice(read_lora(path, model.module), float(strength))))
-        transformer = kv_model(model).diffusion_model
-        return io.NodeOutput(with_loras(model, [LoraChoice(read_lora(path, transformer), float(strength))]))
+        choice = LoraChoice(read_lora(path, transformer), float(strength))
+        return io.NodeOutput(handle.with_lora(choice) if handle is not None else with_loras(model, [choice]))
 
 
 LORA_NODES = [KVGraphLoadLoRA]

@@ -25,6 +25,7 @@ from ..graph_runtime.sampling.sampler import Cancelled, SamplingRequest, check_s
 from ..graph_runtime.sampling.schedule import SIGMA_PRESETS, TURBO_SIGMAS
 from ..graph_runtime.validation import MAX_SEED, VAE_SCALE
 from .comfyui import events, memory
+from .comfyui.model_handles import TransformerHandle, expect_handle
 from .comfyui.progress import SamplerProgress
 from .comfyui.types import SAMPLING, Transformer
 
@@ -139,6 +140,7 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
 
     Returns the request and the latent statistics used to normalize.
     """
+    expect_handle("model", model, TransformerHandle)
     _check_choice("sigma_preset", sigma_preset, NODE_SIGMA_PRESETS)
     preset = sigma_preset_for(sigma_preset, model.info.get("variant"))
     _check_choice("decode_mode", decode_mode, DECODE_MODES)

@@ -7,6 +7,7 @@ import folder_paths
 from comfy.cli_args import args
 from comfy_api.latest import io
 
+from ..graph_runtime.comfy_interop.pixels import check_image
 from ..graph_runtime.comfy_interop.saved_images import png_text, save_batch
 from .comfyui.types import IMAGE
 
@@ -36,6 +37,7 @@ class KVGraphSaveImage(io.ComfyNode):
 
     @classmethod
     def execute(cls, images, filename_prefix="ComfyUI") -> io.NodeOutput:
+        check_image(images, "images")
         folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
             filename_prefix, folder_paths.get_output_directory(), images[0].shape[1], images[0].shape[0])
         hidden = cls.hidden

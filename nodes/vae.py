@@ -16,7 +16,7 @@ from ..graph_runtime.encoding.images import decode_each, encode_each
 from ..graph_runtime.validation import check_finite
 from ..graph_runtime.vae_decode import check_decoded, plan_decode
 from .comfyui.memory import free_bytes
-from .comfyui.model_handles import same_device
+from .comfyui.model_handles import VAEHandle, expect_handle, same_device
 from .comfyui.types import LATENT, Vae
 
 
@@ -75,6 +75,7 @@ class KVGraphVAEDecode(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae, latent) -> io.NodeOutput:
+        expect_handle("vae", vae, VAEHandle)
         raw = latent_samples(latent, "latent", vae.module.config.z_dim)
         # Checked before decoding, so that a bad image afterwards can only come from the VAE.
         check_finite("latent", raw, "NaN/inf in a latent come from where it was made: a file read by Load Latent, "
@@ -102,6 +103,7 @@ class KVGraphVAEEncode(io.ComfyNode):
 
     @classmethod
     def execute(cls, vae, image) -> io.NodeOutput:
+        expect_handle("vae", vae, VAEHandle)
         pixels = comfy_image_to_vae_pixels(crop_to_multiple(image), "image")
         return io.NodeOutput({"samples": encode_raw(vae, pixels)})
 

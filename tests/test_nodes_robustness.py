@@ -99,15 +99,16 @@ def test_an_unknown_name_inside_the_folder_still_says_not_found(comfy_env):
 
 
 class Request:
-    def __init__(self, body: bytes | None):
+    def __init__(self, body: bytes | None, headers: dict | None = None):
         self.body, self.can_read_body = body, body is not None
+        self.headers = headers or {}  # no Origin: a client such as curl
 
     async def read(self):
         return self.body
 
 
-def post_release(env, body: bytes | None):
-    response = asyncio.run(env.fake.routes[("POST", "/kvgraph/release")](Request(body)))
+def post_release(env, body: bytes | None, headers: dict | None = None):
+    response = asyncio.run(env.fake.routes[("POST", "/kvgraph/release")](Request(body, headers)))
     if hasattr(response, "data"):  # the fake aiohttp
         return response.status, response.data
     return response.status, json.loads(response.text)

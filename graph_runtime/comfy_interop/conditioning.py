@@ -20,6 +20,7 @@ import torch
 from ..decode import TOKENS_PER_SLOT
 from ..encoding.prompt import PromptEmbeds
 from ..errors import InputError
+from ..validation import MAX_REFERENCES, describe_value
 from .latents import LATENT_CHANNELS
 
 
@@ -60,7 +61,7 @@ def conditioning_to_prompt(conditioning, name: str = "positive", channels: int =
     expected = ("CONDITIONING from a Qwen-Image-2.1 text encode node: one entry [cond [B, T, C], {...}] (combined "
                 "or area conditioning is not supported)")
     if not isinstance(conditioning, (list, tuple)) or len(conditioning) == 0:
-        raise InputError(name, type(conditioning).__name__, expected)
+        raise InputError(name, describe_value(conditioning), expected)
     if len(conditioning) > 1:
         raise InputError(name, f"{len(conditioning)} conditioning entries", expected)
     entry = conditioning[0]
@@ -75,7 +76,11 @@ def conditioning_to_prompt(conditioning, name: str = "positive", channels: int =
                          "Qwen-Image-2.1 text encode node")
     batch, length = cond.shape[0], cond.shape[1]
 
-    refs = [_reference_latent(r, name, i, channels) for i, r in enumerate(extras.get("reference_latents") or [])]
+    given_refs = list(extras.get("reference_latents") or [])
+    if len(given_refs) > MAX_REFERENCES:  # e.g. core's Reference Latent chained eleven times
+        raise InputError(f"{name} reference_latents", f"{len(given_refs)} reference images",
+                         f"at most {MAX_REFERENCES} reference images (Qwen-Image-2.1's limit)")
+    refs = [_reference_latent(r, name, i, channels) for i, r in enumerate(given_refs)]
     counts = [_slots_per_reference(r, name, i) for i, r in enumerate(refs)]
     given = list(extras.get("image_slots") or [])
     # Core's rule: a reference without a slot goes after the text; slots beyond the references are ignored.

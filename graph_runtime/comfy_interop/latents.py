@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
-from ..validation import VAE_SCALE
+from ..validation import VAE_SCALE, describe_value
 
 LATENT_CHANNELS = 64
 
@@ -61,7 +61,7 @@ def latent_samples(latent, name: str = "latent", channels: int = LATENT_CHANNELS
     expected = (f"a LATENT dict whose 'samples' is [batch, {channels}, height/16, width/16] (Qwen-Image-2.1), each "
                 "at least 1")
     if not isinstance(latent, dict) or not isinstance(latent.get("samples"), torch.Tensor):
-        raise InputError(name, type(latent).__name__, expected)
+        raise InputError(name, describe_value(latent), expected)
     samples = latent["samples"]
     if samples.dim() == 5 and samples.shape[2] == 1:
         samples = samples[:, :, 0]

@@ -8,7 +8,21 @@ import torch
 
 from ..encoding.images import image_processor
 from ..errors import InputError
+from ..validation import describe_value
 from .latents import VAE_SCALE
+
+
+IMAGE_EXPECTED = "an IMAGE [batch, height, width, 3 or 4] (from Load Image, a VAE decode or another image node)"
+
+
+def check_image(image, name: str = "image") -> torch.Tensor:
+    """`image` when it is a ComfyUI IMAGE with at least one image; else an InputError naming the input and what
+    arrived (a STRING through a Switch node, a LATENT dict, a mask)."""
+    if not isinstance(image, torch.Tensor):
+        raise InputError(name, describe_value(image), IMAGE_EXPECTED)
+    if image.dim() != 4 or image.shape[-1] not in (3, 4) or min(image.shape[:3]) < 1:
+        raise InputError(name, f"a tensor of shape {list(image.shape)}", IMAGE_EXPECTED)
+    return image
 
 
 def comfy_image_to_vae_pixels(image: torch.Tensor, name: str = "image") -> torch.Tensor:
@@ -16,8 +30,7 @@ def comfy_image_to_vae_pixels(image: torch.Tensor, name: str = "image") -> torch
 
     An RGB image gets an opaque alpha channel: the Qwen-Image-2.1 VAE reads and writes RGBA.
     """
-    if not isinstance(image, torch.Tensor) or image.dim() != 4 or image.shape[-1] not in (3, 4):
-        raise InputError(name, getattr(image, "shape", type(image).__name__), "an IMAGE [batch, height, width, 3 or 4]")
+    check_image(image, name)
     pixels = image.float().movedim(-1, 1)
     if pixels.shape[1] == 3:
         pixels = torch.cat([pixels, torch.ones_like(pixels[:, :1])], dim=1)
@@ -39,8 +52,7 @@ def vae_pixels_to_comfy_image(pixels: torch.Tensor) -> torch.Tensor:
 
 def crop_to_multiple(image: torch.Tensor, multiple: int = VAE_SCALE) -> torch.Tensor:
     """Center-crop an IMAGE `[B, H, W, C]` to sides that are multiples of `multiple` (the VAE's 16x grid)."""
-    if not isinstance(image, torch.Tensor) or image.dim() != 4:
-        raise InputError("image", getattr(image, "shape", type(image).__name__), "an IMAGE [batch, height, width, C]")
+    check_image(image, "image")
     height, width = image.shape[1], image.shape[2]
     new_h, new_w = height // multiple * multiple, width // multiple * multiple
     if new_h < multiple or new_w < multiple:
@@ -49,10 +61,11 @@ def crop_to_multiple(image: torch.Tensor, multiple: int = VAE_SCALE) -> torch.Te
     return image[:, top:top + new_h, left:left + new_w]
 
 
-def comfy_image_to_pil(image: torch.Tensor):
+def comfy_image_to_pil(image: torch.Tensor, name: str = "image"):
     """The first image of an IMAGE batch as a PIL image (RGBA when it has an alpha channel)."""
     from PIL import Image
 
+    check_image(image, name)
     array = (image[0].float().clamp(0, 1) * 255.0).round().to(torch.uint8).cpu().numpy()
     return Image.fromarray(array, mode="RGBA" if array.shape[-1] == 4 else "RGB")
 

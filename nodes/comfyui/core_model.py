@@ -26,6 +26,7 @@ from ...graph_runtime.core_model import ModelFunction, PrefixSource, SamplingRun
 from ...graph_runtime.errors import InputError, KVGraphError
 from ...graph_runtime.memory import GenerationShape, TransformerDims, compute_dtype, estimate
 from ...graph_runtime.sampling.schedule import dynamic_shift
+from ...graph_runtime.validation import describe_value
 from ...graph_runtime import in_flight
 from . import events
 from .patcher import FullLoadPatcher
@@ -174,8 +175,8 @@ def kv_model(model, name: str = "model") -> QwenImage21KVModel:
     """The pack's model inside a MODEL, or a clear error naming what was wired in instead."""
     inner = getattr(model, "model", None)
     if not isinstance(inner, QwenImage21KVModel):
-        found = type(inner).__name__ if inner is not None else type(model).__name__
-        raise InputError(name, f"a {found} model", "a KV-Graph MODEL, from a KV-Graph transformer or diffusers loader "
+        found = f"a {type(inner).__name__} model" if inner is not None else describe_value(model)
+        raise InputError(name, found, "a KV-Graph MODEL, from a KV-Graph transformer or diffusers loader "
                                                    "(or KV-Graph Load LoRA)")
     return inner
 

@@ -24,6 +24,7 @@ from ...graph_runtime.memory import gib, module_bytes
 from ...graph_runtime.placement import PinnedWeights
 from ...graph_runtime.loaded import LoadedTransformer
 from ...graph_runtime.report import storage_text
+from ...graph_runtime.validation import check_kind
 from .core_model import make_model_patcher, with_loras
 from .patcher import FullLoadPatcher, ModuleHost, same_device  # noqa: F401 - same_device: other nodes import it here
 
@@ -236,3 +237,16 @@ class VAEHandle(ModelHandle):
 
             self._preview = fit_preview_projection(self.module)
         return self._preview
+
+
+HANDLE_EXPECTED = {
+    TransformerHandle: ("a KV-Graph transformer: the 'transformer' output of a KV-Graph loader or of KV-Graph Load "
+                        "LoRA (their 'model' output is core's MODEL, for core's samplers)"),
+    TextEncoderHandle: "a KV-Graph text encoder: the 'text_encoder' output of a KV-Graph loader",
+    VAEHandle: "a KV-Graph VAE: the 'vae' output of a KV-Graph loader",
+}
+
+
+def expect_handle(name: str, value, kind: type):
+    """`value` when it is a loaded model of `kind`, else a refusal naming the input and what it needs."""
+    return check_kind(name, value, kind, HANDLE_EXPECTED[kind])

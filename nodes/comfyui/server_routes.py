@@ -1,4 +1,5 @@
-"""HTTP routes: GET /kvgraph/status and POST /kvgraph/release (also served under /api/ by ComfyUI).
+"""HTTP routes: GET /kvgraph/status and POST /kvgraph/release (also served under /api/ by ComfyUI). The release,
+which changes state, answers only the ComfyUI page itself and clients that send no Origin (`origin_refusal`).
 
 Handlers run on ComfyUI's server thread; everything they read about the graph managers is read under each manager's
 lock (`engine.status()`), and a release for an engine that is sampling right now waits for the run to finish.
@@ -20,6 +21,7 @@ import logging
 import os
 import urllib.parse
 
+from ...graph_runtime.errors import printable, shorten
 from ...graph_runtime.loading.paths import OutsideModelFolder, find_in_folders
 from . import model_cache
 
@@ -60,6 +62,58 @@ def release_response(body: bytes | str | None) -> tuple[int, dict]:
     return 200, model_cache.release(models=parsed["models"])
 
 
+# -- who may change state --------------------------------------------------------------------------------------------
+
+CROSS_ORIGIN = ("refused: this request comes from another web page (its Origin header is {origin}), and KV-Graph's "
+                "state-changing routes answer only the ComfyUI page itself or clients that send no Origin (curl, "
+                "scripts); to allow a page on another origin, start ComfyUI with --enable-cors-header <that origin>")
+
+
+def _host_port(netloc: str) -> tuple[str, int | None] | None:
+    """(host name, port or None when not written) of a Host header or an origin's netloc; None when unreadable."""
+    try:
+        parts = urllib.parse.urlsplit(f"//{netloc}")
+        return (parts.hostname or "").lower(), parts.port
+    except ValueError:  # a port that is not a number
+        return None
+
+
+def _same_host(origin: tuple, host: tuple | None) -> bool:
+    # Ports are compared only where both are written, as ComfyUI's own check does: a proxy that terminates TLS
+    # forwards "https://name" to a Host of "name".
+    return host is not None and origin[0] == host[0] and (origin[1] is None or host[1] is None or origin[1] == host[1])
+
+
+def origin_refusal(headers, cors_origin: str | None = None) -> str | None:
+    """Why a state-changing request must be refused, or None when it may go on. A request without an Origin header
+    (curl, API clients) and one from the page the server itself serves go on; so does one from the origin ComfyUI was
+    told to allow (`--enable-cors-header`, `cors_origin`; `*` allows every real origin). Refused: `Origin: null`
+    (sandboxed frames, some redirects and file:// pages send it; ComfyUI's own origin check lets it through) and any
+    other origin: a web page the user happens to visit must not be able to release the user's models."""
+    origin = headers.get("Origin")
+    if origin is None:
+        return None
+    shown = printable(shorten(repr(origin), 120))
+    parsed = urllib.parse.urlsplit(origin.strip()) if origin.strip().lower() != "null" else None
+    if parsed is None or not parsed.scheme or not parsed.netloc:
+        return CROSS_ORIGIN.format(origin=shown)
+    if cors_origin and (cors_origin == "*" or cors_origin.rstrip("/") == origin.strip().rstrip("/")):
+        return None
+    source = _host_port(parsed.netloc)
+    hosts = [h.strip() for name in ("Host", "X-Forwarded-Host") for h in headers.get(name, "").split(",") if h.strip()]
+    if source is not None and any(_same_host(source, _host_port(host)) for host in hosts):
+        return None
+    return CROSS_ORIGIN.format(origin=shown)
+
+
+def _cors_origin() -> str | None:
+    try:
+        from comfy.cli_args import args
+    except ImportError:
+        return None
+    return getattr(args, "enable_cors_header", None) or None
+
+
 def register(pack_dir: str | None = None) -> None:
     """Add the routes to ComfyUI's server (and, for a pack folder whose name needs URL quoting, the routes serving
     its web files: `register_pack_files`). Called at import inside ComfyUI; a second call does nothing."""
@@ -76,6 +130,10 @@ def register(pack_dir: str | None = None) -> None:
 
     @routes.post(RELEASE_PATH)
     async def kvgraph_release(request):
+        refusal = origin_refusal(request.headers, _cors_origin())
+        if refusal is not None:
+            logger.warning("KV-Graph: POST %s %s", RELEASE_PATH, refusal)
+            return web.json_response({"error": refusal}, status=403)
         # The raw bytes, parsed by parse_release_body: aiohttp's request.json() lets a RecursionError escape (a 500).
         body = await request.read() if request.can_read_body else None
         code, payload = release_response(body)

@@ -66,3 +66,11 @@ def websocket_log(server, comfyui_install, tmp_path):
     yield read
     os.killpg(listener.pid, signal.SIGTERM)
     listener.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def uncached_server(comfyui_install, base):
+    """A server on the module's `base` fixture started with `--cache-none`, so every node of every prompt runs."""
+    server = start_server(comfyui_install, base, "--cache-none")
+    yield server
+    server.stop()
