@@ -35,6 +35,7 @@ logger = logging.getLogger("kvgraph")
 PREFIX = "kvgraph_prefix"  # the model condition carrying a conditioning entry's PrefixSource
 RUN = "kvgraph_run"  # transformer_options key of the SamplingRun a model call belongs to
 LORAS = "kvgraph_loras"  # patcher attachment: the LoRA chain (LoraChoice, ...) of a KV-Graph Load LoRA node
+CONTROL = "kvgraph_control"  # patcher attachment: the ControlSpec of a KV-Graph Apply ControlNet node
 WRAPPER = "kvgraph.sampling_run"
 CORE_PATCHES_REFUSED = ("KV-Graph: {what} cannot patch a KV-Graph MODEL: its captured graphs read the weights in "
                         "place. Use KV-Graph Load LoRA, which merges LoRAs into those weights for the run.")
@@ -170,6 +171,16 @@ def with_loras(patcher, choices) -> KVGraphModelPatcher:
     return copy
 
 
+def with_control(patcher, spec) -> KVGraphModelPatcher:
+    """A clone of the MODEL whose runs apply the ControlNet `spec` (graph_runtime/controlnet); one per MODEL."""
+    if patcher.attachments.get(CONTROL) is not None:
+        raise InputError("model", "a MODEL with a KV-Graph ControlNet applied already",
+                         "a MODEL without one (one KV-Graph Apply ControlNet per model)")
+    copy = patcher.clone()
+    copy.attachments[CONTROL] = spec
+    return copy
+
+
 def kv_model(model, name: str = "model") -> QwenImage21KVModel:
     """The pack's model inside a MODEL, or a clear error naming what was wired in instead."""
     inner = getattr(model, "model", None)
@@ -188,7 +199,10 @@ def sampling_run_wrapper(executor, noise, latent_image, sampler, sigmas, *args, 
     patcher = guider.model_patcher
     model = kv_model(patcher)
     loras = patcher.attachments.get(LORAS, ())
-    run = SamplingRun(model.engine, on_first_call=lambda: model.loaded.loras_in_use(loras))
+    control = patcher.attachments.get(CONTROL)
+    if control is not None:
+        control.tokens(*latent_image.shape[-2:])  # the VAE encodes before the first model call, not inside a step
+    run = SamplingRun(model.engine, on_first_call=lambda: model.loaded.loras_in_use(loras), control=control)
     options = guider.model_options.setdefault("transformer_options", {})
     prompt_id, node_id = events.executing_ids()
     total = max(0, int(sigmas.shape[-1]) - 1)
