@@ -176,3 +176,80 @@ def test_spec_tokens_control_and_inpaint(models):
     assert torch.equal(inpaint[0, 64], torch.tensor([[0.0, 0.0], [0.0, 0.0], [1.0, 1.0], [1.0, 1.0]]))
     assert torch.allclose(inpaint[0, 65, :2], torch.full((2, 2), 0.5))  # regenerated: mid-gray
     assert torch.allclose(inpaint[0, 65, 2:], torch.ones(2, 2))  # kept: the image
+
+
+def _stand_in_encode(pixels):
+    """A VAE stand-in: 16x16 pixel blocks averaged, spread over the 64 channels by a fixed random map."""
+    mean = torch.nn.functional.avg_pool2d(pixels.movedim(-1, 1), 16)  # [1, 3, h, w]
+    weights = torch.randn(64, 3, generator=torch.Generator().manual_seed(2))
+    return torch.einsum("bchw,oc->bohw", mean, weights)
+
+
+def _spec(net, strength=0.8, sigma_start=1.0, sigma_end=0.0):
+    image = torch.rand(1, 8 * 16, 6 * 16, 3, generator=torch.Generator().manual_seed(4))
+    return ControlSpec(net, _stand_in_encode, strength, sigma_start=sigma_start, sigma_end=sigma_end, image=image)
+
+
+def _reference_sampling(transformer, spec, embeds, steps, seed):
+    """The sampling loop the reference way: each step the full forward, controlled inside the spec's range."""
+    from graph_runtime.sampling.sampler import SamplingRequest, _schedule
+    from graph_runtime.sampling.schedule import model_timestep
+
+    req = SamplingRequest(positive=embeds, latent_height=8, latent_width=6, steps=steps, seed=seed)
+    timesteps, sigmas = _schedule(req)
+    latents = pack(initial_noise(seed, 1, 64, 8, 6, torch.float32))
+    tokens = spec.tokens(8, 6).flatten(2).transpose(1, 2)
+    active = []
+    with torch.no_grad():
+        for i in range(len(timesteps)):
+            timestep = model_timestep(timesteps[i].expand(1), torch.float32)
+            on = spec.active(float(sigmas[i]))
+            active.append(on)
+            pred = _reference_forward(transformer, spec.net, spec.strength if on else 0.0, tokens, embeds.embeds,
+                                      embeds.image_mask, latents, timestep, [(1, 8, 6)])
+            latents = euler_step(latents, pred, sigmas[i], sigmas[i + 1])
+    return latents, active
+
+
+def test_the_kvgraph_sampler_with_a_start_end_range_equals_the_reference(models, generator):
+    """The KV-Graph Sampler with a ControlNet acting on the middle of the schedule: controlled steps against the
+    controlled prefix (graph entry of their own), the others against the plain prefix, both replaying; the latents
+    equal the reference loop's within ATOL (fp32, 5 steps)."""
+    from graph_runtime.sampling.sampler import SamplingRequest, sample
+
+    transformer, net = models
+    embeds = generator.encoder.encode("a red cube on a table")
+    engine = DecodeEngine(transformer, backend=RecordingBackend())
+    spec = _spec(net, sigma_start=0.9, sigma_end=0.3)
+    expected, active = _reference_sampling(transformer, spec, embeds, 5, 3)
+    assert any(active) and not all(active)
+    req = SamplingRequest(positive=embeds, latent_height=8, latent_width=6, steps=5, seed=3, control=spec)
+    result = sample(engine, req)
+    assert (pack(result.latents) - expected).abs().max().item() <= ATOL
+    # One captured entry for the plain steps and one for the controlled ones; every other step replays.
+    assert engine.stats.captures == 2 and engine.stats.replays == 5
+    plain = sample(engine, SamplingRequest(positive=embeds, latent_height=8, latent_width=6, steps=5, seed=3))
+    assert (plain.latents - result.latents).abs().max().item() > 100 * ATOL
+
+
+def test_core_samplers_with_the_control_equal_the_kvgraph_sampler(models, generator):
+    """Core's Euler on the model function with the run's ControlNet gives the KV-Graph Sampler's latents (2e-5, as
+    tests/test_core_model.py states for the plain model); inside the range the calls use the controlled prefix,
+    outside it the plain one."""
+    from graph_runtime.core_model import ModelFunction, SamplingRun
+    from graph_runtime.sampling.sampler import SamplingRequest, _schedule, sample
+    from tests.test_core_model import comfy_noise, core_euler, source
+
+    transformer, net = models
+    embeds = generator.encoder.encode("a red cube on a table")
+    engine = DecodeEngine(transformer, backend=RecordingBackend())
+    spec = _spec(net, sigma_start=0.9, sigma_end=0.3)
+    req = SamplingRequest(positive=embeds, latent_height=8, latent_width=6, steps=4, seed=3, control=spec,
+                          decode_mode="eager")
+    expected = sample(engine, req).latents
+    _, sigmas = _schedule(req)
+    noise = comfy_noise(3, (1, 64, 8, 6))
+    with SamplingRun(engine, "eager", control=spec) as run:
+        ours, _ = core_euler(ModelFunction(engine), noise, sigmas, source(embeds), run=run)
+        assert run.counts.prefills == 2  # the plain prefix and the controlled one
+    assert (ours - expected).abs().max().item() <= 2e-5
