@@ -46,7 +46,7 @@ def expected_size(name: str, base: Path) -> tuple[int, int]:
     for key, index in last.items():
         if key in name:
             return reference_size(Image.open(base / "input" / REFERENCE_IMAGES[index]), SMALL)
-    if "inpaint" in name:
+    if "inpaint" in name and "controlnet" not in name:  # the ControlNet's inpainting samples the prompt's latent
         width, height = Image.open(base / "input" / REFERENCE_IMAGES[1]).size
         return width // 16 * 16, height // 16 * 16
     return SMALL, SMALL * 3 // 4
