@@ -106,7 +106,10 @@ class KVGraphApplyControlNet(io.ComfyNode):
             shift = dynamic_shift(model.scheduler_config, 1024, 1024)
             to_sigma = lambda p: flow_percent_to_sigma(p, shift)  # noqa: E731 - the MODEL's own mapping
         else:
-            to_sigma = model.get_model_object("model_sampling").percent_to_sigma
+            # The MODEL's sampling as core's own apply node reads it (a sampling patch on the MODEL included).
+            get = getattr(model, "get_model_object", None)
+            sampling = get("model_sampling") if get is not None else kv_model(model).model_sampling
+            to_sigma = sampling.percent_to_sigma
         stats = latent_stats()
 
         def encode(pixels):
