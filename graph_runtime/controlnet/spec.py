@@ -129,7 +129,3 @@ class ControlSpec:
         tokens = self.tokens(height, width).flatten(2).transpose(1, 2).to(param.device, param.dtype)
         layers = tuple(net.injection_layers(len(transformer.transformer_blocks)))
         return ControlledPrefix(net, layers, tokens.expand(batch, -1, -1), self.strength)
-
-    def key(self) -> tuple:
-        """Names this application among a run's prefixes (a prefix with its control is not the plain one)."""
-        return ("control", id(self))

@@ -33,12 +33,19 @@ CONTROL_PREFIX_EAGER = "a ControlNet prefix pass (not captured: it runs once per
 
 
 def settle(x: torch.Tensor, pending) -> torch.Tensor:
-    """`x` with a block's handed-on MLP residual added (the step adds it inside the next norm otherwise)."""
+    """`x` with a block's handed-on MLP residual added (the step adds it inside the next norm otherwise), rounded
+    once as the native block's in-place `addcmul_` rounds it."""
     if pending is None:
         return x
     delta, gate = pending
-    x = x + gate.tanh() * delta
+    x = torch.addcmul(x, delta, gate.tanh())
     return x.clip(-65504, 65504) if x.dtype == torch.float16 else x
+
+
+def add_residual(x: torch.Tensor, skip: torch.Tensor, strength: torch.Tensor) -> torch.Tensor:
+    """`x + strength * skip` in fp32, rounded once to `x`'s dtype: what native's `add_(skip, alpha=strength)`
+    computes, with the strength a (graph input) fp32 tensor instead of a Python number."""
+    return torch.addcmul(x.float(), skip.float(), strength).to(x.dtype)
 
 
 def _decode_blocks(net: FunControlNet, kernels: bool) -> list[TargetDecodeBlock]:
@@ -58,7 +65,7 @@ class BlockResiduals:
     net: FunControlNet
     layers: tuple[int, ...]
     tokens: torch.Tensor  # [B, T, 129], model dtype
-    strength: torch.Tensor  # [1], model dtype
+    strength: torch.Tensor  # [1], fp32
     k: list[torch.Tensor]
     v: list[torch.Tensor]
     static_kv: bool = False
@@ -73,7 +80,7 @@ class BlockResiduals:
     def static_bytes(self, batch: int, prefix_len: int, target_tokens: int, dtype: torch.dtype) -> int:
         heads, head_dim = self.net.blocks[0].attn.heads, self.net.head_dim
         kv = 2 * len(self.k) * batch * (prefix_len + target_tokens) * heads * head_dim
-        return (kv + batch * target_tokens * CONTROL_CHANNELS + 1) * dtype.itemsize
+        return (kv + batch * target_tokens * CONTROL_CHANNELS) * dtype.itemsize + 4
 
     def static_copy(self, prefix_len: int, target_tokens: int) -> "BlockResiduals":
         """Zeroed static buffers of this request's shapes, for a graph entry (allocated outside inference mode)."""
@@ -121,8 +128,7 @@ class _StepRun:
         stream, handed = self.blocks[j](self.stream, None, self.modulation, inputs.cos, inputs.sin, r.k[j], r.v[j],
                                         inputs.prefix_len, r.static_kv, inputs.attn_mask)
         self.stream = settle(stream, handed)
-        skip = r.net.after_proj[j](self.stream)
-        return settle(x, pending) + r.strength * skip, None
+        return add_residual(settle(x, pending), r.net.after_proj[j](self.stream), r.strength), None
 
 
 @dataclass
@@ -138,9 +144,6 @@ class ControlledPrefix:
 
     prefill_reason = CONTROL_PREFIX_EAGER
 
-    def graph_key(self) -> tuple:
-        return (*self.net.weights_key(), self.layers)
-
     def run(self, step, inputs) -> BlockResiduals:
         """The prefix pass (`PrefixInputs`: base K/V land in `inputs.k` / `inputs.v`) with the control stream beside
         the base blocks: each control block's prefix K/V kept, its residual added to the base prefix rows."""
@@ -151,7 +154,7 @@ class ControlledPrefix:
         shape = (batch, prefix_len, attn.heads, net.head_dim)
         k = [x.new_empty(shape) for _ in layers]
         v = [x.new_empty(shape) for _ in layers]
-        strength = torch.full((1,), float(self.strength), dtype=x.dtype, device=x.device)
+        strength = torch.full((1,), float(self.strength), dtype=torch.float32, device=x.device)
         base = step.prefix_blocks()
         control = _decode_blocks(net, True)
         stream = net.before_proj(torch.zeros_like(x)) + x
@@ -170,7 +173,6 @@ class ControlledPrefix:
             if i == last:
                 continue
             stream = settle(stream, handed)
-            x = settle(x, pending) + strength * net.after_proj[j](stream)
-            pending = None
+            x, pending = add_residual(settle(x, pending), net.after_proj[j](stream), strength), None
         tokens = self.tokens.to(x.device, x.dtype)
         return BlockResiduals(net, layers, tokens, strength, k, v)
