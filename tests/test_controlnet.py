@@ -253,3 +253,14 @@ def test_core_samplers_with_the_control_equal_the_kvgraph_sampler(models, genera
         ours, _ = core_euler(ModelFunction(engine), noise, sigmas, source(embeds), run=run)
         assert run.counts.prefills == 2  # the plain prefix and the controlled one
     assert (ours - expected).abs().max().item() <= 2e-5
+
+
+def test_the_memory_a_controlnet_adds(models):
+    """Its weights, the control blocks' K/V of the controlled entry, and a plain entry beside it when the range is
+    only part of the schedule (what the sampler node's memory check adds as a weight named ControlNet)."""
+    transformer, net = models
+    weights = sum(p.numel() for p in net.parameters()) * 4
+    rows = 1 * (20 + 48) * 32 * 4
+    assert _spec(net).memory_bytes(transformer, 1, 20, 48) == weights + 2 * 2 * rows
+    partial = _spec(net, sigma_start=0.9).memory_bytes(transformer, 1, 20, 48)
+    assert partial == weights + 2 * 2 * rows + 2 * 4 * rows

@@ -47,8 +47,11 @@ def kv_sigmas(env, transformer, latent, steps=3):
 def test_the_kvgraph_sampler_and_core_euler_agree_with_the_controlnet(comfy_env, setup):
     transformer, vae, positive, latent, net = setup
     plain = sampler(comfy_env, transformer, positive, latent)["samples"]
+    assert "ControlNet weights" not in transformer.last_budget["parts"]
     ours = sampler(comfy_env, apply(comfy_env, transformer, net, vae), positive, latent)["samples"]
     assert (ours - plain).abs().max().item() > 1e-2
+    # The sampler's memory check counts the ControlNet (the record is kept on the loader's handle).
+    assert transformer.last_budget["parts"]["ControlNet weights"] > 0
     sigmas = kv_sigmas(comfy_env, transformer, latent)
     core = core_sample(comfy_env, apply(comfy_env, transformer.model, net, vae), positive, latent, sigmas, 7)
     assert (core - ours).abs().max().item() <= ATOL

@@ -129,3 +129,15 @@ class ControlSpec:
         tokens = self.tokens(height, width).flatten(2).transpose(1, 2).to(param.device, param.dtype)
         layers = tuple(net.injection_layers(len(transformer.transformer_blocks)))
         return ControlledPrefix(net, layers, tokens.expand(batch, -1, -1), self.strength)
+
+    def memory_bytes(self, transformer, batch: int, prefix_tokens: int, target_tokens: int) -> int:
+        """What the ControlNet adds to a request on the model's device: its weights in the model's dtype, the control
+        blocks' K/V of a controlled graph entry, and where its range is not the whole schedule, a second (plain)
+        entry's base K/V beside the controlled one."""
+        itemsize = next(transformer.parameters()).element_size()
+        weights = sum(p.numel() for p in self.net.parameters()) * itemsize
+        rows = batch * (prefix_tokens + target_tokens) * self.net.inner_dim * itemsize
+        control_kv = 2 * self.net.num_blocks * rows
+        whole = self.sigma_start >= 1.0 and self.sigma_end <= 0.0
+        plain_entry = 0 if whole else 2 * len(transformer.transformer_blocks) * rows
+        return weights + control_kv + plain_entry
