@@ -16,6 +16,7 @@ from ..graph_runtime.controlnet import ControlSpec, flow_percent_to_sigma, load_
 from ..graph_runtime.errors import InputError
 from ..graph_runtime.sampling.schedule import dynamic_shift
 from .comfyui import model_files
+from .comfyui.core_controlnet import restoring_loaded_models
 from .comfyui.core_model import kv_model, with_control
 from .comfyui.model_handles import TransformerHandle
 from .comfyui.types import LOADERS, SAMPLING, Vae
@@ -115,7 +116,7 @@ class KVGraphApplyControlNet(io.ComfyNode):
         def encode(pixels):
             return raw_to_normalized(encode_raw(vae, comfy_image_to_vae_pixels(pixels, "image")), stats)
 
-        spec = ControlSpec(controlnet, encode, float(strength), sigma_start=float(to_sigma(start_percent)),
+        spec = ControlSpec(controlnet, restoring_loaded_models(encode), float(strength), sigma_start=float(to_sigma(start_percent)),
                            sigma_end=float(to_sigma(end_percent)), image=image, inpaint_image=inpaint_image,
                            mask=mask)
         return io.NodeOutput(model.with_control(spec) if handle else with_control(model, spec))

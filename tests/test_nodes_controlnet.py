@@ -44,16 +44,26 @@ def kv_sigmas(env, transformer, latent, steps=3):
                height=1024, denoise=1.0, latent=latent)[0]
 
 
-def test_the_kvgraph_sampler_and_core_euler_agree_with_the_controlnet(comfy_env, setup):
+def _inpaint_inputs():
+    mask = torch.zeros(1, 96, 128)
+    mask[:, 32:80, 40:100] = 1.0  # paint this box anew
+    return dict(image=None, inpaint_image=image(96, 128, seed=4), mask=mask)
+
+
+@pytest.mark.parametrize("variant", ["control", "inpaint"])
+def test_the_kvgraph_sampler_and_core_euler_agree_with_the_controlnet(comfy_env, setup, variant):
+    """Both samplers, with a control image or with an inpaint image and mask: the same latents, and not the
+    uncontrolled ones; the sampler's memory check counts the ControlNet."""
     transformer, vae, positive, latent, net = setup
+    extra = _inpaint_inputs() if variant == "inpaint" else {}
     plain = sampler(comfy_env, transformer, positive, latent)["samples"]
     assert "ControlNet weights" not in transformer.last_budget["parts"]
-    ours = sampler(comfy_env, apply(comfy_env, transformer, net, vae), positive, latent)["samples"]
+    ours = sampler(comfy_env, apply(comfy_env, transformer, net, vae, **extra), positive, latent)["samples"]
     assert (ours - plain).abs().max().item() > 1e-2
-    # The sampler's memory check counts the ControlNet (the record is kept on the loader's handle).
+    # The record is kept on the loader's handle.
     assert transformer.last_budget["parts"]["ControlNet weights"] > 0
     sigmas = kv_sigmas(comfy_env, transformer, latent)
-    core = core_sample(comfy_env, apply(comfy_env, transformer.model, net, vae), positive, latent, sigmas, 7)
+    core = core_sample(comfy_env, apply(comfy_env, transformer.model, net, vae, **extra), positive, latent, sigmas, 7)
     assert (core - ours).abs().max().item() <= ATOL
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import weakref
 
-import comfy.model_management  # noqa: F401 - this module reads ComfyUI's objects (nodes/comfyui holds such glue)
+import comfy.model_management as mm
 
 from ...graph_runtime.comfy_interop.latents import latent_stats, raw_to_normalized
 from ...graph_runtime.controlnet import ControlSpec, FunControlNet
@@ -46,9 +46,27 @@ def control_from_core(transformer_options: dict) -> ControlSpec | None:
     def encode(pixels):
         return raw_to_normalized(state.vae.encode(pixels[..., :3]), stats)
 
+    encode = restoring_loaded_models(encode)
+
     low, high = sorted(float(s) for s in state.sigma_range)
     return ControlSpec(_net_of(state.model_patch.model), encode, float(state.strength), sigma_start=high,
                        sigma_end=low, image=state.image, inpaint_image=state.inpaint_image, mask=state.mask)
+
+
+def restoring_loaded_models(encode):
+    """`encode` that leaves the models the running prompt uses loaded as it found them: the control images are
+    encoded once the sampler has loaded the model, and loading the VAE may have made ComfyUI unload it (what core's
+    own ControlNet nodes do around their encode)."""
+
+    def wrapped(pixels):
+        loaded = mm.loaded_models(only_currently_used=True)
+        try:
+            return encode(pixels)
+        finally:
+            if loaded:
+                mm.load_models_gpu(loaded)
+
+    return wrapped
 
 
 def _net_of(module) -> FunControlNet:
