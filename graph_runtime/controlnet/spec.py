@@ -23,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import InputError
+from ..report import compute_dtype
 from .model import LATENT_CHANNELS, FunControlNet
 from .stream import ControlledPrefix
 
@@ -124,9 +125,10 @@ class ControlSpec:
     def for_branch(self, transformer, batch: int, height: int, width: int) -> ControlledPrefix:
         """What one prefix branch of `batch` samples gets: the net on the model's device and dtype, its tokens."""
         self.net.check_base(transformer)
-        param = next(transformer.parameters())
-        net = self.net.placed(param.device, param.dtype)
-        tokens = self.tokens(height, width).flatten(2).transpose(1, 2).to(param.device, param.dtype)
+        # The dtype activations run in: an INT8 or FP8 model's first parameter may be an 8-bit weight.
+        device, dtype = next(transformer.parameters()).device, compute_dtype(transformer)
+        net = self.net.placed(device, dtype)
+        tokens = self.tokens(height, width).flatten(2).transpose(1, 2).to(device, dtype)
         layers = tuple(net.injection_layers(len(transformer.transformer_blocks)))
         return ControlledPrefix(net, layers, tokens.expand(batch, -1, -1), self.strength)
 
@@ -134,7 +136,7 @@ class ControlSpec:
         """What the ControlNet adds to a request on the model's device: its weights in the model's dtype, the control
         blocks' K/V of a controlled graph entry, and where its range is not the whole schedule, a second (plain)
         entry's base K/V beside the controlled one."""
-        itemsize = next(transformer.parameters()).element_size()
+        itemsize = compute_dtype(transformer).itemsize
         weights = sum(p.numel() for p in self.net.parameters()) * itemsize
         rows = batch * (prefix_tokens + target_tokens) * self.net.inner_dim * itemsize
         control_kv = 2 * self.net.num_blocks * rows
