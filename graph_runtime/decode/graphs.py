@@ -59,7 +59,7 @@ class GraphKey:
             "device": self.device,
             "backend": self.backend,
             **({"parallel": dict(self.parallel)} if self.parallel else {}),
-            **({"residuals": str(self.residuals[0])} if self.residuals else {}),
+            **({"residuals": f"{self.residuals[0]} #{self.residuals[1]}"} if self.residuals else {}),
         }
 
 
