@@ -264,6 +264,7 @@ def cmd_generate(args) -> int:
 
 
 def cmd_make_tiny(args) -> int:
+    from .controlnet.tiny import comfyui_controlnet_path, write_tiny_controlnet
     from .lora.tiny import comfyui_lora_path, write_tiny_lora
     from .tiny import (check_writable, comfyui_file_paths, comfyui_int8_file_paths, write_comfyui_files,
                        write_comfyui_int8_files, write_diffusers_folder)
@@ -274,7 +275,8 @@ def cmd_make_tiny(args) -> int:
     if args.comfyui_models:
         check_writable([*comfyui_file_paths(args.comfyui_models).values(),
                         *comfyui_int8_file_paths(args.comfyui_models).values(),
-                        comfyui_lora_path(args.comfyui_models)], args.force)
+                        comfyui_lora_path(args.comfyui_models), comfyui_controlnet_path(args.comfyui_models)],
+                       args.force)
     if args.dir:
         check_writable([args.dir], args.force, folder=True)
     if args.comfyui_models:
@@ -284,6 +286,8 @@ def cmd_make_tiny(args) -> int:
             print(f"wrote {name} (INT8 ConvRot): {path}")
         # The LoRA example workflow's file, so that example runs as shipped on the tiny model too.
         print(f"wrote lora: {write_tiny_lora(comfyui_lora_path(args.comfyui_models))}")
+        # The ControlNet examples' file (the Fun ControlNet Union's layout), in models/model_patches.
+        print(f"wrote controlnet: {write_tiny_controlnet(comfyui_controlnet_path(args.comfyui_models))}")
     if args.dir:
         try:
             folder = write_diffusers_folder(args.dir, force=args.force)
@@ -373,7 +377,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir", nargs="?", help="diffusers folder to write")
     tiny.add_argument("--comfyui-models", help="a ComfyUI models/ folder to write the single files into (bf16 and "
                                                "INT8 ConvRot, under the real files' names), and a tiny LoRA under "
-                                               "the name the LoRA example loads (loras/)")
+                                               "the name the LoRA example loads (loras/) and a tiny Fun "
+                                               "ControlNet Union under the name the ControlNet examples load "
+                                               "(model_patches/)")
     tiny.add_argument("--force", action="store_true", help="overwrite existing files (refused otherwise)")
     tiny.set_defaults(func=cmd_make_tiny)
 

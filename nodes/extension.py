@@ -5,6 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import ComfyExtension, io
 
 from .cache import CACHE_NODES
+from .controlnet import CONTROLNET_NODES
 from .encode import KVGraphTextEncode
 from .loaders import LOADER_NODES
 from .lora import LORA_NODES
@@ -14,7 +15,8 @@ from .sigmas import KVGraphSigmas
 from .vae import VAE_NODES
 
 NODE_LIST: list[type[io.ComfyNode]] = [*LOADER_NODES, *LORA_NODES, KVGraphTextEncode, KVGraphSampler, KVGraphSigmas,
-                                       *VAE_NODES, *SAVE_NODES, *CACHE_NODES]
+                                       *VAE_NODES, *SAVE_NODES, *CACHE_NODES,
+                                       *CONTROLNET_NODES]
 
 
 class KVGraphExtension(ComfyExtension):

@@ -178,6 +178,9 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
         init_latents=raw_to_normalized(samples, stats) if denoise < 1.0 or mask is not None else None,
         noise_mask=mask,
         decode_mode=decode_mode, compile=compile == "blocks", scheduler_config=model.scheduler_config,
+        control=model.control,
     )
+    if model.control is not None:
+        model.control.tokens(height, width)  # the VAE encodes the control images now, before any sampling
     check_schedule(request)  # before the memory budget: a size the schedule cannot take is refused as such
     return request, stats

@@ -55,7 +55,7 @@ def test_the_readme_first_screen_says_what_it_is_how_to_install_and_the_ci_comma
     """Within the first screen: one sentence of what it is, the install into ComfyUI, and the two set-up/test
     commands, which are the ones .ci/run runs; the whole README stays short enough to read."""
     lines = (ROOT / "README.md").read_text().splitlines()
-    assert len(lines) < 180
+    assert len(lines) < 190
     first = "\n".join(lines[:FIRST_SCREEN])
     assert "ComfyUI" in first and "Qwen-Image-2.1" in first
     assert "custom_nodes" in first and "requirements.txt" in first

@@ -27,8 +27,9 @@ UI_FILES = sorted((ROOT / "example_workflows").glob("*.json"))
 EXPECTED = {"qwen_image_2.1_text_to_image", "qwen_image_2.1_turbo_8_steps", "qwen_image_2.1_edit_one_reference",
             "qwen_image_2.1_edit_two_references", "qwen_image_2.1_cfg_negative_prompt", "qwen_image_2.1_lora",
             "qwen_image_2.1_ksampler", "qwen_image_2.1_edit_custom_sampler", "qwen_image_2.1_inpaint",
-            "qwen_image_2.1_edit_five_references"}
+            "qwen_image_2.1_edit_five_references", "qwen_image_2.1_controlnet", "qwen_image_2.1_controlnet_inpaint"}
 LORA_FILE = "qwen_image_2.1_lora.safetensors"  # the LoRA example's file (users put their own in models/loras)
+CONTROLNET_FILE = "qwen_image_2.1_fun_controlnet_union.safetensors"  # the ControlNet examples' (models/model_patches)
 # ComfyUI's templates load the INT8 ConvRot files by default; the Turbo example loads the Turbo checkpoint.
 REAL_FILES = {"qwen_image_2.1_int8_convrot.safetensors", "qwen3vl_8b_int8_convrot.safetensors",
               "qwen_image_2.1_vae_bf16.safetensors"}
@@ -172,7 +173,8 @@ def test_ui_workflow_matches_node_schemas(comfy_env, name):
     expected_files = REAL_FILES
     if "turbo" in name:
         expected_files = REAL_FILES - {"qwen_image_2.1_int8_convrot.safetensors"} | {TURBO_FILE}
-    assert files - {LORA_FILE} == expected_files and (LORA_FILE in files) == ("lora" in name)
+    assert files - {LORA_FILE, CONTROLNET_FILE} == expected_files and (LORA_FILE in files) == ("lora" in name)
+    assert (CONTROLNET_FILE in files) == ("controlnet" in name)
     link_ids = set()
     for link_id, src, src_slot, dst, dst_slot, link_type in workflow["links"]:
         link_ids.add(link_id)
@@ -425,3 +427,24 @@ def test_make_tiny_writes_the_lora_the_lora_example_loads(tmp_path, capsys):
     assert main(["make-tiny", "--comfyui-models", str(users.parent.parent)]) == 2
     assert f"make-tiny output='{users}' is invalid" in capsys.readouterr().err
     assert users.read_bytes() == b"a user's LoRA"
+
+
+# -- the ControlNet examples run on the tiny files ------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["qwen_image_2.1_controlnet", "qwen_image_2.1_controlnet_inpaint"])
+def test_make_tiny_writes_the_controlnet_the_controlnet_examples_load(tmp_path, capsys, name):
+    """`make-tiny --comfyui-models` writes a Fun ControlNet Union in models/model_patches under the very name the
+    ControlNet examples load, and the pack reads it as a net for the tiny transformer."""
+    from graph_runtime.cli import main
+    from graph_runtime.controlnet import load_fun_controlnet
+    from graph_runtime.tiny import random_tiny_transformer
+
+    api = load(api_file(name))
+    file_name = next(n for n in api.values()
+                     if n["class_type"] == "KVGraphLoadControlNet")["inputs"]["controlnet_name"]
+    models = tmp_path / "models"
+    assert main(["make-tiny", "--comfyui-models", str(models)]) == 0
+    path = models / "model_patches" / file_name
+    assert f"wrote controlnet: {path}" in capsys.readouterr().out
+    load_fun_controlnet(path).check_base(random_tiny_transformer())

@@ -62,7 +62,7 @@ class ModelFunction:
             hidden = pack(x.to(device, dtype))
             sigma = sigma.reshape(-1).to(device)
             timestep = sigma_timestep(sigma.expand(batch) if sigma.numel() == 1 else sigma, dtype)
-            prefix = run.prefix(source, roles, (height, width), hidden, timestep)
+            prefix = run.prefix(source, roles, (height, width), hidden, timestep, run.controlled(sigma))
             outcome = self.engine.decode_step(prefix, hidden, timestep, run.mode)
             run.count(sigma, outcome.path, outcome.reason)
             # On the caller's device: where the weights are not on it (an eager step, counted), the step ran on theirs.

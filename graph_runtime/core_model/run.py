@@ -56,8 +56,10 @@ class SamplingRun:
     `release()` (the caller holds its LoRA set merged for exactly the run's model calls this way).
     """
 
-    def __init__(self, engine: DecodeEngine, decode_mode: str = "auto", on_first_call=None):
+    def __init__(self, engine: DecodeEngine, decode_mode: str = "auto", on_first_call=None, control=None):
+        """`control`: a ControlNet on the model (graph_runtime/controlnet `ControlSpec`), or None."""
         self.engine = engine
+        self.control = control
         self.mode = check_mode(decode_mode)
         self.counts = RunCounts()
         self._prefixes: dict[tuple, PrefixCache] = {}
@@ -85,22 +87,28 @@ class SamplingRun:
                 if self._on_first_call is not None:
                     self._held.enter_context(self._on_first_call())
 
+    def controlled(self, sigma: torch.Tensor) -> bool:
+        """Whether a call at `sigma` runs the run's ControlNet (inside its start/end range)."""
+        return self.control is not None and self.control.active(float(sigma.reshape(-1)[0]))
+
     def prefix(self, source: PrefixSource, roles, target_shape: tuple[int, int], hidden: torch.Tensor,
-               timestep: torch.Tensor) -> PrefixCache:
+               timestep: torch.Tensor, controlled: bool = False) -> PrefixCache:
         """The prefix of `source` for a call of `hidden`'s batch and a `target_shape` (h, w) latent, prefilled on the
-        first call that needs it. `roles`: core's `cond_or_uncond` for the call's chunks (names the graph entry)."""
+        first call that needs it. `roles`: core's `cond_or_uncond` for the call's chunks (names the graph entry).
+        `controlled`: the prefix with the run's ControlNet (its rows differ from the plain prefix's, see
+        graph_runtime/controlnet/stream.py), kept beside the plain one when the net acts on some steps only."""
         batch = hidden.shape[0]
-        key = (source.digest, batch, target_shape)
+        key = (source.digest, batch, target_shape, controlled)
         with self._lock:
             cached = self._prefixes.get(key)
             if cached is not None:
                 return cached
-            prefix = self._prefill(source, roles, target_shape, hidden, timestep)
+            prefix = self._prefill(source, roles, target_shape, hidden, timestep, controlled)
             self._prefixes[key] = prefix
             self.counts.prefills += 1
             return prefix
 
-    def _prefill(self, source, roles, target_shape, hidden, timestep) -> PrefixCache:
+    def _prefill(self, source, roles, target_shape, hidden, timestep, controlled=False) -> PrefixCache:
         engine = self.engine
         batch, device, dtype = hidden.shape[0], hidden.device, hidden.dtype
         transformer = engine.transformer
@@ -121,8 +129,9 @@ class SamplingRun:
             cond_tokens = torch.cat([r.to(device, dtype).flatten(2).transpose(1, 2) for r in source.references], 1)
             joint = torch.cat([cond_tokens.expand(batch, -1, -1), hidden], dim=1)
         branch = self._graph_name(source, roles, batch, layout)
+        control = self.control.for_branch(transformer, batch, *target_shape) if controlled else None
         _, prefix = engine.prefill(layout, joint, embeds, timestep, text_mask, branch=branch, mode=self.mode,
-                                   with_target=False)
+                                   with_target=False, control=control)
         return prefix
 
     def _graph_name(self, source: PrefixSource, roles, batch: int, layout: TokenLayout) -> str:

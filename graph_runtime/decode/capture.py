@@ -10,7 +10,7 @@ import contextlib
 import operator
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -54,23 +54,28 @@ class EntrySpec:
     in_channels: int
     dtype: torch.dtype
     device: torch.device
+    # The request's per-block residuals (a ControlNet), whose static copy the entry holds too; None for none.
+    residuals: object = field(default=None, compare=False)
 
     @classmethod
-    def for_request(cls, transformer, layout, batch: int, heads: int | None = None) -> "EntrySpec":
+    def for_request(cls, transformer, layout, batch: int, heads: int | None = None,
+                    residuals=None) -> "EntrySpec":
         """`heads`: the heads whose K/V the entry keeps (default all)."""
         config = transformer.config
         param = next(transformer.parameters())
         return cls(batch=batch, prefix_len=layout.prefix_len, target_tokens=layout.target_tokens,
                    heads=heads or config.num_attention_heads, head_dim=config.attention_head_dim,
                    num_blocks=len(transformer.transformer_blocks), in_channels=config.in_channels,
-                   dtype=param.dtype, device=param.device)
+                   dtype=param.dtype, device=param.device, residuals=residuals)
 
     @property
     def static_bytes(self) -> int:
         """What the entry's static buffers take (K/V for every block dominate: 0.5 MiB per token per branch)."""
         kv = self.batch * (self.prefix_len + self.target_tokens) * self.heads * self.head_dim * self.num_blocks * 2
         hidden = self.batch * self.target_tokens * self.in_channels
-        return (kv + hidden) * self.dtype.itemsize
+        extra = 0 if self.residuals is None else self.residuals.static_bytes(self.batch, self.prefix_len,
+                                                                            self.target_tokens, self.dtype)
+        return (kv + hidden) * self.dtype.itemsize + extra
 
 
 class DecodeGraphEntry(CaptureRecord):
@@ -105,6 +110,9 @@ class DecodeGraphEntry(CaptureRecord):
                 prefix_len=spec.prefix_len,
                 static_kv=True,
             )
+            if spec.residuals is not None:
+                self.inputs.extra["block_residuals"] = spec.residuals.static_copy(spec.prefix_len,
+                                                                                  spec.target_tokens)
         self.prefix_graph: PrefixGraph | str | None = None  # the captured prefix pass, or why it failed
         self._sources: list[weakref.ReferenceType] = []  # what the prefix rows hold (see refresh_prefix)
         self._versions: list[tuple[int, int]] = []  # (index, version) of the normal tensors among them
@@ -127,12 +135,17 @@ class DecodeGraphEntry(CaptureRecord):
     def nbytes(self) -> int:
         tensors = [self.inputs.hidden, self.inputs.timestep, self.inputs.cos, self.inputs.sin,
                    *self.inputs.k, *self.inputs.v]
+        residuals = self.inputs.extra.get("block_residuals")
+        if residuals is not None:
+            tensors += [residuals.tokens, residuals.strength, *residuals.k, *residuals.v]
         prefix_graph = self.captured_prefix.nbytes if self.captured_prefix is not None else 0
         return sum(t.numel() * t.element_size() for t in tensors) + self.pool_bytes + prefix_graph
 
-    def load_inputs(self, hidden: torch.Tensor, timestep: torch.Tensor) -> None:
+    def load_inputs(self, hidden: torch.Tensor, timestep: torch.Tensor, residuals=None) -> None:
         self.inputs.hidden.copy_(hidden)
         self.inputs.timestep.copy_(timestep)
+        if residuals is not None:
+            residuals.load_into(self.inputs.extra["block_residuals"], self.inputs.prefix_len)
 
     def refresh_prefix(self, prefix: PrefixCache) -> bool:
         """Copy the request's prefix into the static buffers, unless they already hold exactly these tensors.

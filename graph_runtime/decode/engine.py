@@ -100,41 +100,62 @@ class DecodeEngine:
 
     @torch.no_grad()
     def prefill(self, layout: TokenLayout, latents, encoder_hidden_states, timestep, text_mask=None,
-                branch="cond", mode="auto", with_target=True) -> tuple[torch.Tensor | None, PrefixCache]:
+                branch="cond", mode="auto", with_target=True, control=None) -> tuple[torch.Tensor | None, PrefixCache]:
         """Step 1. When this request can own a graph entry, the prefix goes straight into its static buffers.
 
         `with_target=False` (what the sampler does) runs only the prefix rows and returns no prediction; the caller
         then predicts step 1 with `decode_step`, like every later step, so step 1 replays the graph too: a
         prefix-only forward plus one graph step instead of an eager forward over the whole joint sequence, for the
         same math.
+
+        `control`: a ControlNet for this branch (graph_runtime/controlnet `ControlledPrefix`, prefix pass only): its
+        `run(step, inputs)` is the prefix pass, and the per-block residuals it returns ride on the prefix for the
+        decode steps, which then have graph entries of their own.
         """
+        if control is not None and with_target:
+            raise ValueError("a ControlNet prefill runs the prefix rows only (with_target=False)")
         token = OwnerToken()
-        entry = self._claim(token, branch, layout, latents.shape[0], layout.joint_key_valid(text_mask), mode)
+        entry = self._claim(token, branch, layout, latents.shape[0], layout.joint_key_valid(text_mask), mode,
+                            control)
         static_kv = None if entry is None else (entry.inputs.k, entry.inputs.v)
         runner = self.step.run_prefix if entry is None else (lambda inputs: self._prefix_pass(entry, inputs))
+        residuals = []
+        if control is not None:
+            runner = lambda inputs: residuals.append(self._controlled_prefix_pass(control, inputs))  # noqa: E731
         out, prefix = run_prefill(self.transformer, layout, latents, encoder_hidden_states, timestep, text_mask,
                                   branch, static_kv=static_kv, with_target=with_target, prefix_runner=runner,
                                   kv_heads=self.step.kv_heads)
         prefix.owner = token
+        prefix.residuals = residuals[0] if residuals else None
         if entry is not None:
             self.graphs.bind(entry, prefix)
         return out, prefix
 
-    def _claim(self, token: OwnerToken, branch: str, layout, batch: int, key_valid, mode: str):
+    def _controlled_prefix_pass(self, control, inputs: PrefixInputs):
+        """A ControlNet's prefix pass: eager (once per prompt and branch), counted and logged once."""
+        if self.graphs.count_eager(control.prefill_reason, prefill=True):
+            logger.info("KV-Graph: prefix pass runs eagerly: %s.", control.prefill_reason)
+        return control.run(self.step, inputs)
+
+    def _claim(self, token: OwnerToken, branch: str, layout, batch: int, key_valid, mode: str, control=None):
         """The graph entry this request's prefill writes into, or None when the request will not replay
         (ineligible, owned by another live request, failed key); its decode steps then say why."""
         if check_mode(mode) == "eager":
             return None
         self.guard.new_request()
+        if control is not None:
+            # A controlled entry's buffers take the residuals' shapes, known only after the pass: the first decode
+            # step registers it, and copies the prefix in.
+            return None
         spec = self._entry_spec(layout, batch)
         if not self._judge(spec.dtype, key_valid).ok:
             return None
         key = make_key(self.step, branch, batch, layout, spec.dtype, spec.device)
         return self.graphs.claim(key, token, lambda: spec)
 
-    def _entry_spec(self, layout: TokenLayout, batch: int) -> EntrySpec:
+    def _entry_spec(self, layout: TokenLayout, batch: int, residuals=None) -> EntrySpec:
         """The static buffers a graph entry of this layout and batch needs (the heads this step keeps)."""
-        return EntrySpec.for_request(self.transformer, layout, batch, self.step.kv_heads)
+        return EntrySpec.for_request(self.transformer, layout, batch, self.step.kv_heads, residuals)
 
     def _prefix_pass(self, entry, inputs: PrefixInputs) -> None:
         """A claimed entry's prefix pass: replayed from its captured pass when the prefix is short (a short pass is
@@ -166,7 +187,8 @@ class DecodeEngine:
         if not verdict.ok:
             return self._eager(prefix, hidden, timestep, verdict.reason, mode)
         output, path, reason = self.graphs.replay(self.step, prefix, hidden, timestep, verdict.fingerprint,
-                                                  lambda: self._entry_spec(prefix.layout, prefix.batch))
+                                                  lambda: self._entry_spec(prefix.layout, prefix.batch,
+                                                                           prefix.residuals))
         if reason is not None:
             return self._eager(prefix, hidden, timestep, reason, mode)
         return DecodeOutcome(output, path, None)
@@ -191,7 +213,8 @@ class DecodeEngine:
         attn_mask = None if prefix.key_valid is None else prefix.key_valid[:, None, None, :]
         inputs = DecodeInputs(hidden=hidden, timestep=timestep, k=prefix.k, v=prefix.v, cos=prefix.cos,
                               sin=prefix.sin, prefix_len=prefix.layout.prefix_len, static_kv=False,
-                              attn_mask=attn_mask)
+                              attn_mask=attn_mask,
+                              extra={} if prefix.residuals is None else {"block_residuals": prefix.residuals})
         return DecodeOutcome(self.step(inputs), "eager", reason)
 
     # -- before a first prompt -------------------------------------------------------------------------------------

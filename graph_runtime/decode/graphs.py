@@ -45,6 +45,7 @@ class GraphKey:
     device: str
     backend: str
     parallel: tuple = ()
+    residuals: tuple = ()  # a ControlNet's part (which net, where its weights are): its stream is captured work
 
     def describe(self) -> dict:
         prefix_len, target_tokens, shapes, _ = self.layout
@@ -58,12 +59,15 @@ class GraphKey:
             "device": self.device,
             "backend": self.backend,
             **({"parallel": dict(self.parallel)} if self.parallel else {}),
+            **({"residuals": f"{self.residuals[0]} #{self.residuals[1]}"} if self.residuals else {}),
         }
 
 
-def make_key(step: DecodeStep, branch: str, batch: int, layout, dtype, device) -> GraphKey:
+def make_key(step: DecodeStep, branch: str, batch: int, layout, dtype, device, residuals=None) -> GraphKey:
+    """`residuals`: the request's per-block residuals (a ControlNet), or None."""
     return GraphKey(branch=branch, batch=batch, layout=layout.signature, dtype=str(dtype).removeprefix("torch."),
-                    device=str(device), backend=step.variant(device), parallel=step.parallel_key())
+                    device=str(device), backend=step.variant(device), parallel=step.parallel_key(),
+                    residuals=() if residuals is None else residuals.graph_key())
 
 
 @dataclass
@@ -164,7 +168,7 @@ class DecodeGraphs:
         key = prefix.graph_key
         if key is None:
             key = prefix.graph_key = make_key(step, prefix.branch, prefix.batch, prefix.layout, hidden.dtype,
-                                              hidden.device)
+                                              hidden.device, prefix.residuals)
         with self.lock:
             entry = self._lookup_or_register(key, make_spec)
             if isinstance(entry, FailedEntry):
@@ -177,7 +181,7 @@ class DecodeGraphs:
                 # A captured graph reads weights at the addresses it was captured with: never replay it stale.
                 self._remove([k for k, e in self.entries.items() if isinstance(e, DecodeGraphEntry)])
                 return None, "eager", why.WEIGHTS_MOVED
-            entry.load_inputs(hidden, timestep)
+            entry.load_inputs(hidden, timestep, prefix.residuals)
             if entry.refresh_prefix(prefix):
                 entry.set_rope(prefix.cos, prefix.sin)
             path = "replay"

@@ -43,6 +43,8 @@ class PrefixCache:
     key_valid: torch.Tensor | None  # [B, P + T] bool when the text is padded, else None
     owner: OwnerToken | None = field(default_factory=OwnerToken)
     graph_key: object = None  # the graphs' key for this request, computed at its first graph step
+    # A stream beside the blocks whose per-block residuals its steps add (graph_runtime/controlnet), or None.
+    residuals: object = None
 
     @property
     def batch(self) -> int:
@@ -56,6 +58,7 @@ class PrefixCache:
         self.k.clear()
         self.v.clear()
         self.owner = None
+        self.residuals = None
 
 
 class _StaticPrefixLayer(QwenImage21KVLayerCache):

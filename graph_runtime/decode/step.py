@@ -390,11 +390,17 @@ class DecodeStep(torch.nn.Module):
         temb = model.time_text_embed(timestep, x)
         modulation = model.modulation(temb)[:batch]
         pending = None
+        # Per-block residuals from a stream beside the blocks (a ControlNet, graph_runtime/controlnet): added after
+        # their base block, here and nowhere else.
+        residuals = inputs.extra.get("block_residuals")
+        residuals = residuals.start(self, x, modulation, inputs) if residuals is not None else None
         # The diffusers blocks, for a streamed model's residency (outside the wrappers, which may be compiled).
         for i, (block, inner) in enumerate(zip(self.blocks, model.transformer_blocks)):
             with block_on_device(inner):
                 x, pending = block(x, pending, modulation, inputs.cos, inputs.sin, inputs.k[i], inputs.v[i],
                                    inputs.prefix_len, inputs.static_kv, inputs.attn_mask)
+            if residuals is not None:
+                x, pending = residuals.after_block(i, x, pending)
         norm_out = model.norm_out
         scale = norm_out.linear(norm_out.silu(temb).to(x.dtype))[:batch]
         fuse = self.kernels and type(norm_out.norm) is torch.nn.LayerNorm and not norm_out.norm.elementwise_affine

@@ -38,6 +38,10 @@ def sample_on_devices(loaded, request, gpus: int = 1, on_step=None, should_stop=
 
     if gpus == 1:
         return sample(loaded.engine, request, on_step, should_stop, on_event)
+    if getattr(request, "control", None) is not None:
+        from ..errors import InputError
+
+        raise InputError("gpus", gpus, "1 with a ControlNet (its stream is not split over several GPUs yet)")
     return loaded.parallel_runtime(gpus).sample(request, on_step, should_stop, on_event)
 
 

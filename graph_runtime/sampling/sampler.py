@@ -53,6 +53,9 @@ class SamplingRequest:
     # more on a first prompt (docs/performance.md), so off by default; skipped automatically off CUDA.
     compile: bool = False
     scheduler_config: dict | None = None
+    # A ControlNet (graph_runtime/controlnet `ControlSpec`): the steps inside its range decode against a controlled
+    # prefix with the control stream, the others against the plain prefix.
+    control: object = None
 
     def __post_init__(self):
         """Every sampling setting is checked here, once, where a request is built (by the sampler node, the generator
@@ -184,15 +187,18 @@ def _prepare(req: SamplingRequest, channels: int, device, dtype) -> _Prepared:
     return _Prepared(latents, timesteps, sigmas, cond_tokens, branches, dtype, inpaint)
 
 
-def _prefill(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, prefixes: dict) -> None:
+def _prefill(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, prefixes: dict, control=None) -> None:
     """Each branch's prefix rows, once, at step 1's timestep, into `prefixes` (filled as they finish, so the
-    caller releases whatever was made if a later branch fails)."""
+    caller releases whatever was made if a later branch fails). `control`: the request's ControlNet, for the
+    controlled prefixes."""
     timestep = model_timestep(run.timesteps[0].expand(req.batch_size), run.dtype)
     latents = run.latents.to(run.dtype)
     hidden = latents if run.cond_tokens is None else torch.cat([run.cond_tokens, latents], dim=1)
     for name, (layout, embeds, text_mask) in run.branches.items():
+        branch = None if control is None else control.for_branch(engine.transformer, req.batch_size,
+                                                                 req.latent_height, req.latent_width)
         _, prefixes[name] = engine.prefill(layout, hidden, embeds, timestep, text_mask, branch=name,
-                                           mode=req.decode_mode, with_target=False)
+                                           mode=req.decode_mode, with_target=False, control=branch)
 
 
 def _denoise_step(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, prefixes: dict[str, PrefixCache],
@@ -246,19 +252,25 @@ def sample(
         stats_before = engine.stats.snapshot()
         total = len(run.timesteps)
         timings = {"steps": total}
-        latents, paths, prefixes = run.latents, [], {}
+        latents, paths, prefixes, controlled = run.latents, [], {}, {}
+        # Which steps the ControlNet acts on (its start/end range over the schedule's sigmas).
+        active = [req.control is not None and req.control.active(float(s)) for s in run.sigmas[:total]]
         watch = FiniteWatch(device, total)
         loop_start = _now(device)
         try:
             _stop_if_asked(should_stop, 1, total)
-            _prefill(engine, req, run, prefixes)
+            if not all(active):
+                _prefill(engine, req, run, prefixes)
+            if any(active):
+                _prefill(engine, req, run, controlled, req.control)
             # One sync after the prefill and one at the end: per-step syncs would stall eager launches.
             decode_start = _now(device)
             timings["prefill_ms"] = decode_start - loop_start
             cond_layout = run.branches["cond"][0]
             reporter.prefill(timings["prefill_ms"], cond_layout.prefix_len, cond_layout.target_tokens)
             for i in range(total):
-                latents, step_paths = _denoise_step(engine, req, run, prefixes, latents, i, reporter)
+                latents, step_paths = _denoise_step(engine, req, run, controlled if active[i] else prefixes, latents,
+                                                    i, reporter)
                 paths += step_paths
                 watch.after_step(i + 1, latents)
                 reporter.progress(i + 1, total, lambda: unpack(latents, height, width))
@@ -266,9 +278,10 @@ def sample(
                     _stop_if_asked(should_stop, i + 2, total)
             watch.finish()
         finally:
-            for prefix in prefixes.values():
+            for prefix in (*prefixes.values(), *controlled.values()):
                 prefix.release()
             prefixes.clear()
+            controlled.clear()
         decode_ms = _now(device) - decode_start
         timings["decode_ms_per_step"] = decode_ms / total
         timings["decode_ms_total"] = decode_ms

@@ -29,6 +29,7 @@ from ...graph_runtime.sampling.schedule import dynamic_shift
 from ...graph_runtime.validation import describe_value
 from ...graph_runtime import in_flight
 from . import events
+from .core_controlnet import control_from_core, core_fun_control_patches
 from .patcher import FullLoadPatcher
 
 logger = logging.getLogger("kvgraph")
@@ -36,6 +37,7 @@ logger = logging.getLogger("kvgraph")
 PREFIX = "kvgraph_prefix"  # the model condition carrying a conditioning entry's PrefixSource
 RUN = "kvgraph_run"  # transformer_options key of the SamplingRun a model call belongs to
 LORAS = "kvgraph_loras"  # patcher attachment: the LoRA chain (LoraChoice, ...) of a KV-Graph Load LoRA node
+CONTROL = "kvgraph_control"  # patcher attachment: the ControlSpec of a KV-Graph Apply ControlNet node
 WRAPPER = "kvgraph.sampling_run"
 CORE_PATCHES_REFUSED = ("KV-Graph: {what} cannot patch a KV-Graph MODEL: its captured graphs read the weights in "
                         "place. Use KV-Graph Load LoRA, which merges LoRAs into those weights for the run.")
@@ -133,10 +135,18 @@ class QwenImage21KVModel(comfy.model_base.BaseModel):
 
     def _warn_ignored(self, options: dict) -> None:
         for key in ("patches", "patches_replace"):
+            if key == "patches_replace" and _only_core_control(options):
+                continue  # core's Fun ControlNet: the sampling run runs it (core_controlnet.py)
             if options.get(key) and key not in self._ignored:
                 self._ignored.add(key)
                 logger.warning("KV-Graph: the model's %s (attention or block patches from other nodes) are ignored: "
                                "its steps run the pack's own decode step.", key)
+
+
+def _only_core_control(options: dict) -> bool:
+    replace = options.get("patches_replace") or {}
+    dit = replace.get("dit") or {}
+    return set(replace) <= {"dit"} and len(core_fun_control_patches(options)) == len(dit)
 
 
 class KVGraphModelPatcher(FullLoadPatcher):
@@ -171,6 +181,16 @@ def with_loras(patcher, choices) -> KVGraphModelPatcher:
     return copy
 
 
+def with_control(patcher, spec) -> KVGraphModelPatcher:
+    """A clone of the MODEL whose runs apply the ControlNet `spec` (graph_runtime/controlnet); one per MODEL."""
+    if patcher.attachments.get(CONTROL) is not None:
+        raise InputError("model", "a MODEL with a KV-Graph ControlNet applied already",
+                         "a MODEL without one (one KV-Graph Apply ControlNet per model)")
+    copy = patcher.clone()
+    copy.attachments[CONTROL] = spec
+    return copy
+
+
 def kv_model(model, name: str = "model") -> QwenImage21KVModel:
     """The pack's model inside a MODEL, or a clear error naming what was wired in instead."""
     inner = getattr(model, "model", None)
@@ -189,8 +209,15 @@ def sampling_run_wrapper(executor, noise, latent_image, sampler, sigmas, *args, 
     patcher = guider.model_patcher
     model = kv_model(patcher)
     loras = patcher.attachments.get(LORAS, ())
-    run = SamplingRun(model.engine, on_first_call=lambda: model.loaded.loras_in_use(loras))
     options = guider.model_options.setdefault("transformer_options", {})
+    control = patcher.attachments.get(CONTROL)
+    core_control = control_from_core(options)
+    if control is not None and core_control is not None:
+        raise InputError("model", "a KV-Graph ControlNet and core's Fun ControlNet", "one ControlNet per model")
+    control = control or core_control
+    if control is not None:
+        control.tokens(*latent_image.shape[-2:])  # the VAE encodes before the first model call, not inside a step
+    run = SamplingRun(model.engine, on_first_call=lambda: model.loaded.loras_in_use(loras), control=control)
     prompt_id, node_id = events.executing_ids()
     total = max(0, int(sigmas.shape[-1]) - 1)
     with in_flight.sampling(model.loaded, prompt_id, node_id, total) as record:

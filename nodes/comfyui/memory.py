@@ -74,6 +74,15 @@ def _release_hint(device, keep) -> list[str]:
             'with models, or POST /kvgraph/release {"models": true})']
 
 
+def _control_bytes(transformer, request) -> dict[str, int]:
+    """The request's ControlNet (graph_runtime/controlnet), priced as another weight on the device."""
+    if request.control is None:
+        return {}
+    prefix = max(memory.request_shape(request).prefix_tokens)
+    return {"ControlNet": request.control.memory_bytes(transformer, request.batch_size, prefix,
+                                                       request.latent_height * request.latent_width)}
+
+
 def check_request(model, request, device) -> memory.MemoryBudget:
     """The request's budget against what ComfyUI can give it, kept on the handle for /kvgraph/status; raises
     MemoryBudgetError (naming the settings to change) when it cannot fit even after ComfyUI unloads everything
@@ -94,7 +103,7 @@ def check_request(model, request, device) -> memory.MemoryBudget:
     kept = (text_encoder.placement, text_encoder.size_bytes) if (
         text_encoder is not None and text_encoder.placement == TE_GPU) else None
     budget = memory.check_sampling_request(
-        model.module, request, available, device, vae_dims,
+        model.module, request, available, device, vae_dims, other_weights=_control_bytes(model.module, request),
         more_options=lambda: _release_hint(device, keep=(model, vae)),
         host_free=free_bytes(torch.device("cpu")) if available is not None else None, vae_assumed=vae is None,
         kept_text_encoder=kept)

@@ -20,6 +20,7 @@ import torch
 import comfy.model_management as mm
 
 from ...graph_runtime.encoding.prompt import PromptEncoder
+from ...graph_runtime.errors import InputError
 from ...graph_runtime.memory import gib, module_bytes
 from ...graph_runtime.placement import PinnedWeights
 from ...graph_runtime.loaded import LoadedTransformer
@@ -150,6 +151,7 @@ class TransformerHandle(ModelHandle):
     base: "TransformerHandle | None" = field(default=None, repr=False)
     last_budget: dict | None = None  # the memory budget of the last request sampled with it (nodes/comfyui/memory.py)
     gpus: int = 1  # devices each image is decoded on (graph_runtime/parallel); the loader's gpus input
+    control: object = None  # a ControlSpec from KV-Graph Apply ControlNet (graph_runtime/controlnet), or None
 
     def with_gpus(self, gpus: int) -> "TransformerHandle":
         """The same loaded model, sampled on `gpus` devices (this handle is left as it is)."""
@@ -177,6 +179,13 @@ class TransformerHandle(ModelHandle):
     def model(self):
         """The core MODEL of this loaded transformer (ComfyUI's ModelPatcher), with this handle's LoRA chain."""
         return with_loras(self.patcher, self.loras) if self.loras else self.patcher
+
+    def with_control(self, spec) -> "TransformerHandle":
+        """The same loaded model sampled with the ControlNet `spec` (this handle is left as it is)."""
+        if self.control is not None:
+            raise InputError("model", "a KV-Graph transformer with a ControlNet applied already",
+                             "one without (one KV-Graph Apply ControlNet per model)")
+        return dataclasses.replace(self, control=spec, base=self.base or self)
 
     def with_lora(self, choice) -> "TransformerHandle":
         """The same loaded model with `choice` added to its LoRA chain (this handle is left as it is)."""

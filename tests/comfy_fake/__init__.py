@@ -241,7 +241,12 @@ class FakeComfy:
                 fake.interrupted = False
                 raise InterruptProcessingException()
 
+        def loaded_models(only_currently_used=False):
+            # ComfyUI's: the patchers loaded, optionally only those the running prompt uses (all of them here).
+            return [m.model for m in mm.current_loaded_models]
+
         mm.load_models_gpu = load_models_gpu
+        mm.loaded_models = loaded_models
         mm.get_free_memory = get_free_memory
         mm.processing_interrupted = processing_interrupted
         mm.throw_exception_if_processing_interrupted = throw_exception_if_processing_interrupted

@@ -119,6 +119,13 @@ class ModelSamplingFlux(torch.nn.Module):
     def sigma(self, t):
         return math.exp(self.shift) / (math.exp(self.shift) + (1 / t - 1) ** 1.0)
 
+    def percent_to_sigma(self, percent):
+        if percent <= 0.0:
+            return 1.0
+        if percent >= 1.0:
+            return 0.0
+        return self.sigma(1.0 - percent)
+
 
 # -- comfy.supported_models_base, comfy.model_base -----------------------------------------------------------------
 

@@ -34,6 +34,8 @@ VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
 # The LoRA workflow's file in models/loras: a stand-in for the user's own LoRA (`make-tiny --comfyui-models` writes a
 # tiny one under this name, so the example runs as shipped on the tiny files).
 LORA_FILE = "qwen_image_2.1_lora.safetensors"
+# The ControlNet workflows' file in models/model_patches (`make-tiny --comfyui-models` writes a tiny one under it).
+CONTROLNET_FILE = "qwen_image_2.1_fun_controlnet_union.safetensors"
 BF16_ALTERNATIVES = {TRANSFORMER_FILE: "qwen_image_2.1_bf16.safetensors",
                      TURBO_TRANSFORMER_FILE: "qwen_image_2.1_turbo_bf16.safetensors",
                      TEXT_ENCODER_FILE: "qwen3vl_8b_bf16.safetensors"}
@@ -65,10 +67,15 @@ OUTPUTS = {
     "CFGGuider": [("GUIDER", "GUIDER")],
     "SamplerCustomAdvanced": [("output", "LATENT"), ("denoised_output", "LATENT")],
     "SetLatentNoiseMask": [("LATENT", "LATENT")],
+    "KVGraphLoadControlNet": [("controlnet", "KVGRAPH_CONTROLNET")],
+    "KVGraphApplyControlNet": [("model", "KVGRAPH_TRANSFORMER")],
 }
 SOCKETS = {
     # A socket that takes either kind of KV-Graph model (MatchType): the frontend types it with the allowed types.
     "KVGraphLoadLoRA": [("model", "KVGRAPH_TRANSFORMER,MODEL")],
+    "KVGraphApplyControlNet": [("model", "KVGRAPH_TRANSFORMER,MODEL"), ("controlnet", "KVGRAPH_CONTROLNET"),
+                               ("vae", "KVGRAPH_VAE"), ("image", "IMAGE"), ("inpaint_image", "IMAGE"),
+                               ("mask", "MASK")],
     # The reference sockets grow as they are connected (see encode_sockets).
     "KVGraphTextEncode": [("text_encoder", "KVGRAPH_TEXT_ENCODER"), ("vae", "KVGRAPH_VAE")],
     "KVGraphSampler": [("model", "KVGRAPH_TRANSFORMER"), ("positive", "CONDITIONING"),
@@ -101,7 +108,7 @@ def sockets_of(node_type, links) -> list:
 
 def outputs_of(node_type, links, nodes) -> list:
     """A node's outputs; the LoRA node's takes the type of the model connected to it (MatchType)."""
-    if node_type == "KVGraphLoadLoRA":
+    if node_type in ("KVGraphLoadLoRA", "KVGraphApplyControlNet"):
         source, slot = links["model"]
         source_type = next(t for i, t, *_ in nodes if i == source)
         return [("model", outputs_of(source_type, {}, nodes)[slot][1])]
@@ -117,6 +124,7 @@ TITLES = {
     "KVGraphSigmas": "Schedule (sigmas)", "KVGraphVAEEncode": "Encode the image", "KSampler": "Sample (KSampler)",
     "RandomNoise": "Noise", "KSamplerSelect": "Sampler", "CFGGuider": "Guider (CFG)",
     "SamplerCustomAdvanced": "Sample (custom advanced)", "SetLatentNoiseMask": "Inpaint mask",
+    "KVGraphLoadControlNet": "Load ControlNet (Fun Union)", "KVGraphApplyControlNet": "Apply ControlNet",
 }
 # Frontend-only nodes: in the UI format, not in the API format (the frontend leaves them out of a prompt).
 UI_ONLY = {"MarkdownNote"}
@@ -254,6 +262,53 @@ def inpaint(workflow, seed=42, steps=40):
     return [*nodes[:4], image, encode, mask, *nodes[4:]], columns
 
 
+CONTROLNET_NOTE = (
+    "\n\n## ControlNet\n\n"
+    f"Put the Qwen-Image-2.1 Fun ControlNet Union (`{CONTROLNET_FILE}`, the file ComfyUI 0.38+ loads with Load Model "
+    "Patch) in ComfyUI's `models/model_patches` folder. The control image is an edge, depth or pose map; for "
+    "inpainting, the mask's white (Load Image: the transparent area) is painted anew (docs/controlnet.md)."
+)
+
+
+def with_controlnet(workflow, model_slot, sampler_id, image_links, widgets=()):
+    """`workflow` with a KV-Graph Load ControlNet and a KV-Graph Apply ControlNet between the transformer loader's
+    output `model_slot` (0: the transformer, for the KV-Graph Sampler; 1: the MODEL, for core's samplers) and the
+    sampler `sampler_id`; `image_links` wire the apply node's images and mask."""
+    nodes, columns = workflow
+    load = (40, "KVGraphLoadControlNet", [("controlnet_name", CONTROLNET_FILE)], {},
+            TITLES["KVGraphLoadControlNet"])
+    apply = (41, "KVGraphApplyControlNet", [("strength", 1.0), ("start_percent", 0.0), ("end_percent", 1.0),
+                                            *widgets],
+             {"model": (1, model_slot), "controlnet": (40, 0), "vae": (3, 0), **image_links},
+             TITLES["KVGraphApplyControlNet"])
+    out = []
+    for node_id, node_type, node_widgets, links, title in nodes:
+        if node_id == sampler_id:
+            links = {**links, "model": (41, 0)}
+        if node_type == "MarkdownNote":
+            node_widgets = [(name, value + CONTROLNET_NOTE) for name, value in node_widgets]
+        out.append((node_id, node_type, node_widgets, links, title))
+    return out[:4] + [load, apply] + out[4:], columns
+
+
+def controlnet_control(workflow):
+    """The KV-Graph Sampler steered by a control image (reference image 1 stands in for an edge or depth map)."""
+    image = (10, "LoadImage", [("image", REFERENCE_IMAGES[0])], {}, "Control image")
+    nodes, _ = with_controlnet(workflow, 0, 5, {"image": (10, 0)})
+    return ([*nodes[:4], image, *nodes[4:]],
+            [[[1], [2], [3], [40], [20]], [[10], [41], [4]], [[5], [6], [7]]])
+
+
+def controlnet_inpaint(workflow, seed=42, steps=40):
+    """KSampler on the MODEL with the ControlNet's inpainting: the cut-out image 2 as the inpaint image, its
+    transparent background (Load Image's MASK) as the area to paint anew."""
+    image = (11, "LoadImage", [("image", REFERENCE_IMAGES[1])], {}, "Image to inpaint")
+    nodes, columns = on_the_model(workflow, ksampler(seed, steps), [])
+    nodes, _ = with_controlnet((nodes, columns), 1, 5, {"inpaint_image": (11, 0), "mask": (11, 1)})
+    return ([*nodes[:4], image, *nodes[4:]],
+            [[[1], [2], [3], [40], [20]], [[11], [41], [4]], [[5], [6], [7]]])
+
+
 def five_references(workflow):
     """Five reference images need the room: they stand in rows of two at the left (the note beside the last), the
     loaders and the prompt they feed next, then the sampler, the decode and the saved image."""
@@ -293,6 +348,10 @@ WORKFLOWS = {
         [[[1], [2], [3], [20]], [[10], [4], [31], [32]], [[30, 33], [5, 6], [7]]]),
     "qwen_image_2.1_inpaint": inpaint(graph(
         "inpaint", "A red teapot on a wooden kitchen counter beside a window, morning light, photo.")),
+    "qwen_image_2.1_controlnet": controlnet_control(graph(
+        "controlnet", "A glass greenhouse full of tropical plants, following the shapes of the control image.")),
+    "qwen_image_2.1_controlnet_inpaint": controlnet_inpaint(graph(
+        "controlnet_inpaint", "A red teapot on a wooden kitchen counter beside a window, morning light, photo.")),
     "qwen_image_2.1_edit_five_references": five_references(graph(
         "five_references", "Put the objects from images 2, 3, 4 and 5 on the table in image 1, side by side, "
         "matching its lighting.", references=5)),
@@ -320,6 +379,10 @@ CARDS = {
         "Qwen-Image-2.1 custom sampler", "Custom sampler", "SamplerCustomAdvanced with KV-Graph Sigmas"),
     "qwen_image_2.1_inpaint": Card(
         "Qwen-Image-2.1 inpainting", "Inpainting", "Paint anew where the image is transparent"),
+    "qwen_image_2.1_controlnet": Card(
+        "Qwen-Image-2.1 ControlNet", "ControlNet", "A control image steers the KV-Graph sampler"),
+    "qwen_image_2.1_controlnet_inpaint": Card(
+        "Qwen-Image-2.1 CN inpainting", "CN inpainting", "The Fun ControlNet paints the masked area"),
     "qwen_image_2.1_edit_five_references": Card(
         "Qwen-Image-2.1 five references", "Five references", "Put the objects of images 2 to 5 into image 1"),
 }

@@ -62,6 +62,10 @@ MIN_SIZE = {
     "CFGGuider": (210, 98),
     "SamplerCustomAdvanced": (250, 106),
     "SetLatentNoiseMask": (200, 50),
+    # Sized as the nodes above with as many rows: one combo with the ControlNet file's long name; six sockets and
+    # three number widgets.
+    "KVGraphLoadControlNet": (480, 58),
+    "KVGraphApplyControlNet": (270, 210),
 }
 # The encode node's reference sockets grow as they are connected: MIN_SIZE holds its height with as many sockets as it
 # has outputs (3), and each socket beyond those takes one more row.
