@@ -176,6 +176,7 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
         init_latents=raw_to_normalized(samples, stats) if denoise < 1.0 or mask is not None else None,
         noise_mask=mask,
         decode_mode=decode_mode, compile=compile == "blocks", scheduler_config=model.scheduler_config,
+        step_cache=getattr(model, "step_cache", None),
     )
     check_schedule(request)  # before the memory budget: a size the schedule cannot take is refused as such
     return request, stats

@@ -18,6 +18,9 @@ class DecodeStats:
     prefill_replays: int = 0
     prefill_captures: int = 0
     eager_prefills: Counter = field(default_factory=Counter)
+    # Steps a step cache answered without running the transformer (graph_runtime/sampling/step_cache.py, or a core
+    # sampler's step with no model call under core's EasyCache / LazyCache).
+    skipped_steps: int = 0
 
     @property
     def eager_total(self) -> int:
@@ -34,6 +37,7 @@ class DecodeStats:
             "prefill_replays": self.prefill_replays,
             "prefill_captures": self.prefill_captures,
             "eager_prefills": dict(self.eager_prefills),
+            "skipped_steps": self.skipped_steps,
         }
 
     def delta(self, before: dict) -> dict:
@@ -47,6 +51,7 @@ class DecodeStats:
             "prefill_replays": now["prefill_replays"] - before["prefill_replays"],
             "prefill_captures": now["prefill_captures"] - before["prefill_captures"],
             "eager_prefills": _counter_delta(now["eager_prefills"], before["eager_prefills"]),
+            "skipped_steps": now["skipped_steps"] - before["skipped_steps"],
         }
 
 

@@ -149,6 +149,7 @@ class TransformerHandle(ModelHandle):
     base: "TransformerHandle | None" = field(default=None, repr=False)
     last_budget: dict | None = None  # the memory budget of the last request sampled with it (nodes/comfyui/memory.py)
     gpus: int = 1  # devices each image is decoded on (graph_runtime/parallel); the loader's gpus input
+    step_cache: object = None  # StepCacheSettings from a KV-Graph Step Cache node: the sampler skips predictable steps
 
     def with_gpus(self, gpus: int) -> "TransformerHandle":
         """The same loaded model, sampled on `gpus` devices (this handle is left as it is)."""
@@ -176,6 +177,10 @@ class TransformerHandle(ModelHandle):
     def model(self):
         """The core MODEL of this loaded transformer (ComfyUI's ModelPatcher), with this handle's LoRA chain."""
         return with_loras(self.patcher, self.loras) if self.loras else self.patcher
+
+    def with_step_cache(self, settings) -> "TransformerHandle":
+        """The same loaded model, sampled with a step cache of `settings` (this handle is left as it is)."""
+        return dataclasses.replace(self, step_cache=settings, base=self.base or self)
 
     def with_lora(self, choice) -> "TransformerHandle":
         """The same loaded model with `choice` added to its LoRA chain (this handle is left as it is)."""
