@@ -134,8 +134,9 @@ def graph_cache_lines(model: dict) -> list[str]:
         return [f"graph cache {model['engine_id']}: unreadable ({model['error']})"]
     lines = [f"graph cache of {model['model']} ({model['source'] or 'not loaded by a KV-Graph loader'}): "
              f"{len(model['entries'])} entries, {mib(model['bytes_held'])} held, {model['captures']} captures, "
-             f"{model['replays']} replays, eager steps: {by_reason(model['eager_steps']) or 'none'}, skipped steps "
-             f"{model.get('skipped_steps', 0)}; prefills: "
+             f"{model['replays']} replays, eager steps: {by_reason(model['eager_steps']) or 'none'}"
+             + (f", skipped steps: {model['skipped_steps']} (step cache)" if model.get("skipped_steps") else "")
+             + "; prefills: "
              f"{model['prefill_captures']} captured, {model['prefill_replays']} replayed, eager: "
              f"{by_reason(model['eager_prefills']) or 'none'}"]
     lora = model["lora"]

@@ -19,7 +19,7 @@ from comfy_fake.fixtures import comfy_env  # noqa: E402,F401
 EXPECTED_NODES = {
     "KVGraphLoadDiffusers", "KVGraphLoadTransformer", "KVGraphLoadTextEncoder", "KVGraphLoadVAE", "KVGraphLoadLoRA",
     "KVGraphTextEncode", "KVGraphSampler", "KVGraphSigmas", "KVGraphVAEDecode", "KVGraphVAEEncode",
-    "KVGraphSaveImage", "KVGraphCacheStatus", "KVGraphReleaseCaches",
+    "KVGraphSaveImage", "KVGraphCacheStatus", "KVGraphReleaseCaches", "KVGraphStepCache",
 }
 # Node ids that core ComfyUI uses for Qwen-Image-2.1 and generic loaders/samplers: ours must never take them.
 CORE_IDS = {"QwenImage21Cache", "TextEncodeQwenImage21", "KSampler", "VAEDecode", "VAEEncode", "UNETLoader",
