@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
@@ -67,3 +68,39 @@ def test_a_core_model_is_refused_with_what_to_use(comfy_env, models):
         run(comfy_env, "KVGraphStepCache", model=core_model, reuse_threshold=0.2, start_percent=0.15,
             end_percent=0.95)
     assert type(caught.value).__name__ == "InputError"
+
+
+# -- core's DIFFUSION_MODEL wrappers on the MODEL (what core's EasyCache hooks), with the fake of core's stack -----------
+
+
+def test_a_diffusion_model_wrapper_sees_the_input_and_a_skip_runs_no_transformer(comfy_env, models):
+    """The MODEL's call goes through the DIFFUSION_MODEL wrappers as core's models do: a wrapper gets the model input
+    (the latents in the model's dtype, [B, 64, h, w]) first and the transformer options last, and the prediction back
+    from the executor. A call the wrapper answers itself (as EasyCache does for a skipped step) runs no transformer
+    step, and the sampler's step without a model call counts as skipped."""
+    import comfy.patcher_extension as ext
+    from test_nodes_core_model import core_sample, sigmas_node
+
+    transformer, text_encoder, _ = models
+    positive, _, latent = encode(comfy_env, text_encoder)
+    seen, last = [], {}
+
+    def wrapper(executor, *args, **kwargs):
+        x, options = args[0], args[-1]
+        seen.append((tuple(x.shape), x.dtype, isinstance(options, dict) and "kvgraph_run" in options))
+        if len(seen) % 2 == 0:  # every second call answered from the last one, as a step cache would
+            return x + last["diff"]
+        out = executor(*args, **kwargs)
+        last["diff"] = out - x
+        return out
+
+    patched = transformer.model.clone()
+    patched.add_wrapper_with_key(ext.WrappersMP.DIFFUSION_MODEL, "test", wrapper)
+    engine = transformer.engine
+    before = engine.stats.snapshot()
+    sigmas = sigmas_node(comfy_env, transformer.model, latent, steps=4)
+    core_sample(comfy_env, patched, positive, latent, sigmas, seed=3)
+    delta = engine.stats.delta(before)
+    assert seen == [((1, 64, 6, 8), torch.float32, True)] * 4
+    assert delta["replays"] + sum(delta["eager_steps"].values()) == 2  # two of four calls reached the transformer
+    assert delta["skipped_steps"] == 2
