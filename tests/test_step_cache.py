@@ -177,3 +177,16 @@ def test_steps_without_calls_are_counted(engine):
         steps.step_done()
     assert steps.skipped == 3 == stats.skipped_steps
     run.release()
+
+
+def test_several_gpus_with_the_cache_are_refused_before_any_work(generator, tiny_models):
+    """Every rank would decide on its own whether to skip a step, and a rank that decided otherwise would wait forever
+    in the step's collectives: refused by name, before any worker starts."""
+    from graph_runtime.parallel import sample_on_devices
+
+    class Loaded:
+        def parallel_runtime(self, gpus):
+            raise AssertionError("no worker may start")
+
+    with pytest.raises(InputError, match="step cache"):
+        sample_on_devices(Loaded(), request(generator, tiny_models, StepCacheSettings()), gpus=2)
