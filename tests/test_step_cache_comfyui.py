@@ -13,33 +13,27 @@ to ~0.2 without any cache; a cache that skipped other steps moves them by ~1 (me
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+
+from comfyui_drivers import run_driver  # noqa: E402
+
 pytestmark = pytest.mark.comfyui
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 10  # the driver's
 
 
 @pytest.fixture(scope="module")
 def measured():
-    comfyui, python = os.environ.get("COMFYUI_DIR"), os.environ.get("COMFYUI_PYTHON")
-    if not comfyui or not python:
-        pytest.skip("needs a real ComfyUI: set COMFYUI_DIR to its checkout and COMFYUI_PYTHON to its Python (with "
-                    "diffusers installed)")
-    if not (Path(comfyui) / "comfy_extras" / "nodes_easycache.py").is_file():
+    comfyui = os.environ.get("COMFYUI_DIR")
+    if comfyui and not (Path(comfyui) / "comfy_extras" / "nodes_easycache.py").is_file():
         pytest.skip(f"this ComfyUI ({comfyui}) has no EasyCache node")
-    env = dict(os.environ, COMFYUI_DIR=comfyui, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    done = subprocess.run([python, str(REPO / "tests" / "step_cache_driver.py")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("KVGRAPH-RESULT ")]
-    assert done.returncode == 0 and lines, f"the driver failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    return json.loads(lines[-1].split(" ", 1)[1])
+    return run_driver("step_cache_driver.py")
 
 
 def test_the_reference_is_the_same_model(measured):
