@@ -62,7 +62,8 @@ def test_real_server_schema_matches_the_examples(server):
     ours = {k for k, v in info.items() if v["category"].startswith("KV-Graph")}
     assert {"KVGraphSampler", "KVGraphSigmas", "KVGraphTextEncode", "KVGraphLoadTransformer",
             "KVGraphLoadTextEncoder", "KVGraphLoadVAE", "KVGraphLoadDiffusers", "KVGraphLoadLoRA", "KVGraphVAEDecode",
-            "KVGraphVAEEncode", "KVGraphSaveImage", "KVGraphCacheStatus", "KVGraphReleaseCaches"} == ours
+            "KVGraphVAEEncode", "KVGraphSaveImage", "KVGraphCacheStatus", "KVGraphReleaseCaches",
+            "KVGraphStepCache"} == ours
     sampler = info["KVGraphSampler"]["input"]
     assert sampler["required"]["steps"][1]["default"] == 40 and sampler["required"]["cfg"][1]["default"] == 1.0
     for name in EXAMPLES:
