@@ -110,3 +110,9 @@ def test_a_partial_load_from_comfyuis_model_management_streams_and_ends(measured
     assert partial["max_diff"] <= 5e-5
     assert partial["after_unload"] == {"streaming": False, "loaded": 0, "hooked": False}
     assert partial["whole_again_max_diff"] <= 5e-5 and partial["whole_again_loaded"] == partial["size"]
+
+
+def test_without_a_step_cache_no_step_counts_as_skipped(measured):
+    """Every sampler of the list (Heun's two calls a step, uni_pc's multistep, SDE samplers) calls the model in every
+    step it reports, so with no step cache the engine counts no skipped step."""
+    assert measured["after"]["stats"]["skipped_steps"] == 0
