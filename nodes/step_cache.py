@@ -52,6 +52,10 @@ class KVGraphStepCache(io.ComfyNode):
         if not isinstance(model, TransformerHandle):
             raise InputError("model", type(model).__name__, "a KV-Graph transformer (core's EasyCache node does this "
                                                             "for a MODEL)")
+        if model.gpus > 1:
+            # Every rank would decide on its own whether to skip; refused here, before anything loads.
+            raise InputError("model", f"a transformer sampled on {model.gpus} GPUs",
+                             "one sampled on 1 GPU (the loader's gpus 1): the step cache runs on one device for now")
         settings = StepCacheSettings(float(reuse_threshold), float(start_percent), float(end_percent))
         return io.NodeOutput(model.with_step_cache(settings))
 

@@ -61,6 +61,13 @@ def test_bad_settings_are_refused_by_name(comfy_env, models, inputs, name):
     assert type(caught.value).__name__ == "InputError"
 
 
+def test_a_transformer_on_several_gpus_is_refused_at_the_node(comfy_env, models):
+    with pytest.raises(Exception, match="1 GPU") as caught:
+        run(comfy_env, "KVGraphStepCache", model=models[0].with_gpus(2), reuse_threshold=0.2, start_percent=0.15,
+            end_percent=0.95)
+    assert type(caught.value).__name__ == "InputError"
+
+
 def test_a_core_model_is_refused_with_what_to_use(comfy_env, models):
     _, core_model = run(comfy_env, "KVGraphLoadTransformer", transformer_name="qwen_image_2.1_bf16.safetensors",
                         dtype="fp32")
