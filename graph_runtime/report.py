@@ -90,21 +90,24 @@ def prefill_path(stats: dict) -> str:
 
 def run_summary(width: int, height: int, batch: int, result, preset: str, cfg: float) -> str:
     """One line for a finished run (`result`: anything with the sampler's `stats` and `timings` dicts): size, steps,
-    schedule, prefill and per-step decode time, and how many steps were captured, replayed or eager (and why)."""
+    schedule, prefill and per-step decode time, and how many steps were captured, replayed, eager (and why) or
+    skipped by a step cache."""
     stats, timings = result.stats, result.timings
     eager = stats.get("eager_steps", {})
     reasons = by_reason(eager)
+    skipped = stats.get("skipped_steps", 0)
     return (f"KV-Graph: {batch}x {width}x{height}, {timings.get('steps')} steps ({preset}, cfg {cfg:g}): "
             f"prefill {timings.get('prefill_ms', 0.0):.1f} ms{prefill_path(stats)}, decode "
             f"{timings.get('decode_ms_per_step', 0.0):.2f} ms/step, captures {stats.get('captures', 0)}, replays "
-            f"{stats.get('replays', 0)}, eager steps {sum(eager.values())}" + (f" ({reasons})" if reasons else ""))
+            f"{stats.get('replays', 0)}, eager steps {sum(eager.values())}" + (f" ({reasons})" if reasons else "")
+            + (f", skipped steps {skipped} (step cache)" if skipped else ""))
 
 
 # -- what is held ----------------------------------------------------------------------------------------------------
 
 # The fields of `engine.status()` a status record carries, in the order it lists them.
 GRAPH_CACHE_FIELDS = ("entries", "captures", "replays", "eager_steps", "eager_total", "evictions", "prefill_replays",
-                      "prefill_captures", "eager_prefills", "bytes_held", "max_entries")
+                      "prefill_captures", "eager_prefills", "skipped_steps", "bytes_held", "max_entries")
 
 
 def graph_cache_fields(state: dict) -> dict:
@@ -131,7 +134,9 @@ def graph_cache_lines(model: dict) -> list[str]:
         return [f"graph cache {model['engine_id']}: unreadable ({model['error']})"]
     lines = [f"graph cache of {model['model']} ({model['source'] or 'not loaded by a KV-Graph loader'}): "
              f"{len(model['entries'])} entries, {mib(model['bytes_held'])} held, {model['captures']} captures, "
-             f"{model['replays']} replays, eager steps: {by_reason(model['eager_steps']) or 'none'}; prefills: "
+             f"{model['replays']} replays, eager steps: {by_reason(model['eager_steps']) or 'none'}"
+             + (f", skipped steps: {model['skipped_steps']} (step cache)" if model.get("skipped_steps") else "")
+             + "; prefills: "
              f"{model['prefill_captures']} captured, {model['prefill_replays']} replayed, eager: "
              f"{by_reason(model['eager_prefills']) or 'none'}"]
     lora = model["lora"]

@@ -12,10 +12,11 @@ from .lora import LORA_NODES
 from .sampler import KVGraphSampler
 from .save import SAVE_NODES
 from .sigmas import KVGraphSigmas
+from .step_cache import STEP_CACHE_NODES
 from .vae import VAE_NODES
 
 NODE_LIST: list[type[io.ComfyNode]] = [*LOADER_NODES, *LORA_NODES, KVGraphTextEncode, KVGraphSampler, KVGraphSigmas,
-                                       *VAE_NODES, *SAVE_NODES, *CACHE_NODES,
+                                       *STEP_CACHE_NODES, *VAE_NODES, *SAVE_NODES, *CACHE_NODES,
                                        *CONTROLNET_NODES]
 
 

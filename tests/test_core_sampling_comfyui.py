@@ -12,16 +12,17 @@ to sigma 0 and goes through core's raw <-> normalized conversion: 1e-5.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))
+
+from comfyui_drivers import run_driver  # noqa: E402
+
 pytestmark = pytest.mark.comfyui
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 4  # the driver's
 # Model calls of each sampler for STEPS steps at cfg 1: one per step, except Heun, which evaluates twice per step
 # but takes an Euler step into sigma 0 (2 * STEPS - 1).
@@ -31,16 +32,7 @@ EXPECTED_CALLS = {"euler": STEPS, "euler_ancestral": STEPS, "heun": 2 * STEPS - 
 
 @pytest.fixture(scope="module")
 def measured():
-    comfyui, python = os.environ.get("COMFYUI_DIR"), os.environ.get("COMFYUI_PYTHON")
-    if not comfyui or not python:
-        pytest.skip("needs a real ComfyUI: set COMFYUI_DIR to its checkout and COMFYUI_PYTHON to its Python (with "
-                    "diffusers installed)")
-    env = dict(os.environ, COMFYUI_DIR=comfyui, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    done = subprocess.run([python, str(REPO / "tests" / "core_sampling_driver.py")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("KVGRAPH-RESULT ")]
-    assert done.returncode == 0 and lines, f"the driver failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    return json.loads(lines[-1].split(" ", 1)[1])
+    return run_driver("core_sampling_driver.py")
 
 
 def test_sampler_custom_advanced_euler_equals_the_kvgraph_sampler(measured):
@@ -118,3 +110,9 @@ def test_a_partial_load_from_comfyuis_model_management_streams_and_ends(measured
     assert partial["max_diff"] <= 5e-5
     assert partial["after_unload"] == {"streaming": False, "loaded": 0, "hooked": False}
     assert partial["whole_again_max_diff"] <= 5e-5 and partial["whole_again_loaded"] == partial["size"]
+
+
+def test_without_a_step_cache_no_step_counts_as_skipped(measured):
+    """Every sampler of the list (Heun's two calls a step, uni_pc's multistep, SDE samplers) calls the model in every
+    step it reports, so with no step cache the engine counts no skipped step."""
+    assert measured["after"]["stats"]["skipped_steps"] == 0

@@ -41,8 +41,8 @@ def test_run_summary_counts_eager_steps_by_reason():
 def engine_state(**extra):
     return {"model": "Tiny", "entries": [], "captures": 2, "replays": 9, "capture_seconds": 0.5,
             "eager_steps": {"no CUDA": 4}, "eager_total": 4, "evictions": 0, "prefill_replays": 1,
-            "prefill_captures": 1, "eager_prefills": {}, "bytes_held": 3 * MiB, "max_entries": 8, "compiles": 0,
-            **extra}
+            "prefill_captures": 1, "eager_prefills": {}, "skipped_steps": 0, "bytes_held": 3 * MiB, "max_entries": 8,
+            "compiles": 0, **extra}
 
 
 def test_graph_cache_fields_are_the_reported_subset_in_order():
@@ -50,6 +50,12 @@ def test_graph_cache_fields_are_the_reported_subset_in_order():
     assert list(fields) == [*report.GRAPH_CACHE_FIELDS, "compiled"] and fields["compiled"] is True
     assert "capture_seconds" not in fields and "compiles" not in fields
     assert report.graph_cache_fields(engine_state())["compiled"] is False  # an engine that does not say
+
+
+def test_status_text_names_steps_a_step_cache_skipped():
+    model = {"engine_id": "ab", "model": "Tiny", "source": None, "entries": [], "lora": {"loras": []},
+             **report.graph_cache_fields(engine_state(skipped_steps=7))}
+    assert "eager steps: no CUDA: 4, skipped steps: 7 (step cache); prefills:" in report.graph_cache_lines(model)[0]
 
 
 def status_payload():

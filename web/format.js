@@ -81,13 +81,14 @@ export function formatKeyDetail(key) {
 
 /** Totals over every model in a status payload (the numbers shown at the top of the panel). */
 export function totals(status) {
-  const out = { models: 0, entries: 0, captures: 0, replays: 0, eagerSteps: {}, eagerTotal: 0, bytes: 0 };
+  const out = { models: 0, entries: 0, captures: 0, replays: 0, eagerSteps: {}, eagerTotal: 0, skipped: 0, bytes: 0 };
   for (const model of status?.models || []) {
     if (model.error) continue;
     out.models += 1;
     out.entries += (model.entries || []).length;
     out.captures += Number(model.captures) || 0;
     out.replays += Number(model.replays) || 0;
+    out.skipped += Number(model.skipped_steps) || 0;
     out.bytes += Number(model.bytes_held) || 0;
     for (const [reason, n] of Object.entries(model.eager_steps || {})) {
       out.eagerSteps[reason] = (out.eagerSteps[reason] || 0) + (Number(n) || 0);
@@ -139,6 +140,7 @@ export function describeRunSummary(d) {
   const parts = [`${d.captures ?? 0} captures`, `${d.replays ?? 0} replays`];
   const eager = sumCounts(d.eager_steps);
   parts.push(eager ? `${eager} eager (${formatReasons(d.eager_steps)})` : "0 eager");
+  if (d.skipped_steps) parts.push(`${d.skipped_steps} skipped (step cache)`);
   if (d.prefill_ms != null) {
     const how = sumCounts(d.eager_prefills) ? " eager" : d.prefill_captures ? " captured" : d.prefill_replays ? " replayed" : "";
     parts.push(`prefill ${formatMs(d.prefill_ms)}${how}`);

@@ -90,6 +90,7 @@ function renderTotals(status) {
       stat("Captures", t.captures, "captures"),
       stat("Replays", t.replays, "replays"),
       stat("Eager steps", t.eagerTotal, "eager"),
+      t.skipped ? stat("Skipped steps", t.skipped, "skipped") : null,
       stat("Held", formatBytes(t.bytes), "bytes")),
     t.eagerTotal
       ? h("div", { class: "kvgraph-muted kvgraph-eager-reasons" }, `Eager steps by reason: ${formatReasons(t.eagerSteps)}`)
@@ -125,6 +126,7 @@ function renderModel(model) {
     h("div", { class: "kvgraph-muted" }, where),
     h("div", { class: "kvgraph-model-stats" },
       `${model.captures ?? 0} captures · ${model.replays ?? 0} replays · ${model.eager_total ?? 0} eager · `
+      + (model.skipped_steps ? `${model.skipped_steps} skipped (step cache) · ` : "")
       + `${formatBytes(model.bytes_held)} held · ${entries.length}/${model.max_entries ?? "?"} entries`),
     model.eager_total
       ? h("div", { class: "kvgraph-muted" }, `eager by reason: ${formatReasons(model.eager_steps)}`)

@@ -20,6 +20,9 @@ class DecodeStats:
     eager_prefills: Counter = field(default_factory=Counter)
     # The step's attention kernel per device (attention.AttentionChoice), whose fallbacks to SDPA count here too.
     attention_choice: object = None
+    # Steps a step cache answered without running the transformer (graph_runtime/sampling/step_cache.py, or a core
+    # sampler's step with no model call under core's EasyCache / LazyCache).
+    skipped_steps: int = 0
 
     @property
     def eager_total(self) -> int:
@@ -38,6 +41,7 @@ class DecodeStats:
             "eager_prefills": dict(self.eager_prefills),
             "attention": {} if self.attention_choice is None else self.attention_choice.chosen(),
             "attention_fallbacks": {} if self.attention_choice is None else dict(self.attention_choice.fallbacks),
+            "skipped_steps": self.skipped_steps,
         }
 
     def delta(self, before: dict) -> dict:
@@ -51,6 +55,7 @@ class DecodeStats:
             "prefill_replays": now["prefill_replays"] - before["prefill_replays"],
             "prefill_captures": now["prefill_captures"] - before["prefill_captures"],
             "eager_prefills": _counter_delta(now["eager_prefills"], before["eager_prefills"]),
+            "skipped_steps": now["skipped_steps"] - before["skipped_steps"],
         }
 
 

@@ -38,10 +38,14 @@ def sample_on_devices(loaded, request, gpus: int = 1, on_step=None, should_stop=
 
     if gpus == 1:
         return sample(loaded.engine, request, on_step, should_stop, on_event)
-    if getattr(request, "control", None) is not None:
-        from ..errors import InputError
+    from ..errors import InputError
 
+    if request.control is not None:
         raise InputError("gpus", gpus, "1 with a ControlNet (its stream is not split over several GPUs yet)")
+    if request.step_cache is not None:
+        # Every rank would decide on its own whether to skip; one that decided otherwise would wait forever in the
+        # step's collectives.
+        raise InputError("step cache", "with gpus > 1", "gpus 1 (the step cache runs on one device for now)")
     return loaded.parallel_runtime(gpus).sample(request, on_step, should_stop, on_event)
 
 

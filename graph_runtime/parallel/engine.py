@@ -110,8 +110,11 @@ class ParallelEngine:
         return self.local.release()
 
     def prefill(self, layout, latents, encoder_hidden_states, timestep, text_mask=None, branch="cond", mode="auto",
-                with_target=False) -> tuple[None, PrefixCache | RemoteBranch]:
-        """This rank's share of `branch`'s prefix pass, or a `RemoteBranch` when another CFG group runs it."""
+                with_target=False, control=None) -> tuple[None, PrefixCache | RemoteBranch]:
+        """This rank's share of `branch`'s prefix pass, or a `RemoteBranch` when another CFG group runs it.
+        `control` is the single-device engine's argument: a ControlNet is refused before sampling on several devices."""
+        if control is not None:
+            raise ValueError("a ControlNet's prefix pass runs on one device")
         if with_target:
             raise ValueError("a parallel prefill runs the prefix rows only (with_target=False)")
         if branch not in self.plan.branches(self.rank, BRANCHES):

@@ -23,7 +23,8 @@ from ..validation import check_cfg, check_count, check_denoise, check_finite, ch
 from .finite_watch import FiniteWatch
 from .inpaint import Inpaint
 from .reporter import SampleReporter
-from .schedule import euler_step, model_timestep, resolve_sigmas, schedule_for
+from .schedule import dynamic_shift, euler_step, model_timestep, resolve_sigmas, schedule_for
+from .step_cache import StepCache, StepCacheSettings
 
 logger = logging.getLogger("kvgraph")
 
@@ -56,6 +57,7 @@ class SamplingRequest:
     # A ControlNet (graph_runtime/controlnet `ControlSpec`): the steps inside its range decode against a controlled
     # prefix with the control stream, the others against the plain prefix.
     control: object = None
+    step_cache: StepCacheSettings | None = None  # skip steps the cache can predict (step_cache.py)
 
     def __post_init__(self):
         """Every sampling setting is checked here, once, where a request is built (by the sampler node, the generator
@@ -70,6 +72,8 @@ class SamplingRequest:
         self.seed = check_seed(self.seed)
         self.cfg = check_cfg(self.cfg)
         self.denoise = check_denoise(self.denoise)
+        if self.step_cache is not None and not isinstance(self.step_cache, StepCacheSettings):
+            raise InputError("step_cache", type(self.step_cache).__name__, "StepCacheSettings or None")
 
     @property
     def do_cfg(self) -> bool:
@@ -202,18 +206,28 @@ def _prefill(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, prefixe
 
 
 def _denoise_step(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, prefixes: dict[str, PrefixCache],
-                  latents: torch.Tensor, i: int, reporter: SampleReporter) -> tuple[torch.Tensor, list[str]]:
-    """Step `i + 1`: every branch's decode step, the CFG combination and the Euler update. Returns the new latents
-    and the path each branch took."""
+                  latents: torch.Tensor, i: int, reporter: SampleReporter,
+                  cache: StepCache | None = None) -> tuple[torch.Tensor, list[str]]:
+    """Step `i + 1`: every branch's decode step (or, where the step cache predicts it, none: path "skipped"), the
+    CFG combination and the Euler update. Returns the new latents and the path each branch took."""
     timestep = model_timestep(run.timesteps[i].expand(req.batch_size), run.dtype)
     model_input = latents if run.inpaint is None else run.inpaint.model_input(latents, run.sigmas[i])
-    preds, paths = {}, []
-    outcomes = engine.decode_all({name: prefixes[name] for name in run.branches}, model_input.to(run.dtype), timestep,
-                                 req.decode_mode)
-    for name, outcome in outcomes.items():
-        preds[name] = outcome.output
-        paths.append(outcome.path)
-        reporter.decoded(i + 1, name, outcome)
+    x = model_input.to(run.dtype)
+    sigma = float(run.sigmas[i]) if cache is not None else 0.0
+    if cache is not None and cache.skip(x, sigma, run.branches):
+        # No transformer call: the prefixes and their graph entries stay as they are for the next computed step.
+        preds = {name: cache.cached(x, name) for name in run.branches}
+        paths = ["skipped"] * len(preds)
+        engine.stats.skipped_steps += 1
+    else:
+        preds, paths = {}, []
+        outcomes = engine.decode_all({name: prefixes[name] for name in run.branches}, x, timestep, req.decode_mode)
+        for name, outcome in outcomes.items():
+            preds[name] = outcome.output
+            paths.append(outcome.path)
+            reporter.decoded(i + 1, name, outcome)
+        if cache is not None:
+            cache.computed(x, preds, sigma)
     reporter.step_done(i + 1, paths)
     noise_pred = preds["cond"]
     if "uncond" in preds:
@@ -221,6 +235,15 @@ def _denoise_step(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, pr
     if run.inpaint is not None:
         return run.inpaint.step(latents, model_input, noise_pred, run.sigmas[i], run.sigmas[i + 1]), paths
     return euler_step(latents, noise_pred, run.sigmas[i], run.sigmas[i + 1]), paths
+
+
+def _step_cache(req: SamplingRequest) -> StepCache | None:
+    """The run's step cache, when the request asks for one: its sigma range mapped as core maps it for the MODEL
+    (whose shift is the model's at 1024x1024), so the same settings skip the same steps on either sampler."""
+    if req.step_cache is None:
+        return None
+    mu = dynamic_shift(req.scheduler_config, 1024, 1024)
+    return StepCache.for_run(req.step_cache, mu, req.latent_height, req.latent_width)
 
 
 def _stop_if_asked(should_stop, step: int, total: int) -> None:
@@ -255,6 +278,7 @@ def sample(
         latents, paths, prefixes, controlled = run.latents, [], {}, {}
         # Which steps the ControlNet acts on (its start/end range over the schedule's sigmas).
         active = [req.control is not None and req.control.active(float(s)) for s in run.sigmas[:total]]
+        cache = _step_cache(req)
         watch = FiniteWatch(device, total)
         loop_start = _now(device)
         try:
@@ -270,7 +294,7 @@ def sample(
             reporter.prefill(timings["prefill_ms"], cond_layout.prefix_len, cond_layout.target_tokens)
             for i in range(total):
                 latents, step_paths = _denoise_step(engine, req, run, controlled if active[i] else prefixes, latents,
-                                                    i, reporter)
+                                                    i, reporter, cache)
                 paths += step_paths
                 watch.after_step(i + 1, latents)
                 reporter.progress(i + 1, total, lambda: unpack(latents, height, width))
@@ -282,6 +306,9 @@ def sample(
                 prefix.release()
             prefixes.clear()
             controlled.clear()
+            if cache is not None:
+                logger.info(cache.summary())
+                cache = None  # its remembered outputs go with the run, however it ended
         decode_ms = _now(device) - decode_start
         timings["decode_ms_per_step"] = decode_ms / total
         timings["decode_ms_total"] = decode_ms

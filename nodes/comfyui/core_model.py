@@ -23,6 +23,7 @@ import comfy.supported_models_base
 
 from ...graph_runtime.comfy_interop.latents import LATENT_CHANNELS, latent_stats, normalized_to_raw, raw_to_normalized
 from ...graph_runtime.core_model import ModelFunction, PrefixSource, SamplingRun
+from ...graph_runtime.core_model.step_cache import StepsWithoutCalls
 from ...graph_runtime.errors import InputError, KVGraphError
 from ...graph_runtime.memory import GenerationShape, TransformerDims, compute_dtype, estimate
 from ...graph_runtime.sampling.schedule import dynamic_shift
@@ -128,10 +129,21 @@ class QwenImage21KVModel(comfy.model_base.BaseModel):
             raise InputError("control", type(control).__name__, "no ControlNet: a KV-Graph model takes none")
         self._warn_ignored(transformer_options)
         sigma = t
-        velocity = self.model_function(self.model_sampling.calculate_input(sigma, x), sigma, kwargs.get(PREFIX),
-                                       run=transformer_options.get(RUN),
-                                       roles=transformer_options.get("cond_or_uncond"))
+        # As core's own models: the input in the inference dtype, through the DIFFUSION_MODEL wrappers (core's EasyCache
+        # reads the input and the prediction there, and answers a skipped step without calling on).
+        xc = self.model_sampling.calculate_input(sigma, x).to(self.manual_cast_dtype or self.get_dtype())
+        velocity = comfy.patcher_extension.WrapperExecutor.new_class_executor(
+            self._diffusion_model, self.diffusion_model,
+            comfy.patcher_extension.get_all_wrappers(comfy.patcher_extension.WrappersMP.DIFFUSION_MODEL,
+                                                     transformer_options),
+        ).execute(xc, sigma, c_crossattn, None, None, transformer_options, **kwargs)
         return self.model_sampling.calculate_denoised(sigma, velocity.float(), x)
+
+    def _diffusion_model(self, x, timestep, context, ref_latents, image_slots, transformer_options={}, **kwargs):
+        """The diffusion model's call in the signature of core's Qwen-Image-2.1 model (`timestep` is the sigma: the
+        model's sampling maps sigma to itself); the prefix comes from the conditioning (`PREFIX`)."""
+        return self.model_function(x, timestep, kwargs.get(PREFIX), run=transformer_options.get(RUN),
+                                   roles=transformer_options.get("cond_or_uncond"))
 
     def _warn_ignored(self, options: dict) -> None:
         for key in ("patches", "patches_replace"):
@@ -220,24 +232,27 @@ def sampling_run_wrapper(executor, noise, latent_image, sampler, sigmas, *args, 
     run = SamplingRun(model.engine, on_first_call=lambda: model.loaded.loras_in_use(loras), control=control)
     prompt_id, node_id = events.executing_ids()
     total = max(0, int(sigmas.shape[-1]) - 1)
+    steps = StepsWithoutCalls(run, model.engine.stats)
     with in_flight.sampling(model.loaded, prompt_id, node_id, total) as record:
-        args, kwargs = _with_progress(args, kwargs, record)
+        args, kwargs = _with_progress(args, kwargs, record, steps.step_done)
         options[RUN] = run
         try:
             return executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
         finally:
             options.pop(RUN, None)
             run.release()
-            logger.info("KV-Graph: core sampling run on %s: %s", model.engine.name, run.counts.describe())
+            logger.info("KV-Graph: core sampling run on %s: %s", model.engine.name,
+                        {**run.counts.describe(), "skipped_steps": steps.skipped})
 
 
-def _with_progress(args, kwargs, record):
+def _with_progress(args, kwargs, record, step_done):
     """The sampling call's arguments with its step callback (`outer_sample(..., denoise_mask, callback, ...)`) also
-    reporting the step to the pack's status."""
+    reporting the step to the pack's status and to `step_done`."""
     args = list(args)
     original = args[1] if len(args) > 1 else kwargs.get("callback")
 
     def callback(step, x0, x, total_steps):
+        step_done()
         in_flight.update(record, step + 1, total_steps)
         if original is not None:
             return original(step, x0, x, total_steps)

@@ -152,6 +152,7 @@ class TransformerHandle(ModelHandle):
     last_budget: dict | None = None  # the memory budget of the last request sampled with it (nodes/comfyui/memory.py)
     gpus: int = 1  # devices each image is decoded on (graph_runtime/parallel); the loader's gpus input
     control: object = None  # a ControlSpec from KV-Graph Apply ControlNet (graph_runtime/controlnet), or None
+    step_cache: object = None  # StepCacheSettings from a KV-Graph Step Cache node: the sampler skips predictable steps
 
     def with_gpus(self, gpus: int) -> "TransformerHandle":
         """The same loaded model, sampled on `gpus` devices (this handle is left as it is)."""
@@ -186,6 +187,9 @@ class TransformerHandle(ModelHandle):
             raise InputError("model", "a KV-Graph transformer with a ControlNet applied already",
                              "one without (one KV-Graph Apply ControlNet per model)")
         return dataclasses.replace(self, control=spec, base=self.base or self)
+    def with_step_cache(self, settings) -> "TransformerHandle":
+        """The same loaded model, sampled with a step cache of `settings` (this handle is left as it is)."""
+        return dataclasses.replace(self, step_cache=settings, base=self.base or self)
 
     def with_lora(self, choice) -> "TransformerHandle":
         """The same loaded model with `choice` added to its LoRA chain (this handle is left as it is)."""

@@ -289,7 +289,7 @@ def test_panel_renders_graph_entries(page, pack_folder):
         const payload = { models: [{ engine_id: 'abc', model: 'QwenImage21Transformer2DModel',
             source: '/m/diffusion_models/qwen_image_2.1_bf16.safetensors', dtype: 'bf16', device: 'cuda:0',
             loads: 1, busy: true, captures: 1, replays: 38, eager_steps: { 'owned by another request': 39 },
-            eager_total: 39, evictions: 0, bytes_held: 3 * 2 ** 30, max_entries: 4, compiled: false,
+            eager_total: 39, evictions: 0, bytes_held: 3 * 2 ** 30, max_entries: 4, compiled: false, skipped_steps: 5,
             prefill_replays: 12, prefill_captures: 1, eager_prefills: { 'long prefix': 2 },
             entries: [
                 { key, state: 'captured', captures: 1, replays: 38, bytes: 3 * 2 ** 30, owner_alive: true },
@@ -328,6 +328,7 @@ def test_panel_renders_graph_entries(page, pack_folder):
     assert "1 captures · 38 replays · 3.0 GiB · owner alive (in use)" in body
     assert "failed: allocation failed (CUDA out of memory)" in body
     assert "owned by another request: 39" in body
+    assert "39 eager · 5 skipped (step cache) · " in body and "Skipped steps" in body
     assert "prefills: 12 replayed · 1 captured · 2 eager (long prefix: 2)" in body
     assert "prompt a1b2c3d4 · node 5 · step 7/40" in body
     assert re.search(r"Held\s+3\.0 GiB", body)

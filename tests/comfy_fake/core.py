@@ -20,6 +20,7 @@ import torch
 class WrappersMP:
     OUTER_SAMPLE = "outer_sample"
     APPLY_MODEL = "apply_model"
+    DIFFUSION_MODEL = "diffusion_model"
 
 
 class WrapperExecutor:

@@ -53,6 +53,8 @@ OUTPUTS = {
     "KVGraphLoadTextEncoder": [("text_encoder", "KVGRAPH_TEXT_ENCODER")],
     "KVGraphLoadVAE": [("vae", "KVGRAPH_VAE")],
     "KVGraphLoadLoRA": [("model", "KVGRAPH_TRANSFORMER")],
+    "KVGraphStepCache": [("model", "KVGRAPH_TRANSFORMER")],
+    "EasyCache": [("MODEL", "MODEL")],
     "KVGraphTextEncode": [("positive", "CONDITIONING"), ("negative", "CONDITIONING"), ("latent", "LATENT")],
     "KVGraphSampler": [("latent", "LATENT")],
     "KVGraphVAEDecode": [("image", "IMAGE")],
@@ -76,6 +78,8 @@ SOCKETS = {
     "KVGraphApplyControlNet": [("model", "KVGRAPH_TRANSFORMER,MODEL"), ("controlnet", "KVGRAPH_CONTROLNET"),
                                ("vae", "KVGRAPH_VAE"), ("image", "IMAGE"), ("inpaint_image", "IMAGE"),
                                ("mask", "MASK")],
+    "KVGraphStepCache": [("model", "KVGRAPH_TRANSFORMER")],
+    "EasyCache": [("model", "MODEL")],
     # The reference sockets grow as they are connected (see encode_sockets).
     "KVGraphTextEncode": [("text_encoder", "KVGRAPH_TEXT_ENCODER"), ("vae", "KVGRAPH_VAE")],
     "KVGraphSampler": [("model", "KVGRAPH_TRANSFORMER"), ("positive", "CONDITIONING"),
@@ -125,6 +129,7 @@ TITLES = {
     "RandomNoise": "Noise", "KSamplerSelect": "Sampler", "CFGGuider": "Guider (CFG)",
     "SamplerCustomAdvanced": "Sample (custom advanced)", "SetLatentNoiseMask": "Inpaint mask",
     "KVGraphLoadControlNet": "Load ControlNet (Fun Union)", "KVGraphApplyControlNet": "Apply ControlNet",
+    "KVGraphStepCache": "Step cache", "EasyCache": "EasyCache (core)",
 }
 # Frontend-only nodes: in the UI format, not in the API format (the frontend leaves them out of a prompt).
 UI_ONLY = {"MarkdownNote"}
@@ -198,23 +203,51 @@ def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="auto", reference
     return nodes, columns
 
 
-def with_lora(workflow, lora_name=LORA_FILE, strength=1.0):
-    """`workflow` with a KV-Graph Load LoRA between the transformer loader and the sampler (placed above the prompt,
-    on the way from the one to the other), and the note saying where LoRAs go and which files are read."""
+def with_model_patch(workflow, patch, note=""):
+    """`workflow` with `patch` (a node taking and giving the model) between the transformer loader and the sampler
+    (placed above the prompt, on the way from the one to the other), and `note` added to the files note."""
     nodes, columns = workflow
-    lora = (8, "KVGraphLoadLoRA", [("lora_name", lora_name), ("strength", strength)], {"model": (1, 0)},
-            TITLES["KVGraphLoadLoRA"])
+    patch_id, source = patch[0], patch[3]["model"]
     out = []
     for node_id, node_type, widgets, links, title in nodes:
-        if node_type == "KVGraphSampler":
-            links = {**links, "model": (lora[0], 0)}
+        if links.get("model") == source and node_id != patch_id:
+            links = {**links, "model": (patch_id, 0)}
         if node_type == "MarkdownNote":
-            widgets = [(name, value + LORA_NOTE) for name, value in widgets]
+            widgets = [(name, value + note) for name, value in widgets]
         out.append((node_id, node_type, widgets, links, title))
         if node_id == 3:
-            out.append(lora)
+            out.append(patch)
     loaders, middle, *rest = columns
-    return out, [loaders, [[lora[0]]] + middle, *rest]
+    return out, [loaders, [[patch_id]] + middle, *rest]
+
+
+def with_lora(workflow, lora_name=LORA_FILE, strength=1.0):
+    """`workflow` with a KV-Graph Load LoRA between the transformer loader and the sampler, and the note saying where
+    LoRAs go and which files are read."""
+    lora = (8, "KVGraphLoadLoRA", [("lora_name", lora_name), ("strength", strength)], {"model": (1, 0)},
+            TITLES["KVGraphLoadLoRA"])
+    return with_model_patch(workflow, lora, LORA_NOTE)
+
+
+STEP_CACHE_NOTE = (
+    "\n\n## Step cache\n\n"
+    "The cache skips the steps whose prediction the last computed step already gives (EasyCache's rule): a skipped "
+    "step runs no transformer, the others replay the captured graph. Raise the threshold to skip more; the log and "
+    "the KV-Graph panel say how many steps were skipped."
+)
+CACHE_SETTINGS = [("reuse_threshold", 0.2), ("start_percent", 0.15), ("end_percent", 0.95)]
+
+
+def with_step_cache(workflow):
+    """`workflow` with the KV-Graph Step Cache on the transformer its KV-Graph sampler runs."""
+    cache = (9, "KVGraphStepCache", CACHE_SETTINGS, {"model": (1, 0)}, TITLES["KVGraphStepCache"])
+    return with_model_patch(workflow, cache, STEP_CACHE_NOTE)
+
+
+def with_easycache(workflow):
+    """`workflow` (a core sampler on the MODEL) with core's EasyCache on that MODEL, at its default settings."""
+    cache = (9, "EasyCache", [*CACHE_SETTINGS, ("verbose", False)], {"model": (1, 1)}, TITLES["EasyCache"])
+    return with_model_patch(workflow, cache, STEP_CACHE_NOTE.replace("The cache", "Core's EasyCache"))
 
 
 def on_the_model(workflow, sampler, columns):
@@ -355,6 +388,11 @@ WORKFLOWS = {
     "qwen_image_2.1_edit_five_references": five_references(graph(
         "five_references", "Put the objects from images 2, 3, 4 and 5 on the table in image 1, side by side, "
         "matching its lighting.", references=5)),
+    "qwen_image_2.1_step_cache": with_step_cache(graph(
+        "step_cache", "A capybara wearing a wizard hat, reading a spell book by candlelight, oil painting.")),
+    "qwen_image_2.1_easycache": with_easycache(on_the_model(graph(
+        "easycache", "A capybara wearing a wizard hat, reading a spell book by candlelight, oil painting."),
+        ksampler(), [[[1], [2], [3], [20]], [[4], [6]], [[5], [7]]])),
 }
 
 
@@ -385,6 +423,10 @@ CARDS = {
         "Qwen-Image-2.1 CN inpainting", "CN inpainting", "The Fun ControlNet paints the masked area"),
     "qwen_image_2.1_edit_five_references": Card(
         "Qwen-Image-2.1 five references", "Five references", "Put the objects of images 2 to 5 into image 1"),
+    "qwen_image_2.1_step_cache": Card(
+        "Qwen-Image-2.1 step cache", "Step cache", "Skip the steps the last one predicts"),
+    "qwen_image_2.1_easycache": Card(
+        "Qwen-Image-2.1 EasyCache", "EasyCache", "Core's EasyCache and KSampler on the MODEL"),
 }
 
 

@@ -63,7 +63,7 @@ def test_real_server_schema_matches_the_examples(server):
     assert {"KVGraphSampler", "KVGraphSigmas", "KVGraphTextEncode", "KVGraphLoadTransformer",
             "KVGraphLoadTextEncoder", "KVGraphLoadVAE", "KVGraphLoadDiffusers", "KVGraphLoadLoRA", "KVGraphVAEDecode",
             "KVGraphVAEEncode", "KVGraphSaveImage", "KVGraphCacheStatus", "KVGraphReleaseCaches",
-            "KVGraphLoadControlNet", "KVGraphApplyControlNet"} == ours
+            "KVGraphLoadControlNet", "KVGraphApplyControlNet", "KVGraphStepCache"} == ours
     sampler = info["KVGraphSampler"]["input"]
     assert sampler["required"]["steps"][1]["default"] == 40 and sampler["required"]["cfg"][1]["default"] == 1.0
     for name in EXAMPLES:
