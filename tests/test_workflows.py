@@ -27,7 +27,7 @@ UI_FILES = sorted((ROOT / "example_workflows").glob("*.json"))
 EXPECTED = {"qwen_image_2.1_text_to_image", "qwen_image_2.1_turbo_8_steps", "qwen_image_2.1_edit_one_reference",
             "qwen_image_2.1_edit_two_references", "qwen_image_2.1_cfg_negative_prompt", "qwen_image_2.1_lora",
             "qwen_image_2.1_ksampler", "qwen_image_2.1_edit_custom_sampler", "qwen_image_2.1_inpaint",
-            "qwen_image_2.1_edit_five_references"}
+            "qwen_image_2.1_edit_five_references", "qwen_image_2.1_core_lora", "qwen_image_2.1_remove_background"}
 LORA_FILE = "qwen_image_2.1_lora.safetensors"  # the LoRA example's file (users put their own in models/loras)
 # ComfyUI's templates load the INT8 ConvRot files by default; the Turbo example loads the Turbo checkpoint.
 REAL_FILES = {"qwen_image_2.1_int8_convrot.safetensors", "qwen3vl_8b_int8_convrot.safetensors",
@@ -55,6 +55,10 @@ CORE = {
                                                         "sigmas": "SIGMAS", "latent_image": "LATENT"},
                               "outputs": ["LATENT", "LATENT"]},
     "SetLatentNoiseMask": {"widgets": [], "inputs": {"samples": "LATENT", "mask": "MASK"}, "outputs": ["LATENT"]},
+    # core's LoRA loader on the MODEL; Join Image with Alpha (IMAGE + MASK -> RGBA IMAGE)
+    "LoraLoaderModelOnly": {"widgets": ["lora_name", "strength_model"], "inputs": {"model": "MODEL"},
+                            "outputs": ["MODEL"]},
+    "JoinImageWithAlpha": {"widgets": [], "inputs": {"image": "IMAGE", "alpha": "MASK"}, "outputs": ["IMAGE"]},
 }
 
 
@@ -236,6 +240,26 @@ def test_the_lora_example_puts_the_lora_between_the_loader_and_the_sampler():
     lora = api[ids["KVGraphLoadLoRA"]]
     assert lora["inputs"] == {"lora_name": LORA_FILE, "strength": 1.0, "model": [ids["KVGraphLoadTransformer"], 0]}
     assert api[ids["KVGraphSampler"]]["inputs"]["model"] == [ids["KVGraphLoadLoRA"], 0]
+
+
+def test_the_core_lora_example_puts_cores_loader_between_the_model_and_ksampler():
+    api = load(ROOT / "example_workflows" / "api" / "qwen_image_2.1_core_lora.json")
+    ids = {n["class_type"]: node_id for node_id, n in api.items()}
+    assert api[ids["LoraLoaderModelOnly"]]["inputs"] == {"lora_name": LORA_FILE, "strength_model": 1.0,
+                                                         "model": [ids["KVGraphLoadTransformer"], 1]}
+    assert api[ids["KSampler"]]["inputs"]["model"] == [ids["LoraLoaderModelOnly"], 0]
+
+
+def test_the_background_removal_example_saves_the_decodes_alpha():
+    """The decode's IMAGE and MASK go into Join Image with Alpha, whose RGBA image KV-Graph Save Image writes; the
+    edited image is the cut-out one."""
+    api = load(ROOT / "example_workflows" / "api" / "qwen_image_2.1_remove_background.json")
+    ids = {n["class_type"]: node_id for node_id, n in api.items()}
+    decode = ids["KVGraphVAEDecode"]
+    assert api[ids["JoinImageWithAlpha"]]["inputs"] == {"image": [decode, 0], "alpha": [decode, 1]}
+    assert api[ids["KVGraphSaveImage"]]["inputs"]["images"] == [ids["JoinImageWithAlpha"], 0]
+    assert "SaveImage" not in ids and api[ids["LoadImage"]]["inputs"]["image"] == make_workflows.REFERENCE_IMAGES[1]
+    assert "background" in api[ids["KVGraphTextEncode"]]["inputs"]["prompt"]
 
 
 # -- how the examples open (the layout) ------------------------------------------------------------------------------
