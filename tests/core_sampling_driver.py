@@ -143,6 +143,15 @@ def partial_load(model, handle, positive, negative, latent, sigmas) -> dict:
             "size": int(model.model_size())}
 
 
+def merge_simple(model, other, ratio):
+    """What core's ModelMergeSimple does: `other`'s weights as patches of a clone of `model`, scaled by the ratio."""
+    merged = model.clone()
+    patches = other.get_key_patches("diffusion_model.")
+    for key in patches:
+        merged.add_patches({key: patches[key]}, 1.0 - ratio, ratio)
+    return merged
+
+
 def core_lora(env, model, handle, positive, negative, latent, sigmas) -> dict:
     """Core's own LoRA loading on the MODEL: what LoraLoaderModelOnly does (`load_torch_file`, then
     `load_lora_for_models` with no CLIP), alone and stacked with KV-Graph Load LoRA, against KV-Graph Load LoRA at the
@@ -201,6 +210,10 @@ def core_lora(env, model, handle, positive, negative, latent, sigmas) -> dict:
         "peft": refusal(lambda: core_loader(model, "kvgraph_test_peft.safetensors", 1.0)),
         "fused": refusal(lambda: core_loader(model, "kvgraph_test_fused.safetensors", 1.0)),
         "hook": refusal(lambda: ksampler(model, hooked, negative, latent, 44, STEPS, 1.0)),
+        "merge": refusal(lambda: merge_simple(model, model, 0.5)),
+        "bypass": refusal(lambda: comfy.sd.load_bypass_lora_for_models(
+            model, None, comfy.utils.load_torch_file(str(folder / "kvgraph_test_lora.safetensors")), 1.0, 0))
+        if hasattr(comfy.sd, "load_bypass_lora_for_models") else None,
         "after_refusals_equal": bool(torch.equal(custom_advanced(model, positive, negative, latent, sigmas, "euler",
                                                                  1.0, 41), without)),
     }

@@ -100,9 +100,14 @@ def test_core_lora_loader_equals_kvgraph_load_lora(measured):
 
 def test_core_lora_files_it_cannot_map_whole_and_hook_loras_are_refused(measured):
     """A PEFT file (`transformer.` keys: core maps none onto this MODEL), a file on ComfyUI's fused MLP (core maps it
-    in part) and a hook LoRA on the conditioning are refused with a message naming what to use; the next run works."""
+    in part), a hook LoRA on the conditioning, ModelMergeSimple and (0.33.0) Load LoRA (Bypass) are refused with a
+    message naming what to use; the next run works."""
     core = measured["core_lora"]
-    for case, words in (("peft", "matched none"), ("fused", "fused `img_mlp.gate_up`"), ("hook", "Create Hook LoRA")):
+    cases = [("peft", "matched none"), ("fused", "fused `img_mlp.gate_up`"), ("hook", "Create Hook LoRA"),
+             ("merge", "model merging")]
+    if core["bypass"] is not None:  # ComfyUI 0.33.0 has the bypass loader, 0.8.0 not
+        cases.append(("bypass", "Load LoRA (Bypass)"))
+    for case, words in cases:
         assert core[case]["type"] == "KVGraphError" and words in core[case]["message"], core[case]
         assert "Load LoRA" in core[case]["message"]
     assert core["after_refusals_equal"]
