@@ -208,23 +208,28 @@ def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="auto", reference
     return nodes, columns
 
 
-def with_lora(workflow, lora_name=LORA_FILE, strength=1.0):
-    """`workflow` with a KV-Graph Load LoRA between the transformer loader and the sampler (placed above the prompt,
-    on the way from the one to the other), and the note saying where LoRAs go and which files are read."""
+def between_loader_and_sampler(workflow, lora, sampler_type, note):
+    """`workflow` with the LoRA node `lora` between the transformer loader and its `sampler_type` node (placed above
+    the prompt, on the way from the one to the other), and `note` added to the note on the files."""
     nodes, columns = workflow
-    lora = (8, "KVGraphLoadLoRA", [("lora_name", lora_name), ("strength", strength)], {"model": (1, 0)},
-            TITLES["KVGraphLoadLoRA"])
     out = []
     for node_id, node_type, widgets, links, title in nodes:
-        if node_type == "KVGraphSampler":
+        if node_type == sampler_type:
             links = {**links, "model": (lora[0], 0)}
         if node_type == "MarkdownNote":
-            widgets = [(name, value + LORA_NOTE) for name, value in widgets]
+            widgets = [(name, value + note) for name, value in widgets]
         out.append((node_id, node_type, widgets, links, title))
         if node_id == 3:
             out.append(lora)
     loaders, middle, *rest = columns
     return out, [loaders, [[lora[0]]] + middle, *rest]
+
+
+def with_lora(workflow, lora_name=LORA_FILE, strength=1.0):
+    """`workflow` with a KV-Graph Load LoRA on the loader's transformer, feeding the KV-Graph sampler."""
+    lora = (8, "KVGraphLoadLoRA", [("lora_name", lora_name), ("strength", strength)], {"model": (1, 0)},
+            TITLES["KVGraphLoadLoRA"])
+    return between_loader_and_sampler(workflow, lora, "KVGraphSampler", LORA_NOTE)
 
 
 def on_the_model(workflow, sampler, columns):
@@ -261,22 +266,10 @@ def custom_advanced(seed=42, steps=40, cfg=4.0):
 
 
 def core_lora(workflow, lora_name=LORA_FILE, strength=1.0):
-    """`workflow` (KSampler on the MODEL) with core's LoraLoaderModelOnly between the loader's MODEL and KSampler,
-    placed above the prompt as the KV-Graph LoRA example places its node, and the note on LoRA files."""
-    nodes, columns = workflow
+    """`workflow` (KSampler on the MODEL) with core's LoraLoaderModelOnly on the loader's MODEL, feeding KSampler."""
     lora = (8, "LoraLoaderModelOnly", [("lora_name", lora_name), ("strength_model", strength)], {"model": (1, 1)},
             TITLES["LoraLoaderModelOnly"])
-    out = []
-    for node_id, node_type, widgets, links, title in nodes:
-        if node_type == "KSampler":
-            links = {**links, "model": (lora[0], 0)}
-        if node_type == "MarkdownNote":
-            widgets = [(name, value + CORE_LORA_NOTE) for name, value in widgets]
-        out.append((node_id, node_type, widgets, links, title))
-        if node_id == 3:
-            out.append(lora)
-    loaders, middle, *rest = columns
-    return out, [loaders, [[lora[0]]] + middle, *rest]
+    return between_loader_and_sampler(workflow, lora, "KSampler", CORE_LORA_NOTE)
 
 
 def remove_background(workflow):
