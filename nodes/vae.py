@@ -11,8 +11,9 @@ from comfy_api.latest import io
 from ..graph_runtime import in_flight, memory
 from ..graph_runtime.memory import check_decoded_on_host
 from ..graph_runtime.comfy_interop.latents import latent_samples
-from ..graph_runtime.comfy_interop.pixels import (comfy_image_to_vae_pixels, crop_to_multiple, vae_pixels_to_comfy_image,
-                                                  vae_pixels_to_comfy_mask)
+from ..graph_runtime.comfy_interop.pixels import (
+    comfy_image_to_vae_pixels, crop_to_multiple, vae_pixels_to_comfy_image, vae_pixels_to_comfy_mask,
+)
 from ..graph_runtime.encoding.images import decode_each, encode_each
 from ..graph_runtime.validation import check_finite
 from ..graph_runtime.vae_decode import check_decoded, plan_decode
@@ -35,9 +36,9 @@ def decode_to_images(vae, raw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     [B, 16h, 16w] (1 - alpha, as core's Load Image gives it), on the intermediate device.
 
     Whole images when that fits next to what is on the GPU (the transformer and its graphs stay), else tiled
-    (graph_runtime/vae_decode.py); ComfyUI is asked for that much room. The whole batch's IMAGE and MASK must fit in host
-    memory (with one image's decode, when the VAE runs on the CPU), or nothing is decoded and the refusal names the
-    largest batch that fits. Images are decoded one at a time, each converted and written into the IMAGE and the
+    (graph_runtime/vae_decode.py); ComfyUI is asked for that much room. The whole batch's IMAGE and MASK must fit in
+    host memory (with one image's decode, when the VAE runs on the CPU), or nothing is decoded and the refusal names
+    the largest batch that fits. Images are decoded one at a time, each converted and written into the IMAGE and the
     MASK as soon as it is made, with an interrupt check and a progress update between them."""
     plan = plan_decode(vae.module, raw.shape[-2], raw.shape[-1], free_bytes(vae.patcher.load_device),
                        weights_to_load=not same_device(vae.device, vae.patcher.load_device))

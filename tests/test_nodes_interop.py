@@ -175,7 +175,8 @@ def test_pixel_conversions():
     half = pixels[:, :, 0].clone()
     half[:, 3] = torch.linspace(-1, 1, 48)
     assert torch.allclose(ci.vae_pixels_to_comfy_mask(half), 1 - (half[:, 3] + 1) / 2, atol=1e-7)
-    assert ci.vae_pixels_to_comfy_mask(transparent).eq(1).all() and ci.vae_pixels_to_comfy_mask(pixels[:, :, 0]).eq(0).all()
+    assert ci.vae_pixels_to_comfy_mask(transparent).eq(1).all()
+    assert ci.vae_pixels_to_comfy_mask(pixels[:, :, 0]).eq(0).all()
     assert ci.vae_pixels_to_comfy_mask(pixels[:, :3, 0]).shape == (2, 32, 48)
     assert ci.crop_to_multiple(torch.rand(1, 40, 50, 3)).shape == (1, 32, 48, 3)
     with pytest.raises(InputError, match="image"):

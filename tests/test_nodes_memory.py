@@ -136,8 +136,8 @@ def test_placement_tooltip_states_the_costs(comfy_env):
 
 
 def test_vae_decode_refuses_a_batch_whose_image_host_memory_cannot_hold(comfy_env, loaded, free_memory):
-    """KV-Graph VAE Decode budgets the whole batch: its IMAGE and MASK (float32, in host memory) and, the VAE running on the
-    CPU here, one image's decode. A batch that cannot fit is refused before the VAE is loaded or anything decoded,
+    """KV-Graph VAE Decode budgets the whole batch: its IMAGE and MASK (float32, in host memory) and, the VAE running on
+    the CPU here, one image's decode. A batch that cannot fit is refused before the VAE is loaded or anything decoded,
     naming the largest batch that fits; that batch then decodes, and equals, image for image, the first decode."""
     _, vae, _, _ = loaded
     latents = torch.randn(6, 64, 8, 8, generator=torch.Generator().manual_seed(1))

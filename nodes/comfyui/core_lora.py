@@ -91,4 +91,5 @@ def _check_whole_mlp(changes: dict) -> None:
                 raise KVGraphError(
                     f"KV-Graph: this LoRA changes {block}out but not that MLP's gate and up projections: it was made "
                     "for ComfyUI's fused `img_mlp.gate_up` weight, which core's LoRA loader cannot map onto the "
-                    f"KV-Graph MODEL (its log lists those keys as not loaded), so it would merge in part. {USE_KVGRAPH}")
+                    "KV-Graph MODEL (its log lists those keys as not loaded), so it would merge in part. "
+                    f"{USE_KVGRAPH}")
