@@ -143,6 +143,82 @@ def partial_load(model, handle, positive, negative, latent, sigmas) -> dict:
             "size": int(model.model_size())}
 
 
+def merge_simple(model, other, ratio):
+    """What core's ModelMergeSimple does: `other`'s weights as patches of a clone of `model`, scaled by the ratio."""
+    merged = model.clone()
+    patches = other.get_key_patches("diffusion_model.")
+    for key in patches:
+        merged.add_patches({key: patches[key]}, 1.0 - ratio, ratio)
+    return merged
+
+
+def core_lora(env, model, handle, positive, negative, latent, sigmas) -> dict:
+    """Core's own LoRA loading on the MODEL: what LoraLoaderModelOnly does (`load_torch_file`, then
+    `load_lora_for_models` with no CLIP), alone and stacked with KV-Graph Load LoRA, against KV-Graph Load LoRA at the
+    same strengths; the weights after a run without LoRA; and what is refused (a PEFT file core maps nothing of on
+    this MODEL, a fused-MLP file it maps in part, a hook LoRA on the conditioning)."""
+    import comfy.hooks
+    import comfy.sd
+    import comfy.utils
+
+    from safetensors.torch import save_file
+
+    from graph_runtime.lora.tiny import tiny_lora_tensors, write_tiny_lora
+    from lora_layouts import write_layout
+
+    folder = env.models / "loras"
+    write_tiny_lora(folder / "kvgraph_test_lora_b.safetensors", seed=1, dtype=torch.float32)
+    write_layout(folder / "kvgraph_test_peft.safetensors", "peft", handle.module, seed=2)
+    fused = {}  # the tiny LoRA as a LoRA trained on ComfyUI's fused MLP weight names it
+    for key, tensor in tiny_lora_tensors(seed=3).items():
+        if ".img_mlp.proj." not in key:
+            fused[key.replace(".img_mlp.gate_layer.", ".img_mlp.gate_up.")] = tensor
+    for key in [k for k in fused if ".img_mlp.gate_up.lora_up" in k]:
+        fused[key] = torch.cat([fused[key], fused[key]])
+    save_file(fused, str(folder / "kvgraph_test_fused.safetensors"))
+
+    def core_loader(model_in, name, strength):  # LoraLoaderModelOnly
+        lora = comfy.utils.load_torch_file(str(folder / name), safe_load=True)
+        return comfy.sd.load_lora_for_models(model_in, None, lora, strength, 0)[0]
+
+    def kv_loader(model_in, name, strength):
+        return run_node(env, "KVGraphLoadLoRA", model=model_in, lora_name=name, strength=strength)[0]
+
+    without = custom_advanced(model, positive, negative, latent, sigmas, "euler", 1.0, 41)  # restores the originals
+    original = {name: p.detach().clone() for name, p in handle.module.named_parameters()}
+    core = custom_advanced(core_loader(model, "kvgraph_test_lora.safetensors", 0.8), positive, negative, latent,
+                           sigmas, "euler", 1.0, 41)
+    kv = custom_advanced(kv_loader(model, "kvgraph_test_lora.safetensors", 0.8), positive, negative, latent, sigmas,
+                         "euler", 1.0, 41)
+    stack = core_loader(kv_loader(core_loader(model, "kvgraph_test_lora.safetensors", 1.0),
+                                  "kvgraph_test_lora_b.safetensors", 0.5), "kvgraph_test_lora_b.safetensors", -0.25)
+    chain = kv_loader(kv_loader(kv_loader(model, "kvgraph_test_lora.safetensors", 1.0),
+                                "kvgraph_test_lora_b.safetensors", 0.5), "kvgraph_test_lora_b.safetensors", -0.25)
+    stacked = custom_advanced(stack, positive, negative, latent, sigmas, "euler", 1.0, 42)
+    chained = custom_advanced(chain, positive, negative, latent, sigmas, "euler", 1.0, 42)
+    plain = custom_advanced(model, positive, negative, latent, sigmas, "euler", 1.0, 41)
+    changed = [name for name, p in handle.module.named_parameters() if not torch.equal(p, original[name])]
+    hook = comfy.hooks.create_hook_lora(comfy.utils.load_torch_file(str(folder / "kvgraph_test_lora.safetensors")),
+                                        1.0, 0.0)
+    hooked = comfy.hooks.set_hooks_for_conditioning(positive, hook)
+    return {
+        "max_diff_vs_kvgraph": diff(core, kv), "changed_by_lora": diff(core, without),
+        "stack_max_diff_vs_kvgraph": diff(stacked, chained), "stack_changed": diff(stacked, core),
+        "ksampler_finite": bool(torch.isfinite(ksampler(core_loader(model, "kvgraph_test_lora.safetensors", 1.0),
+                                                        positive, negative, latent, 43, STEPS, 1.0)).all()),
+        "plain_after_equal": bool(torch.equal(plain, without)), "weights_changed": changed,
+        "peft": refusal(lambda: core_loader(model, "kvgraph_test_peft.safetensors", 1.0)),
+        "fused": refusal(lambda: core_loader(model, "kvgraph_test_fused.safetensors", 1.0)),
+        "hook": refusal(lambda: ksampler(model, hooked, negative, latent, 44, STEPS, 1.0)),
+        "merge": refusal(lambda: merge_simple(model, model, 0.5)),
+        "bypass": refusal(lambda: comfy.sd.load_bypass_lora_for_models(
+            model, None, comfy.utils.load_torch_file(str(folder / "kvgraph_test_lora.safetensors")), 1.0, 0))
+        if hasattr(comfy.sd, "load_bypass_lora_for_models") else None,
+        "after_refusals_equal": bool(torch.equal(custom_advanced(model, positive, negative, latent, sigmas, "euler",
+                                                                 1.0, 41), without)),
+    }
+
+
 def main() -> dict:
     env = setup()
     import comfy.model_management as mm
@@ -219,8 +295,7 @@ def main() -> dict:
         "conditioning": refusal(lambda: ksampler(model, foreign, foreign, latent, 51, STEPS, 1.0)),
     }
 
-    # LoRA: KV-Graph Load LoRA on the MODEL merges in place for the run (same latents as on the handle); core's
-    # LoRA loader is refused with a message naming KV-Graph Load LoRA.
+    # LoRA: KV-Graph Load LoRA on the MODEL merges in place for the run (same latents as on the handle).
     lora_model, = run_node(env, "KVGraphLoadLoRA", model=model, lora_name="kvgraph_test_lora.safetensors",
                            strength=1.0)
     lora_handle, = run_node(env, "KVGraphLoadLoRA", model=handle, lora_name="kvgraph_test_lora.safetensors",
@@ -229,11 +304,7 @@ def main() -> dict:
     without = custom_advanced(model, positive, negative, latent, sigmas, "euler", 1.0, 41)
     out["lora"] = {"max_diff_vs_kv_sampler": diff(with_lora, kv_sampler(41, model_in=lora_handle)),
                    "changed_by_lora": diff(with_lora, without)}
-    target = "diffusion_model.transformer_blocks.0.attn.to_q"  # a generic-format LoRA on a real weight
-    out["core_lora"] = refusal(lambda: comfy.sd.load_lora_for_models(
-        model, None, {f"{target}.lora_up.weight": torch.zeros(32, 4),
-                      f"{target}.lora_down.weight": torch.zeros(4, 32)}, 1.0, 0.0))
-
+    out["core_lora"] = core_lora(env, model, handle, positive, negative, latent, sigmas)
     out["partial_load"] = partial_load(model, handle, positive, negative, latent, sigmas)
 
     # Nothing of a run outlives it: no run in progress, the engine not busy, no prefix left owning an entry.

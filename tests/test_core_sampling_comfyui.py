@@ -71,13 +71,38 @@ def test_inpainting_keeps_the_unmasked_region(measured):
     assert inpaint["kv_sampler_max_diff"] <= 5e-5
 
 
-def test_kvgraph_lora_on_the_model_and_core_lora_refused(measured):
+def test_kvgraph_lora_on_the_model(measured):
     """KV-Graph Load LoRA on the MODEL merges the LoRA for the run (the KV-Graph Sampler's latents with the same
-    LoRA); core's LoRA loader is refused at once, naming KV-Graph Load LoRA."""
+    LoRA)."""
     lora = measured["lora"]
     assert lora["max_diff_vs_kv_sampler"] <= 5e-5 and lora["changed_by_lora"] > 1e-2
-    refusal = measured["core_lora"]
-    assert refusal["type"] == "KVGraphError" and "KV-Graph Load LoRA" in refusal["message"]
+
+
+def test_core_lora_loader_equals_kvgraph_load_lora(measured):
+    """Core's LoraLoaderModelOnly on the MODEL (ComfyUI's own file reading, key mapping and `load_lora`) samples what
+    KV-Graph Load LoRA at the same strength samples: one LoRA becomes the same fp32 deltas merged by the same code, so
+    equal bit for bit (tolerance 0); a stack of core and KV-Graph loaders equals the KV-Graph chain to float32
+    round-off of the summed deltas (5e-5, as above). KSampler runs on it; a run without LoRA afterwards gives the
+    plain model's latents and every weight is its original bit for bit."""
+    core = measured["core_lora"]
+    assert core["max_diff_vs_kvgraph"] == 0.0 and core["changed_by_lora"] > 1e-2
+    assert core["stack_max_diff_vs_kvgraph"] <= 5e-5 and core["stack_changed"] > 1e-2
+    assert core["ksampler_finite"] and core["plain_after_equal"] and core["weights_changed"] == []
+
+
+def test_core_lora_files_it_cannot_map_whole_and_hook_loras_are_refused(measured):
+    """A PEFT file (`transformer.` keys: core maps none onto this MODEL), a file on ComfyUI's fused MLP (core maps it
+    in part), a hook LoRA on the conditioning, ModelMergeSimple and (0.33.0) Load LoRA (Bypass) are refused with a
+    message naming what to use; the next run works."""
+    core = measured["core_lora"]
+    cases = [("peft", "matched none"), ("fused", "fused `img_mlp.gate_up`"), ("hook", "Create Hook LoRA"),
+             ("merge", "model merging")]
+    if core["bypass"] is not None:  # ComfyUI 0.33.0 has the bypass loader, 0.8.0 not
+        cases.append(("bypass", "Load LoRA (Bypass)"))
+    for case, words in cases:
+        assert core[case]["type"] == "KVGraphError" and words in core[case]["message"], core[case]
+        assert "Load LoRA" in core[case]["message"]
+    assert core["after_refusals_equal"]
 
 
 def test_bad_combinations_are_refused_by_name_and_the_next_run_works(measured):

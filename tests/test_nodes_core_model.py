@@ -1,6 +1,7 @@
 """The loaders' ComfyUI MODEL on CPU with the fake of core's sampling stack (tests/comfy_fake/core.py): what core
 reads from it (latent format, sampling, dtype), how it prepares conditioning, the run its sampling call opens and
-closes, the LoRA chain it carries, the core patches it refuses, and the KV-Graph Sigmas and sampler nodes around it.
+closes, the LoRA chain it carries (core's LoRA loaders: tests/test_nodes_core_lora.py), and the KV-Graph Sigmas and
+sampler nodes around it.
 A real ComfyUI's samplers run on it in tests/test_core_sampling_comfyui.py.
 
 `core_sample` below is the part of `CFGGuider.sample` the MODEL takes part in: the OUTER_SAMPLE wrappers around the
@@ -137,16 +138,6 @@ def test_equal_conditioning_is_one_prefix(comfy_env, setup):
     c = prepare(cross_attn=negative[0][0], **negative[0][1])
     (key,) = a
     assert a[key].can_concat(b[key]) and not a[key].can_concat(c[key])
-
-
-def test_core_weight_patches_are_refused_naming_the_kvgraph_lora_node(comfy_env, setup):
-    """A core LoRA loader clones the MODEL and adds weight patches: refused at once, before anything is patched."""
-    _, model, *_ = setup
-    errors = pack_module(comfy_env, "graph_runtime.errors")
-    clone = model.clone()
-    with pytest.raises(errors.KVGraphError, match="KV-Graph Load LoRA"):
-        clone.add_patches({"diffusion_model.transformer_blocks.0.attn.to_q.weight": ("lora", None)}, 1.0)
-    assert clone.patches == {} and model.patches == {}
 
 
 def test_a_clone_still_releases_the_graphs_when_it_unloads(comfy_env, setup):

@@ -309,7 +309,7 @@ def test_previews_follow_comfyui_preview_setting(comfy_env, models):
 
 def test_vae_decode_and_encode(comfy_env, models):
     vae = models[2]
-    images, = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": torch.randn(2, 64, 6, 8)})
+    images, _ = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": torch.randn(2, 64, 6, 8)})
     assert images.shape == (2, 96, 128, 3) and float(images.min()) >= 0 and float(images.max()) <= 1
     latent, = run(comfy_env, "KVGraphVAEEncode", vae=vae, image=images)
     assert latent["samples"].shape == (2, 64, 6, 8)
@@ -317,6 +317,24 @@ def test_vae_decode_and_encode(comfy_env, models):
     assert cropped["samples"].shape == (1, 64, 5, 6)
     with pytest.raises(ValueError, match="latent"):
         run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": torch.zeros(1, 4, 8, 8)})
+
+
+def test_vae_decode_outputs_the_alpha_channel_as_cores_mask(comfy_env, models):
+    """Next to the IMAGE (unchanged: alpha composited over white) the node outputs the VAE's alpha as a MASK in core's
+    Load Image convention, 1 - alpha, one per image of the batch: what the VAE decoded, within float32 round-off."""
+    from graph_runtime.comfy_interop import vae_pixels_to_comfy_image
+    from graph_runtime.encoding.images import vae_decode
+
+    vae = models[2]
+    raw = torch.randn(2, 64, 6, 8, generator=torch.Generator().manual_seed(3))
+    images, masks = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": raw})
+    decoded = torch.cat([vae_decode(vae.module, raw[i:i + 1]) for i in range(2)]).float()
+    alpha = ((decoded[:, 3] + 1) / 2).clamp(0, 1)
+    assert masks.shape == (2, 96, 128) and masks.dtype == torch.float32
+    assert (masks - (1 - alpha)).abs().max() <= 1e-6 and float(alpha.std()) > 1e-3
+    assert torch.equal(images, vae_pixels_to_comfy_image(decoded))
+    schema = comfy_env.nodes["KVGraphVAEDecode"].define_schema()
+    assert [o.display_name for o in schema.outputs] == ["image", "mask"]
 
 
 # -- memory management ---------------------------------------------------------------------------------------------

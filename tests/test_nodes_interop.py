@@ -171,6 +171,13 @@ def test_pixel_conversions():
     transparent = pixels[:, :, 0].clone()
     transparent[:, 3] = -1.0  # alpha 0: composited over white
     assert bool((ci.vae_pixels_to_comfy_image(transparent) == 1).all())
+    # The alpha as core's Load Image gives a mask: 1 - alpha (1 where transparent); an RGB output is opaque.
+    half = pixels[:, :, 0].clone()
+    half[:, 3] = torch.linspace(-1, 1, 48)
+    assert torch.allclose(ci.vae_pixels_to_comfy_mask(half), 1 - (half[:, 3] + 1) / 2, atol=1e-7)
+    assert ci.vae_pixels_to_comfy_mask(transparent).eq(1).all()
+    assert ci.vae_pixels_to_comfy_mask(pixels[:, :, 0]).eq(0).all()
+    assert ci.vae_pixels_to_comfy_mask(pixels[:, :3, 0]).shape == (2, 32, 48)
     assert ci.crop_to_multiple(torch.rand(1, 40, 50, 3)).shape == (1, 32, 48, 3)
     with pytest.raises(InputError, match="image"):
         ci.comfy_image_to_vae_pixels(torch.rand(1, 8, 8, 2))

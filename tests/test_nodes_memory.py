@@ -115,11 +115,11 @@ def test_vae_decode_tiles_when_only_a_tiled_decode_fits(comfy_env, loaded, free_
     assert tiled < whole
     caplog.set_level(logging.INFO, logger="kvgraph")
     free_memory((whole + tiled) // 2)
-    image, = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": torch.randn(1, 64, 32, 32)})
+    image, _ = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": torch.randn(1, 64, 32, 32)})
     assert image.shape == (1, 512, 512, 3) and torch.isfinite(image).all()
     assert any("VAE decode at 512x512 is tiled" in r.getMessage() for r in caplog.records)
     free_memory(None)
-    whole_image, = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": torch.randn(1, 64, 8, 8)})
+    whole_image, _ = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": torch.randn(1, 64, 8, 8)})
     assert whole_image.shape == (1, 128, 128, 3)
 
 
@@ -136,14 +136,14 @@ def test_placement_tooltip_states_the_costs(comfy_env):
 
 
 def test_vae_decode_refuses_a_batch_whose_image_host_memory_cannot_hold(comfy_env, loaded, free_memory):
-    """KV-Graph VAE Decode budgets the whole batch: its IMAGE (float32, in host memory) and, the VAE running on the
-    CPU here, one image's decode. A batch that cannot fit is refused before the VAE is loaded or anything decoded,
+    """KV-Graph VAE Decode budgets the whole batch: its IMAGE and MASK (float32, in host memory) and, the VAE running on
+    the CPU here, one image's decode. A batch that cannot fit is refused before the VAE is loaded or anything decoded,
     naming the largest batch that fits; that batch then decodes, and equals, image for image, the first decode."""
     _, vae, _, _ = loaded
     latents = torch.randn(6, 64, 8, 8, generator=torch.Generator().manual_seed(1))
-    first, = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": latents})
+    first, _ = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": latents})
     assert first.shape == (6, 128, 128, 3)
-    per_image = memory.decoded_images_bytes(128, 128, 1, memory.IMAGE_BYTES_PER_PIXEL)
+    per_image = memory.decoded_images_bytes(128, 128, 1, memory.IMAGE_BYTES_PER_PIXEL + memory.MASK_BYTES_PER_PIXEL)
     decode = memory.vae_decode_bytes(memory.VaeDims.of(vae.module), 128, 128)
     # Room for the decode and 3.5 images' IMAGE, margin included.
     free_memory(int((3.5 * per_image + decode) * (1 + memory.MARGIN_FRACTION)) + memory.MARGIN_BYTES)
@@ -154,7 +154,7 @@ def test_vae_decode_refuses_a_batch_whose_image_host_memory_cannot_hold(comfy_en
     message = str(info.value)
     assert "decoded images (6x 128x128)" in message and "Change one of: a latent batch at most 3 " in message
     assert len(comfy_env.fake.load_calls) == loads  # nothing loaded, nothing decoded
-    part, = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": latents[:3]})
+    part, _ = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": latents[:3]})
     assert torch.equal(part, first[:3])
 
 
@@ -172,7 +172,7 @@ def test_vae_decode_checks_for_an_interrupt_between_images(comfy_env, loaded):
     finally:
         fake.interrupt_at_step, fake.interrupted = None, False
     assert [value for value, total, _ in fake.progress] == [0, 1, 2]
-    image, = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": torch.randn(5, 64, 8, 8)})
+    image, _ = run(comfy_env, "KVGraphVAEDecode", vae=vae, latent={"samples": torch.randn(5, 64, 8, 8)})
     assert image.shape == (5, 128, 128, 3)
 
 

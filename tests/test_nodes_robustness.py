@@ -204,14 +204,14 @@ LATENT = {"samples": torch.randn(1, 64, 3, 4, generator=torch.Generator().manual
 
 def test_vae_decode_refuses_a_nan_latent_naming_its_origin(comfy_env, good_vae):
     """Before: a latent holding NaN/inf (core Load Latent) decoded to an all-zero image and the prompt succeeded."""
-    first, = run(comfy_env, "KVGraphVAEDecode", vae=good_vae, latent=LATENT)
+    first, _ = run(comfy_env, "KVGraphVAEDecode", vae=good_vae, latent=LATENT)
     for bad in (float("nan"), float("inf")):
         samples = LATENT["samples"].clone()
         samples[0, 3, 1, 2] = bad
         with pytest.raises(from_pack(comfy_env, "errors").InputError,
                            match="latent='a tensor with NaN or infinite values' is invalid: .*Load Latent"):
             run(comfy_env, "KVGraphVAEDecode", vae=good_vae, latent={"samples": samples})
-    again, = run(comfy_env, "KVGraphVAEDecode", vae=good_vae, latent=LATENT)
+    again, _ = run(comfy_env, "KVGraphVAEDecode", vae=good_vae, latent=LATENT)
     assert torch.equal(again, first)
 
 
@@ -223,12 +223,12 @@ def test_vae_decode_with_damaged_vae_weights_fails_naming_the_vae_file(comfy_env
                                                                        name, damage, error, words):
     """Before: NaN weights gave an all-zero image and all-zero weights a flat grey one, both "success". The check
     is the command line's (graph_runtime.vae_decode.check_decoded), and names the file."""
-    first, = run(comfy_env, "KVGraphVAEDecode", vae=good_vae, latent=LATENT)
+    first, _ = run(comfy_env, "KVGraphVAEDecode", vae=good_vae, latent=LATENT)
     vae = damaged_vae(comfy_env, tmp_path, monkeypatch, name, damage)
     with pytest.raises(getattr(from_pack(comfy_env, "errors"), error)) as info:
         run(comfy_env, "KVGraphVAEDecode", vae=vae, latent=LATENT)
     assert words in str(info.value) and f"VAE's weights ({tmp_path / 'vae' / name})" in str(info.value)
-    again, = run(comfy_env, "KVGraphVAEDecode", vae=good_vae, latent=LATENT)
+    again, _ = run(comfy_env, "KVGraphVAEDecode", vae=good_vae, latent=LATENT)
     assert torch.equal(again, first)
 
 
@@ -416,10 +416,10 @@ def test_a_release_mid_prompt_waits_for_the_models_the_prompt_is_using(monkeypat
         assert torch.equal(positive[0][0], expected)
 
         samples = {"samples": torch.randn(2, 64, 6, 8, generator=torch.Generator().manual_seed(0))}
-        first, = run(env, "KVGraphVAEDecode", vae=vae, latent=samples)
+        first, _ = run(env, "KVGraphVAEDecode", vae=vae, latent=samples)
         offloads.clear()
         monkeypatch.setattr(images, "vae_decode", release_during("vae", images.vae_decode))
-        decoded, = run(env, "KVGraphVAEDecode", vae=vae, latent=samples)
+        decoded, _ = run(env, "KVGraphVAEDecode", vae=vae, latent=samples)
         assert released["vae"] == ({"vae": False}, []) and offloads == ["vae"]
         assert torch.equal(decoded, first)
 

@@ -28,7 +28,8 @@ EXPECTED = {"qwen_image_2.1_text_to_image", "qwen_image_2.1_turbo_8_steps", "qwe
             "qwen_image_2.1_edit_two_references", "qwen_image_2.1_cfg_negative_prompt", "qwen_image_2.1_lora",
             "qwen_image_2.1_ksampler", "qwen_image_2.1_edit_custom_sampler", "qwen_image_2.1_inpaint",
             "qwen_image_2.1_edit_five_references", "qwen_image_2.1_controlnet", "qwen_image_2.1_controlnet_inpaint",
-            "qwen_image_2.1_step_cache", "qwen_image_2.1_easycache"}
+            "qwen_image_2.1_step_cache", "qwen_image_2.1_easycache",
+            "qwen_image_2.1_core_lora", "qwen_image_2.1_remove_background"}
 LORA_FILE = "qwen_image_2.1_lora.safetensors"  # the LoRA example's file (users put their own in models/loras)
 CONTROLNET_FILE = "qwen_image_2.1_fun_controlnet_union.safetensors"  # the ControlNet examples' (models/model_patches)
 # ComfyUI's templates load the INT8 ConvRot files by default; the Turbo example loads the Turbo checkpoint.
@@ -59,6 +60,10 @@ CORE = {
     "SetLatentNoiseMask": {"widgets": [], "inputs": {"samples": "LATENT", "mask": "MASK"}, "outputs": ["LATENT"]},
     "EasyCache": {"widgets": ["reuse_threshold", "start_percent", "end_percent", "verbose"],
                   "inputs": {"model": "MODEL"}, "outputs": ["MODEL"]},
+    # core's LoRA loader on the MODEL; Join Image with Alpha (IMAGE + MASK -> RGBA IMAGE)
+    "LoraLoaderModelOnly": {"widgets": ["lora_name", "strength_model"], "inputs": {"model": "MODEL"},
+                            "outputs": ["MODEL"]},
+    "JoinImageWithAlpha": {"widgets": [], "inputs": {"image": "IMAGE", "alpha": "MASK"}, "outputs": ["IMAGE"]},
 }
 
 
@@ -243,6 +248,26 @@ def test_the_lora_example_puts_the_lora_between_the_loader_and_the_sampler():
     assert api[ids["KVGraphSampler"]]["inputs"]["model"] == [ids["KVGraphLoadLoRA"], 0]
 
 
+def test_the_core_lora_example_puts_cores_loader_between_the_model_and_ksampler():
+    api = load(ROOT / "example_workflows" / "api" / "qwen_image_2.1_core_lora.json")
+    ids = {n["class_type"]: node_id for node_id, n in api.items()}
+    assert api[ids["LoraLoaderModelOnly"]]["inputs"] == {"lora_name": LORA_FILE, "strength_model": 1.0,
+                                                         "model": [ids["KVGraphLoadTransformer"], 1]}
+    assert api[ids["KSampler"]]["inputs"]["model"] == [ids["LoraLoaderModelOnly"], 0]
+
+
+def test_the_background_removal_example_saves_the_decodes_alpha():
+    """The decode's IMAGE and MASK go into Join Image with Alpha, whose RGBA image KV-Graph Save Image writes; the
+    edited image is the cut-out one."""
+    api = load(ROOT / "example_workflows" / "api" / "qwen_image_2.1_remove_background.json")
+    ids = {n["class_type"]: node_id for node_id, n in api.items()}
+    decode = ids["KVGraphVAEDecode"]
+    assert api[ids["JoinImageWithAlpha"]]["inputs"] == {"image": [decode, 0], "alpha": [decode, 1]}
+    assert api[ids["KVGraphSaveImage"]]["inputs"]["images"] == [ids["JoinImageWithAlpha"], 0]
+    assert "SaveImage" not in ids and api[ids["LoadImage"]]["inputs"]["image"] == make_workflows.REFERENCE_IMAGES[1]
+    assert "background" in api[ids["KVGraphTextEncode"]]["inputs"]["prompt"]
+
+
 # -- how the examples open (the layout) ------------------------------------------------------------------------------
 # The frontend draws canvas point p at (p + offset) * scale from the window's top-left corner, a node's title bar
 # (30 px) above its `pos` and the pack's badge (20 px) above that. Measured in frontends 1.35.9, 1.49.6 and 1.58.1:
@@ -419,9 +444,9 @@ def test_make_tiny_writes_the_lora_the_lora_example_loads(tmp_path, capsys):
     assert f"wrote lora: {path}" in capsys.readouterr().out
     torch.manual_seed(0)
     lora = read_lora(path, random_tiny_transformer())
-    # ComfyUI's fused gate_up patches both of diffusers' gate and up projections.
-    linears = [n for n in BLOCK_LINEARS if n != "img_mlp.gate_up"] + ["img_mlp.gate_layer", "img_mlp.proj"]
-    expected = {f"transformer_blocks.{b}.{n}.weight" for b in range(TINY_TRANSFORMER["num_layers"]) for n in linears}
+    expected = {f"transformer_blocks.{b}.{n}.weight" for b in range(TINY_TRANSFORMER["num_layers"])
+                for n in BLOCK_LINEARS}
+    assert {"img_mlp.gate_layer", "img_mlp.proj"} <= set(BLOCK_LINEARS)  # diffusers' names: core's loaders map them
     assert set(lora.patches) == expected
 
     users = tmp_path / "users_models" / "loras" / lora_name  # a models/ folder holding only the user's LoRA

@@ -23,6 +23,7 @@ from .latents import (
 )
 from .pixels import (
     check_image, comfy_image_to_pil, comfy_image_to_vae_pixels, crop_to_multiple, to_pil, vae_pixels_to_comfy_image,
+    vae_pixels_to_comfy_mask,
 )
 from .previews import PreviewProjection, fit_preview_projection, gray_projection, preview_image
 from .saved_images import png_text, save_batch, saved_pixels
@@ -33,4 +34,5 @@ __all__ = [
     "encode_pixels_raw", "file_identity", "fit_preview_projection", "gray_projection", "latent_noise_mask", "latent_samples",
     "latent_stats", "normalized_to_raw", "png_text", "preview_image", "prompt_to_conditioning", "raw_to_normalized",
     "save_batch", "saved_pixels", "to_pil", "vae_pixels_to_comfy_image",
+    "vae_pixels_to_comfy_mask",
 ]

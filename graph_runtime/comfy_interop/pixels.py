@@ -50,6 +50,16 @@ def vae_pixels_to_comfy_image(pixels: torch.Tensor) -> torch.Tensor:
     return rgb.movedim(1, -1).contiguous()
 
 
+def vae_pixels_to_comfy_mask(pixels: torch.Tensor) -> torch.Tensor:
+    """The VAE's output `[B, 3|4, H, W]` in [-1, 1] -> its alpha channel as a ComfyUI MASK `[B, H, W]` in [0, 1], in
+    core's Load Image convention: 1 - alpha (1 where the image is transparent), what Join Image with Alpha takes back.
+    An RGB output is opaque: all 0."""
+    if pixels.shape[1] < 4:
+        return pixels.new_zeros((pixels.shape[0], *pixels.shape[2:]), dtype=torch.float32)
+    alpha = ((pixels[:, 3].float() + 1.0) / 2.0).clamp(0.0, 1.0)
+    return 1.0 - alpha
+
+
 def crop_to_multiple(image: torch.Tensor, multiple: int = VAE_SCALE) -> torch.Tensor:
     """Center-crop an IMAGE `[B, H, W, C]` to sides that are multiples of `multiple` (the VAE's 16x grid)."""
     check_image(image, "image")

@@ -2,6 +2,7 @@
 weights in place (so captured decode and prefix-pass graphs keep replaying), restored exactly.
 
     read_lora(path, transformer) -> LoraFile          a file's changes, checked (CheckpointError otherwise)
+    in_memory.lora_from_patches(label, patches, tr.)  changes already in memory (core's LoRA loaders), checked
     LoraChoice(lora, strength)                         one chained LoRA node's pick
     LoraMerge(transformer)                             a model's merged set (apply, using, describe)
 

@@ -2,7 +2,8 @@
 
 `make-tiny --comfyui-models` writes it into `models/loras/` under the name the LoRA example workflow loads, so that
 example runs as shipped on the tiny files: kohya pairs with an alpha under `diffusion_model.`, on every Linear of
-every block, the MLP's on ComfyUI's fused `img_mlp.gate_up`. Its changes are about as large as the weights
+every block under diffusers' names (the MLP's gate and up projections apart, as kohya-style trainers write them), so
+core's LoRA loaders map every key of it onto the KV-Graph MODEL too. Its changes are about as large as the weights
 themselves, so an image made with it differs visibly from one made without.
 """
 
@@ -17,14 +18,15 @@ from ..tiny import TINY_TRANSFORMER
 
 # The file the LoRA example workflow names in models/loras (a stand-in: users pick their own LoRA there).
 EXAMPLE_LORA_FILE = "qwen_image_2.1_lora.safetensors"
-BLOCK_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.gate_up", "img_mlp.out")
+BLOCK_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "img_mlp.gate_layer", "img_mlp.proj",
+                 "img_mlp.out")
 
 
 def tiny_lora_tensors(seed: int = 0, rank: int = 4, alpha: float = 2.0, std: float = 0.3) -> dict[str, torch.Tensor]:
     config = TINY_TRANSFORMER
     hidden = config["num_attention_heads"] * config["attention_head_dim"]
     mlp = hidden * config["mlp_ratio"]
-    shapes = {"img_mlp.gate_up": (2 * mlp, hidden), "img_mlp.out": (hidden, mlp)}
+    shapes = {"img_mlp.gate_layer": (mlp, hidden), "img_mlp.proj": (mlp, hidden), "img_mlp.out": (hidden, mlp)}
     generator = torch.Generator().manual_seed(seed)
     tensors = {}
     for block in range(config["num_layers"]):

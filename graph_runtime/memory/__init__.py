@@ -22,7 +22,8 @@ from .sizes import (  # noqa: F401 - the byte math, as `memory.<name>`
     VAE_TILE_CACHE_FACTOR, VAE_ENCODE_BYTES_PER_PIXEL, LATENT_COPIES, MARGIN_BYTES, MARGIN_FRACTION, gib,
     module_bytes, compute_dtype, TransformerDims, VaeDims, kv_bytes_per_token, step_activation_bytes,
     entry_buffer_bytes, prefix_graph_bytes, prefill_bytes, eager_step_bytes, vae_decode_bytes, latent_bytes,
-    IMAGE_BYTES_PER_PIXEL, decoded_images_bytes, vae_encode_bytes, GenerationShape, MemoryBudget, estimate,
+    IMAGE_BYTES_PER_PIXEL, MASK_BYTES_PER_PIXEL, decoded_images_bytes, vae_encode_bytes, GenerationShape, MemoryBudget,
+    estimate,
     fitting_estimate, available_bytes, eager_free_bytes, graph_bytes_held, graph_pool_bytes,
 )
 from ..free_memory import device_free_bytes, host_available_bytes, host_total_bytes  # noqa: F401

@@ -203,8 +203,9 @@ def latent_bytes(d: TransformerDims, batch: int, target: int, branches: int = 1)
     return (LATENT_COPIES + branches - 1) * batch * target * d.in_channels * 4
 
 
-# ComfyUI's IMAGE: float32 RGB.
+# ComfyUI's IMAGE: float32 RGB; its MASK: float32, one channel.
 IMAGE_BYTES_PER_PIXEL = 12
+MASK_BYTES_PER_PIXEL = 4
 
 
 def decoded_images_bytes(width: int, height: int, batch: int, bytes_per_pixel: int) -> int:

@@ -31,17 +31,19 @@ from ...graph_runtime.validation import describe_value
 from ...graph_runtime import in_flight
 from . import events
 from .core_controlnet import control_from_core, core_fun_control_patches
+from .core_lora import core_lora_choice
 from .patcher import FullLoadPatcher
 
 logger = logging.getLogger("kvgraph")
 
 PREFIX = "kvgraph_prefix"  # the model condition carrying a conditioning entry's PrefixSource
 RUN = "kvgraph_run"  # transformer_options key of the SamplingRun a model call belongs to
-LORAS = "kvgraph_loras"  # patcher attachment: the LoRA chain (LoraChoice, ...) of a KV-Graph Load LoRA node
+LORAS = "kvgraph_loras"  # patcher attachment: the LoRA chain (LoraChoice, ...) of KV-Graph Load LoRA and core loaders
 CONTROL = "kvgraph_control"  # patcher attachment: the ControlSpec of a KV-Graph Apply ControlNet node
 WRAPPER = "kvgraph.sampling_run"
 CORE_PATCHES_REFUSED = ("KV-Graph: {what} cannot patch a KV-Graph MODEL: its captured graphs read the weights in "
-                        "place. Use KV-Graph Load LoRA, which merges LoRAs into those weights for the run.")
+                        "place. Use core's Load LoRA or KV-Graph Load LoRA, which merge LoRAs into those weights for "
+                        "the run.")
 DEFAULT_PREFIX_TOKENS = 128  # memory estimates before the prompt is known
 
 
@@ -163,17 +165,26 @@ def _only_core_control(options: dict) -> bool:
 
 class KVGraphModelPatcher(FullLoadPatcher):
     """The MODEL's patcher: loaded whole, or within the memory ComfyUI gives it with blocks streamed from the host
-    (patcher.py); core weight patches (LoRA, model merging) are refused at once, since the captured graphs read the
-    weights in place and KV-Graph Load LoRA merges there."""
+    (patcher.py). Core LoRA loaders' weight patches join the MODEL's LoRA chain (core_lora.py), merged in place by
+    its runs since the captured graphs read the weights there; hook and bypass LoRAs are refused at once."""
 
     def stream_owner(self):
         return self.model.loaded
 
     def add_patches(self, patches, strength_patch=1.0, strength_model=1.0):
-        raise KVGraphError(CORE_PATCHES_REFUSED.format(what="core LoRA loaders and model merging nodes"))
+        choice, taken = core_lora_choice(self.model.diffusion_model, patches, strength_patch, strength_model)
+        # Not core's `patches`: ComfyUI would write those into new tensors at load (or per cast, streaming).
+        self.attachments[LORAS] = (*self.attachments.get(LORAS, ()), choice)
+        return taken
 
     def add_hook_patches(self, *args, **kwargs):
-        raise KVGraphError(CORE_PATCHES_REFUSED.format(what="hook LoRAs"))
+        raise KVGraphError(CORE_PATCHES_REFUSED.format(what="hook LoRAs (Create Hook LoRA, Create Hook Model as LoRA "
+                                                            "and their keyframes)"))
+
+    def set_injections(self, key, injections):
+        if key == "bypass_lora":
+            raise KVGraphError(CORE_PATCHES_REFUSED.format(what="Load LoRA (Bypass)"))
+        return super().set_injections(key, injections)
 
 
 def make_model_patcher(loaded, scheduler_config, variant, load_device, offload_device, size: int):

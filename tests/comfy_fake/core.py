@@ -185,6 +185,25 @@ class BaseModel(torch.nn.Module):
         return self.latent_format.process_out(latent)
 
 
+class WeightAdapterBase:
+    """comfy.weight_adapter's base: `name` says the kind, `weights` holds its tensors, `loaded_keys` the file's keys."""
+
+    name = "base"
+
+    def __init__(self, loaded_keys, weights):
+        self.loaded_keys, self.weights = loaded_keys, weights
+
+
+class LoRAAdapter(WeightAdapterBase):
+    """A low-rank pair as core's `load_lora` makes it: weights (up, down, alpha, mid, dora_scale, reshape)."""
+
+    name = "lora"
+
+
+class LoHaAdapter(WeightAdapterBase):
+    name = "loha"
+
+
 def modules() -> dict:
     """{module name: module} for the fake's `sys.modules` entries."""
     made = {}
@@ -195,6 +214,7 @@ def modules() -> dict:
         "comfy.model_sampling": (CONST, ModelSamplingFlux),
         "comfy.supported_models_base": (BASE,),
         "comfy.model_base": (BaseModel, ModelType),
+        "comfy.weight_adapter": (WeightAdapterBase, LoRAAdapter, LoHaAdapter),
     }.items():
         module = types.ModuleType(name)
         for member in members:

@@ -57,7 +57,7 @@ OUTPUTS = {
     "EasyCache": [("MODEL", "MODEL")],
     "KVGraphTextEncode": [("positive", "CONDITIONING"), ("negative", "CONDITIONING"), ("latent", "LATENT")],
     "KVGraphSampler": [("latent", "LATENT")],
-    "KVGraphVAEDecode": [("image", "IMAGE")],
+    "KVGraphVAEDecode": [("image", "IMAGE"), ("mask", "MASK")],
     "LoadImage": [("IMAGE", "IMAGE"), ("MASK", "MASK")],
     "SaveImage": [],
     # Core's sampling nodes, which the core-sampling examples run on the transformer loader's MODEL.
@@ -71,6 +71,10 @@ OUTPUTS = {
     "SetLatentNoiseMask": [("LATENT", "LATENT")],
     "KVGraphLoadControlNet": [("controlnet", "KVGRAPH_CONTROLNET")],
     "KVGraphApplyControlNet": [("model", "KVGRAPH_TRANSFORMER")],
+    # Core's LoRA loader on the MODEL, and the background-removal example's nodes.
+    "LoraLoaderModelOnly": [("MODEL", "MODEL")],
+    "JoinImageWithAlpha": [("IMAGE", "IMAGE")],
+    "KVGraphSaveImage": [("images", "IMAGE")],
 }
 SOCKETS = {
     # A socket that takes either kind of KV-Graph model (MatchType): the frontend types it with the allowed types.
@@ -94,6 +98,9 @@ SOCKETS = {
     "SamplerCustomAdvanced": [("noise", "NOISE"), ("guider", "GUIDER"), ("sampler", "SAMPLER"), ("sigmas", "SIGMAS"),
                               ("latent_image", "LATENT")],
     "SetLatentNoiseMask": [("samples", "LATENT"), ("mask", "MASK")],
+    "LoraLoaderModelOnly": [("model", "MODEL")],
+    "JoinImageWithAlpha": [("image", "IMAGE"), ("alpha", "MASK")],
+    "KVGraphSaveImage": [("images", "IMAGE")],
 }
 # Widgets followed in the UI format by their control_after_generate value.
 SEED_WIDGETS = ("seed", "noise_seed")
@@ -130,6 +137,8 @@ TITLES = {
     "SamplerCustomAdvanced": "Sample (custom advanced)", "SetLatentNoiseMask": "Inpaint mask",
     "KVGraphLoadControlNet": "Load ControlNet (Fun Union)", "KVGraphApplyControlNet": "Apply ControlNet",
     "KVGraphStepCache": "Step cache", "EasyCache": "EasyCache (core)",
+    "LoraLoaderModelOnly": "Load LoRA (core)", "JoinImageWithAlpha": "Join image with alpha",
+    "KVGraphSaveImage": "Save transparent PNG",
 }
 # Frontend-only nodes: in the UI format, not in the API format (the frontend leaves them out of a prompt).
 UI_ONLY = {"MarkdownNote"}
@@ -154,6 +163,15 @@ LORA_NOTE = (
     f"`{LORA_FILE}` stands for yours. Read: PEFT / diffusers, kohya / ComfyUI (`lora_down`/`lora_up`/`alpha`, "
     "`img_mlp.gate_up`), DiffSynth-Studio, LyCORIS LoRA names and full-weight `.diff` files; not DoRA, LoHa, LoKr "
     "or OFT, nor LoRAs for Qwen-Image 1.x or other models (docs/lora.md)."
+)
+
+
+CORE_LORA_NOTE = (
+    "\n\n## LoRA (core's loader)\n\n"
+    "Core's **Load LoRA** nodes work on the KV-Graph MODEL: the LoRA is merged into the weights in place for the run, "
+    f"as KV-Graph Load LoRA merges it, and graphs keep replaying. `{LORA_FILE}` in `models/loras` stands for yours. "
+    "On this MODEL core's loader reads `diffusion_model.` and `lora_unet_` names (kohya / ComfyUI); for PEFT / "
+    "diffusers files use KV-Graph Load LoRA (docs/lora.md)."
 )
 
 
@@ -283,6 +301,31 @@ def custom_advanced(seed=42, steps=40, cfg=4.0):
     ]
 
 
+def core_lora(workflow, lora_name=LORA_FILE, strength=1.0):
+    """`workflow` (KSampler on the MODEL) with core's LoraLoaderModelOnly on the loader's MODEL, feeding KSampler."""
+    lora = (8, "LoraLoaderModelOnly", [("lora_name", lora_name), ("strength_model", strength)], {"model": (1, 1)},
+            TITLES["LoraLoaderModelOnly"])
+    return with_model_patch(workflow, lora, CORE_LORA_NOTE)
+
+
+def remove_background(workflow):
+    """An edit of the cut-out reference image (image 2: its transparent background reads as black) asked to remove
+    the background; the decode's alpha MASK joined to its IMAGE with core's Join Image with Alpha, saved as an RGBA
+    PNG by KV-Graph Save Image."""
+    nodes, _ = workflow
+    out = []
+    for node_id, node_type, widgets, links, title in nodes:
+        if node_type == "LoadImage":
+            widgets, title = [("image", REFERENCE_IMAGES[1])], "Image with a background"
+        if node_type == "SaveImage":
+            node_id, node_type, links, title = (7, "KVGraphSaveImage", {"images": (9, 0)},
+                                                TITLES["KVGraphSaveImage"])
+            out.append((9, "JoinImageWithAlpha", [], {"image": (6, 0), "alpha": (6, 1)},
+                        TITLES["JoinImageWithAlpha"]))
+        out.append((node_id, node_type, widgets, links, title))
+    return out, [[[1], [2], [3], [20]], [[10], [4], [6, 9]], [[5], [7]]]
+
+
 def inpaint(workflow, seed=42, steps=40):
     """Inpainting with KSampler: the cut-out reference image (image 2) encoded, its transparent background as the
     noise mask (Load Image's MASK is 1 where the image is transparent), so the object stays and the rest is
@@ -385,6 +428,13 @@ WORKFLOWS = {
         "controlnet", "A glass greenhouse full of tropical plants, following the shapes of the control image.")),
     "qwen_image_2.1_controlnet_inpaint": controlnet_inpaint(graph(
         "controlnet_inpaint", "A red teapot on a wooden kitchen counter beside a window, morning light, photo.")),
+    # Core's LoRA loader on the MODEL, under KSampler.
+    "qwen_image_2.1_core_lora": core_lora(on_the_model(graph(
+        "core_lora", "A lighthouse on a rocky coast at dusk, dramatic clouds, in the style the LoRA was trained on."),
+        ksampler(), [[[1], [2], [3], [20]], [[4], [6]], [[5], [7]]])),
+    # The VAE's alpha channel kept: an edit asked to remove the background, saved as a transparent PNG.
+    "qwen_image_2.1_remove_background": remove_background(graph(
+        "remove_background", "Remove the background of image 1, keep the red teapot.", references=1)),
     "qwen_image_2.1_edit_five_references": five_references(graph(
         "five_references", "Put the objects from images 2, 3, 4 and 5 on the table in image 1, side by side, "
         "matching its lighting.", references=5)),
@@ -421,6 +471,10 @@ CARDS = {
         "Qwen-Image-2.1 ControlNet", "ControlNet", "A control image steers the KV-Graph sampler"),
     "qwen_image_2.1_controlnet_inpaint": Card(
         "Qwen-Image-2.1 CN inpainting", "CN inpainting", "The Fun ControlNet paints the masked area"),
+    "qwen_image_2.1_core_lora": Card(
+        "Qwen-Image-2.1 core LoRA", "Core LoRA loader", "Core's Load LoRA on the KV-Graph MODEL"),
+    "qwen_image_2.1_remove_background": Card(
+        "Qwen-Image-2.1 transparent PNG", "Remove background", "A transparent PNG from the VAE's alpha"),
     "qwen_image_2.1_edit_five_references": Card(
         "Qwen-Image-2.1 five references", "Five references", "Put the objects of images 2 to 5 into image 1"),
     "qwen_image_2.1_step_cache": Card(

@@ -42,7 +42,7 @@ def expected_size(name: str, base: Path) -> tuple[int, int]:
     inpainted image's cropped to 16 px, else the encode node's width and height."""
     from graph_runtime.encoding.images import reference_size
 
-    last = {"edit_two": 1, "edit_one": 0, "edit_custom_sampler": 0, "edit_five": 4}
+    last = {"edit_two": 1, "edit_one": 0, "edit_custom_sampler": 0, "edit_five": 4, "remove_background": 1}
     for key, index in last.items():
         if key in name:
             return reference_size(Image.open(base / "input" / REFERENCE_IMAGES[index]), SMALL)

@@ -15,7 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from comfy_server import LORA_FILE, error_message, load_api_workflow, node_of, start_server  # noqa: E402
+from comfy_server import error_message, load_api_workflow, node_of, start_server  # noqa: E402
 
 pytestmark = pytest.mark.comfyui
 
@@ -95,16 +95,23 @@ def test_interrupting_a_ksampler_run_leaves_nothing_behind(server):
     server.run(load_api_workflow(KSAMPLER, seed=8))
 
 
-def test_core_lora_loader_on_the_model_is_refused_naming_the_kvgraph_node(server):
-    """LoraLoaderModelOnly on the MODEL fails that prompt at the LoRA node, naming KV-Graph Load LoRA; the next
-    prompt on the same model runs."""
+def test_a_lora_cores_loader_cannot_map_is_refused_naming_the_kvgraph_node(server, comfy_base):
+    """LoraLoaderModelOnly on the MODEL with a PEFT-layout file (`transformer.` keys, which core's loader maps onto
+    no weight of this MODEL) fails that prompt at the LoRA node, naming KV-Graph Load LoRA; the next prompt on the
+    same model runs. (Files it maps run: tests/e2e/test_comfyui_core_lora.py.)"""
+    import torch
+    from safetensors.torch import save_file
+
+    stem = "transformer.transformer_blocks.0.attn.to_q"
+    save_file({f"{stem}.lora_A.weight": torch.zeros(4, 32), f"{stem}.lora_B.weight": torch.zeros(32, 4)},
+              str(comfy_base / "models" / "loras" / "kvgraph_peft_only.safetensors"))
     prompt = load_api_workflow(KSAMPLER, seed=9)
     prompt["80"] = {"class_type": "LoraLoaderModelOnly",
-                    "inputs": {"model": ["1", 1], "lora_name": LORA_FILE, "strength_model": 1.0}}
+                    "inputs": {"model": ["1", 1], "lora_name": "kvgraph_peft_only.safetensors", "strength_model": 1.0}}
     node_of(prompt, "KSampler")["inputs"]["model"] = ["80", 0]
     entry = server.wait(server.queue_ok(prompt))
     assert entry["status"]["status_str"] == "error"
-    assert "KV-Graph Load LoRA" in error_message(entry)
+    assert "matched none" in error_message(entry) and "KV-Graph Load LoRA" in error_message(entry)
     server.run(load_api_workflow(KSAMPLER, seed=10))
 
 

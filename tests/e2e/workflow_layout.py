@@ -69,6 +69,9 @@ MIN_SIZE = {
     # Not measured in a frontend yet: sized as the nodes above with one socket and three (four) widget rows.
     "KVGraphStepCache": (300, 106),
     "EasyCache": (300, 130),
+    "LoraLoaderModelOnly": (340, 82),
+    "JoinImageWithAlpha": (200, 50),
+    "KVGraphSaveImage": (330, 230),
 }
 # The encode node's reference sockets grow as they are connected: MIN_SIZE holds its height with as many sockets as it
 # has outputs (3), and each socket beyond those takes one more row.

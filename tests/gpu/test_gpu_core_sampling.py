@@ -147,6 +147,34 @@ def test_core_sampling_on_graphs_equals_the_kvgraph_sampler_decoding_eagerly(cor
     assert stats["captures"] == 0 and stats["replays"] == STEPS
 
 
+def test_a_lora_switch_through_cores_loader_captures_nothing(core_env, loaded):
+    """Core's LoraLoaderModelOnly (ComfyUI's own file reading and `load_lora_for_models`) on the MODEL: KSampler with
+    the LoRA, with it at another strength, and without it, after a first plain prompt captured the shape: every
+    prompt replays every step and captures nothing (the merge writes the weights where the graphs read them), each
+    LoRA prompt differs from the plain one, and the weights are their originals bit for bit at the end."""
+    import comfy.sd
+    import comfy.utils
+
+    import core_sampling_driver as driver
+    from graph_runtime.lora.tiny import write_tiny_lora
+
+    handle, model, positive, negative, latent = loaded
+    path = write_tiny_lora(core_env.models / "loras" / "kvgraph_gpu_core_lora.safetensors", dtype=torch.float32)
+    lora = comfy.utils.load_torch_file(str(path), safe_load=True)
+    engine = handle.engine
+    plain = driver.ksampler(model, positive, negative, latent, 7, STEPS, 1.0)  # the shape's graphs exist after it
+    original = {name: p.detach().clone() for name, p in handle.module.named_parameters()}
+    for strength in (1.0, 0.5, 0.0):
+        patched = comfy.sd.load_lora_for_models(model, None, lora, strength, 0)[0] if strength else model
+        before = engine.stats.snapshot()
+        out = driver.ksampler(patched, positive, negative, latent, 7, STEPS, 1.0)
+        stats = engine.stats.delta(before)
+        assert stats["captures"] == 0 and stats["prefill_captures"] == 0, (strength, stats)
+        assert stats["replays"] == STEPS and stats["eager_steps"] == {}, (strength, stats)
+        assert torch.equal(out, plain) if strength == 0 else (out - plain).abs().max() > 1e-3
+    assert all(torch.equal(p, original[name]) for name, p in handle.module.named_parameters())
+
+
 def kv_sampler(env, handle, positive, latent, seed, decode_mode):
     import core_sampling_driver as driver
 
