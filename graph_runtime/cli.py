@@ -6,7 +6,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -383,7 +385,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM (`kill`, a container stopping), raised in the main thread like Ctrl-C's KeyboardInterrupt, so a file
+    being written is removed on the way out (output_files) rather than left half written."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
 def main(argv=None) -> int:
+    # Python's default for SIGTERM ends the process at once, without unwinding: no cleanup would run.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    try:
+        return _main(argv)
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv=None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.command != "bench":

@@ -420,3 +420,51 @@ def test_other_subcommands_still_refuse_unknown_options(capsys):
         main(["make-tiny", "--tiny"])
     assert exit_info.value.code == 2
     assert "unrecognized arguments: --tiny" in capsys.readouterr().err
+
+
+SLOW_WRITE = """
+import sys, time
+import graph_runtime.output_files as output_files
+
+def slow_save(file, image, image_format):
+    file.write(b"\\x89PNG half of it")
+    file.flush()
+    print("writing", flush=True)
+    time.sleep(120)
+
+output_files.save_image = slow_save
+import graph_runtime.cli as cli
+cli.save_image = slow_save
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_mid_write_leaves_no_partial_file(tmp_path, sig):
+    """A real `generate` process stopped by SIGTERM (or Ctrl-C's SIGINT) while it writes --out: it exits with the
+    shell's status for that signal, and neither the hidden temporary file nor a half-written --out is left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "out" / "image.png"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    process = subprocess.Popen([sys.executable, "-c", SLOW_WRITE, "generate", "--width", "32", "--height", "32",
+                                "--steps", "1", "--out", str(out)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in process.stdout:  # the load and the run come first
+            if line.strip() == "writing":
+                break
+        else:
+            pytest.fail(f"the process ended before writing: {process.stderr.read()}")
+        assert [p.name for p in out.parent.iterdir()][0].startswith(".kvgraph-")  # mid-write, the temporary file
+        process.send_signal(getattr(signal, sig))
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == {"SIGTERM": 143, "SIGINT": 130}[sig], err
+    assert list(out.parent.iterdir()) == []
+    assert "Traceback" not in err
