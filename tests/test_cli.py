@@ -468,3 +468,27 @@ def test_a_signal_mid_write_leaves_no_partial_file(tmp_path, sig):
     assert process.returncode == {"SIGTERM": 143, "SIGINT": 130}[sig], err
     assert list(out.parent.iterdir()) == []
     assert "Traceback" not in err
+
+
+def test_generate_help_lists_every_precision_and_what_auto_picks(capsys):
+    """`generate --help` names every `--precision` the loader accepts (int8 included) and says what auto picks: int8
+    on compute capability 8.0+, as graph_runtime/fp8/auto.py resolves it."""
+    from graph_runtime.cli import build_parser
+    from graph_runtime.fp8.precisions import PRECISION_CHOICES
+
+    generate = next(a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith(
+        "generate"))
+    text = " ".join(generate.format_help().split())
+    for precision in PRECISION_CHOICES:
+        assert f"{precision} (" in text or f"{precision}," in text or f"{precision} or" in text, precision
+    assert "int8 for an INT8 ConvRot file, and for bf16 weights of a float file on a GPU of compute capability 8.0+" \
+        in text
+
+
+def test_generate_prints_each_step_as_it_ends(tmp_path, capsys):
+    """A long run is never silent: each sampling step prints a line as it ends, the last one saying the VAE decode
+    comes next."""
+    assert main(["generate", "--width", "32", "--height", "32", "--steps", "3", "--out", str(tmp_path / "a.png")]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if " step " in line]
+    assert [line.split(" done")[0] for line in lines] == ["run 1: step 1/3", "run 1: step 2/3", "run 1: step 3/3"]
+    assert lines[-1].endswith("; decoding with the VAE")
