@@ -492,3 +492,32 @@ def test_generate_prints_each_step_as_it_ends(tmp_path, capsys):
     lines = [line for line in capsys.readouterr().out.splitlines() if " step " in line]
     assert [line.split(" done")[0] for line in lines] == ["run 1: step 1/3", "run 1: step 2/3", "run 1: step 3/3"]
     assert lines[-1].endswith("; decoding with the VAE")
+
+
+# -- what docs/robustness.md and docs/memory.md promise about large images ---------------------------------------------
+
+@pytest.mark.parametrize("size, steps, limit", [(16384, 40, "at most 402897 latent tokens (about 10144x10144 px) "
+                                                            "with 40 steps"),
+                                                (16384, 8, "about 9616x9616 px) with 8 steps"),
+                                                (32768, 1, "about 21168x21168 px) with 1 steps")])
+def test_the_schedule_limits_the_docs_give_are_the_ones_enforced(tmp_path, capsys, size, steps, limit):
+    """docs/robustness.md: the largest image the dynamic schedule can shift depends on the steps (about 10,144 px a
+    side at 40 steps, 9,616 at 8, 21,168 at 1); a larger one is refused before any model runs for the sampler."""
+    out = tmp_path / "big.png"
+    assert main(["generate", "--width", str(size), "--height", str(size), "--steps", str(steps), "--out",
+                 str(out)]) == 2
+    assert limit in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_16384_at_one_step_is_refused_by_memory_alone_where_it_does_not_fit(tmp_path, capsys, monkeypatch):
+    """docs/memory.md and docs/robustness.md: 16384x16384 at --steps 1 passes the schedule's limit, and the tiny model
+    needs 18.1 GiB for it on the CPU: with 16 GiB available it is refused naming what fits, nothing written."""
+    from graph_runtime import free_memory
+
+    monkeypatch.setattr(free_memory, "host_available_bytes", lambda: 16 * 2**30)
+    out = tmp_path / "big.png"
+    assert main(["generate", "--width", "16384", "--height", "16384", "--steps", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "needs 18.1 GiB" in err and "16.0 GiB is available" in err and "width x height at most" in err, err
+    assert not out.exists()
