@@ -222,9 +222,14 @@ def check_config_values(where: str | os.PathLike, given: Mapping[str, object], i
                                          "belong to them.", expected)
 
 
-def class_defaults(cls) -> dict:
-    """The keyword defaults of `cls.__init__`: what a diffusers config.json that leaves a key out means."""
+def config_values(config: Mapping, cls, keys, none_means: Mapping[str, str] | None = None) -> dict:
+    """What a diffusers config.json says for each of `keys`: its value, else the default of `cls.__init__`; where
+    the class reads None as another key's value (`none_means`: {key: that key}), that value."""
     import inspect
 
-    return {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()
-            if p.default is not inspect.Parameter.empty}
+    defaults = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()}
+    given = {key: config.get(key, defaults.get(key)) for key in keys}
+    for key, other in (none_means or {}).items():
+        if given.get(key) is None:
+            given[key] = config.get(other, defaults.get(other))
+    return given

@@ -12,7 +12,7 @@ from ..quantized import KEEP_INT8, check_mode, read_layers
 from .assemble import assign_weights, build_empty, check_against_model, check_fits, finish
 from .checks import require_kind
 from .comfy_layout import transformer_comfy_key, transformer_from_comfy_state_dict
-from .config_infer import check_config_values, class_defaults, infer_transformer_config
+from .config_infer import check_config_values, config_values, infer_transformer_config
 from .detect import QWEN21_TRANSFORMER
 from .int8_files import install_int8_layers, read_weights, unquantized_shapes
 from .sources import resolve
@@ -39,12 +39,9 @@ def _check_config_against_weights(source, config: dict, shapes, file_key) -> Non
 
     where = source.path / "config.json"
     inferred = infer_transformer_config(shapes, source.path, EXPECTED, file_key)
-    defaults = class_defaults(QwenImage21Transformer2DModel)
-    given = {key: config.get(key, defaults.get(key)) for key in inferred}
-    if given["out_channels"] is None:
-        given["out_channels"] = given["in_channels"]  # the class's meaning of None
+    given = config_values(config, QwenImage21Transformer2DModel, inferred, none_means={"out_channels": "in_channels"})
     check_config_values(where, given, {k: v for k, v in inferred.items() if k != "axes_dims_rope"}, EXPECTED)
-    axes, head_dim = config.get("axes_dims_rope", defaults["axes_dims_rope"]), inferred["attention_head_dim"]
+    axes, head_dim = given["axes_dims_rope"], inferred["attention_head_dim"]
     if (not isinstance(axes, (list, tuple)) or len(axes) != 3
             or not all(isinstance(a, int) and not isinstance(a, bool) and a > 0 and a % 2 == 0 for a in axes)
             or sum(axes) != head_dim):

@@ -10,7 +10,7 @@ from ..errors import CheckpointError, shorten
 from .assemble import assign_weights, build_empty, check_against_model, check_fits, finish
 from .checks import require_kind
 from .comfy_layout import vae_comfy_key_namer, vae_from_comfy_state_dict
-from .config_infer import check_config_values, class_defaults, infer_vae_config
+from .config_infer import check_config_values, config_values, infer_vae_config
 from .detect import QWEN21_VAE
 from ..safetensors_file import iter_tensors
 from .sources import resolve
@@ -45,13 +45,11 @@ def _check_config_against_weights(source, config: dict, shapes, file_key) -> Non
 
     where = source.path / "config.json"
     inferred = infer_vae_config(shapes, source.path, EXPECTED, file_key)
-    defaults = class_defaults(AutoencoderKLQwenImage21)
-    given = {key: config.get(key, defaults.get(key)) for key in _SIZED_BY_WEIGHTS}
-    if given["decoder_base_dim"] is None:
-        given["decoder_base_dim"] = given["base_dim"]  # the class's meaning of None
+    given = config_values(config, AutoencoderKLQwenImage21, [*_SIZED_BY_WEIGHTS, "latents_mean", "latents_std"],
+                          none_means={"decoder_base_dim": "base_dim"})
     check_config_values(where, given, {key: inferred[key] for key in _SIZED_BY_WEIGHTS}, EXPECTED)
     for key in ("latents_mean", "latents_std"):
-        value = config.get(key, defaults.get(key))
+        value = given[key]
         if not isinstance(value, (list, tuple)) or len(value) != inferred["z_dim"]:
             raise CheckpointError(where, f"says {key}={shorten(repr(value))}: expected a list of {inferred['z_dim']} "
                                          "numbers, one per latent channel of the weights beside it.", EXPECTED)
