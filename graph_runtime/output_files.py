@@ -111,8 +111,8 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None])
 
 
 # Where a file system has no hard links, a new name is given by rename after checking it is free.
-_NO_HARD_LINKS = {errno.EPERM, errno.EACCES, errno.EXDEV, errno.EMLINK, getattr(errno, "ENOTSUP", errno.EPERM),
-                  getattr(errno, "EOPNOTSUPP", errno.EPERM)}
+_NO_HARD_LINKS = {errno.EPERM, errno.EACCES, errno.EXDEV, errno.EMLINK, errno.ENOSYS,
+                  getattr(errno, "ENOTSUP", errno.EPERM), getattr(errno, "EOPNOTSUPP", errno.EPERM)}
 
 
 def _take_name(temp: Path, target: Path) -> bool:

@@ -25,7 +25,9 @@ from .pixels import (
     comfy_image_to_pil, comfy_image_to_vae_pixels, crop_to_multiple, to_pil, vae_pixels_to_comfy_image,
 )
 from .previews import PreviewProjection, fit_preview_projection, gray_projection, preview_image
-from .saved_images import BATCH_NUM, next_free_counter, png_text, prefix_text, save_batch, saved_pixels
+from .saved_images import (
+    BATCH_NUM, next_free_counter, png_text, prefix_text, save_batch, saved_pixels,
+)
 
 __all__ = [
     "LATENT_CHANNELS", "VAE_SCALE", "LatentStats", "ParsedConditioning", "PreviewProjection", "comfy_image_to_pil",
