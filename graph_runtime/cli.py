@@ -6,7 +6,9 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
+import threading
 import time
 from dataclasses import dataclass
 
@@ -227,6 +229,18 @@ def apply_cli_precision(transformer, resolved) -> None:
           f"{done['block_linear_bytes_before'] / 2**30:.2f} GiB ({done['seconds']} s)")
 
 
+def step_printer(run: int):
+    """Each sampling step as it ends, with the time since the run started: a large image on the CPU takes minutes
+    per step, and a silent terminal looks hung."""
+    start = time.perf_counter()
+
+    def on_step(step: int, total: int, *_):
+        then = "; decoding with the VAE" if step == total else ""
+        print(f"run {run}: step {step}/{total} done ({time.perf_counter() - start:.1f} s){then}", flush=True)
+
+    return on_step
+
+
 def cmd_generate(args) -> int:
     from .generate import QwenImageGenerator
 
@@ -245,7 +259,7 @@ def cmd_generate(args) -> int:
             args.prompt, negative_prompt=args.negative, cfg=args.cfg, images=checked.images, width=args.width,
             height=args.height, steps=args.steps, seed=args.seed, sigma_preset=args.sigmas, decode_mode=args.decode,
             compile=args.compile == "blocks", batch_size=args.batch, reference_resolution=args.reference_resolution,
-            keep_alpha=args.keep_alpha,
+            keep_alpha=args.keep_alpha, on_step=step_printer(run + 1),
         )
         timings = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.timings.items()}
         print(f"run {run + 1}: load {load_s:.2f} s (first run only) | " + " | ".join(
@@ -353,9 +367,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                      help="the models' dtype (default: bf16 on CUDA, fp32 on the CPU)")
     gen.add_argument("--precision", default="auto",
-                     help="the transformer blocks' Linears: auto (default: fp8-attn for bf16 weights of a float file "
-                          "on an Ada, Hopper or Blackwell GPU, else as loaded), bf16 (as loaded), fp8, fp8-attn (MLP "
-                          "kept bf16) or fp8-no-out (docs/fp8.md)")
+                     help="the transformer blocks' Linears: auto (default: int8 for an INT8 ConvRot file, and for "
+                          "bf16 weights of a float file on a GPU of compute capability 8.0+ (Ampere, Ada, Hopper, "
+                          "Blackwell); fp8-attn for bf16 weights on an FP8 GPU without the INT8 path; "
+                          "else as loaded, as on the CPU, where neither INT8 nor FP8 GEMMs run), bf16 (as loaded), "
+                          "int8 (INT8 ConvRot W8A8), fp8, fp8-attn (MLP kept bf16) or fp8-no-out (docs/fp8.md)")
     gen.add_argument("--device", default=None, help="cpu, cuda or cuda:N (default: cuda when available, else cpu)")
     gen.add_argument("--gpus", type=int, default=1,
                      help="decode each image on N devices: N-1 worker processes beside this one split the image's "
@@ -389,7 +405,30 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class Terminated(BaseException):
+    """SIGTERM (`kill`, a container stopping), raised in the main thread like Ctrl-C's KeyboardInterrupt, so a file
+    being written is removed on the way out (output_files) rather than left half written."""
+
+
+def _raise_terminated(signum, frame):
+    raise Terminated
+
+
 def main(argv=None) -> int:
+    # Python's default for SIGTERM ends the process at once, without unwinding: no cleanup would run.
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+    try:
+        return _main(argv)
+    except Terminated:
+        print("terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv=None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     if unknown and args.command != "bench":

@@ -3,24 +3,102 @@
 and the default bound of the ComfyUI nodes' model cache (graph_runtime/eviction.py).
 
 psutil's figures where it is installed (ComfyUI requires it and reads the same ones), else /proc/meminfo; either is
-capped by the container's memory limit (cgroup v2 or v1), which is what gets a process killed inside one.
+capped by the limits of the memory cgroups the process runs in (v2 or v1, found through /proc/self), which is what
+gets a process killed inside a container or a systemd scope.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 
 # cgroup v1 writes a huge number (near 2^63) for "no limit", v2 writes "max".
 _NO_LIMIT = 1 << 60
+# Where the process's cgroups are named (/proc/self/cgroup) and mounted (/proc/self/mountinfo); tests point this at a
+# fake tree.
+PROC_SELF = "/proc/self"
+# Per cgroup version: its limit file and its usage file.
+_V2_FILES = ("memory.max", "memory.current")
+_V1_FILES = ("memory.limit_in_bytes", "memory.usage_in_bytes")
 
 
-def _read_int(path: str) -> int | None:
+def _read_int(path) -> int | None:
     try:
         with open(path) as f:
             text = f.read().strip()
     except OSError:
         return None
     return int(text) if text.isdigit() else None
+
+
+def _read_lines(path) -> list[str]:
+    try:
+        with open(path) as f:
+            return f.read().splitlines()
+    except OSError:
+        return []
+
+
+def _memory_mounts(proc_self: str) -> list[tuple[str, str, tuple[str, str]]]:
+    """(mount root inside the hierarchy, mount point, the version's files) of each mounted memory hierarchy: the
+    cgroup2 one and a cgroup v1 one holding the memory controller. Without mountinfo: the usual places."""
+    lines = _read_lines(os.path.join(proc_self, "mountinfo"))
+    if not lines:
+        return [("/", "/sys/fs/cgroup", _V2_FILES), ("/", "/sys/fs/cgroup/memory", _V1_FILES)]
+    mounts = []
+    for line in lines:
+        fields, _, tail = line.partition(" - ")
+        fields, tail = fields.split(), tail.split()
+        if len(fields) < 5 or len(tail) < 3:
+            continue
+        root, point = fields[3], fields[4].replace("\\040", " ")
+        if tail[0] == "cgroup2":
+            mounts.append((root, point, _V2_FILES))
+        elif tail[0] == "cgroup" and "memory" in tail[2].split(","):
+            mounts.append((root, point, _V1_FILES))
+    return mounts
+
+
+def _memory_cgroups(proc_self: str) -> list[tuple[str, tuple[str, str]]]:
+    """The folders of every memory cgroup that bounds this process (its own and each ancestor within the mount),
+    each with its version's files. A cgroup path not found under its mount (a container that mounts only its own
+    cgroup, as the hierarchy's root) leaves the mount point itself."""
+    groups = {}
+    for line in _read_lines(os.path.join(proc_self, "cgroup")):
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            groups["v2" if parts[0] == "0" and parts[1] == "" else parts[1]] = parts[2]
+    found = []
+    for root, point, files in _memory_mounts(proc_self):
+        path = groups.get("v2") if files is _V2_FILES else next(
+            (p for c, p in groups.items() if "memory" in c.split(",")), None)
+        relative = path if path is not None else "/"
+        if root != "/" and (relative + "/").startswith(root.rstrip("/") + "/"):
+            relative = relative[len(root.rstrip("/")):]
+        parts = [p for p in relative.split("/") if p]
+        for depth in range(len(parts), -1, -1):
+            folder = os.path.join(point, *parts[:depth])
+            if os.path.isdir(folder):
+                found.append((folder, files))
+    return found
+
+
+def cgroup_memory(proc_self: str | None = None) -> tuple[int, int] | None:
+    """(limit, room) of the memory cgroups this process runs in (v2 `memory.max` / `memory.current`, v1
+    `memory.limit_in_bytes` / `memory.usage_in_bytes`, found through /proc/self/cgroup and /proc/self/mountinfo):
+    the smallest limit among them and the least any of them has left (limit less usage); None when none is
+    limited. What gets a process killed in a container, whatever the host has free."""
+    limit = room = None
+    for folder, (limit_file, usage_file) in _memory_cgroups(PROC_SELF if proc_self is None else proc_self):
+        value = _read_int(os.path.join(folder, limit_file))
+        if value is None or value >= _NO_LIMIT:
+            continue
+        usage = _read_int(os.path.join(folder, usage_file)) or 0
+        limit = value if limit is None else min(limit, value)
+        left = max(0, value - usage)
+        room = left if room is None else min(room, left)
+    return None if limit is None else (limit, room)
 
 
 def _meminfo(field: str) -> int | None:
@@ -36,38 +114,32 @@ def _meminfo(field: str) -> int | None:
 
 
 def host_total_bytes() -> int | None:
-    """The machine's RAM (psutil, else /proc/meminfo), or the container's memory limit when that is smaller."""
+    """The machine's RAM (psutil, else /proc/meminfo), or the memory cgroup's limit when that is smaller."""
     try:
         import psutil
 
         total = int(psutil.virtual_memory().total)
     except ImportError:
         total = _meminfo("MemTotal:")
-    for limit_file in ("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory/memory.limit_in_bytes"):
-        limit = _read_int(limit_file)
-        if limit is not None and limit < _NO_LIMIT:
-            return limit if total is None else min(total, limit)
+    cgroup = cgroup_memory()
+    if cgroup is not None:
+        return cgroup[0] if total is None else min(total, cgroup[0])
     return total
 
 
 def host_available_bytes() -> int | None:
     """Memory a new host (CPU) allocation can get without swapping or being killed: what the OS reports available
-    (psutil's figure, as ComfyUI reads it, else /proc/meminfo), capped by the container's memory limit less what it
-    uses (cgroup v2 or v1). None where nothing reports it."""
+    (psutil's figure, as ComfyUI reads it, else /proc/meminfo), capped by what the memory cgroups this process runs
+    in have left (`cgroup_memory`). None where nothing reports it."""
     try:
         import psutil
 
         available = int(psutil.virtual_memory().available)
     except ImportError:
         available = _meminfo("MemAvailable:")
-    for limit_file, usage_file in (("/sys/fs/cgroup/memory.max", "/sys/fs/cgroup/memory.current"),
-                                   ("/sys/fs/cgroup/memory/memory.limit_in_bytes",
-                                    "/sys/fs/cgroup/memory/memory.usage_in_bytes")):
-        limit, usage = _read_int(limit_file), _read_int(usage_file)
-        if limit is not None and usage is not None and limit < _NO_LIMIT:
-            room = max(0, limit - usage)
-            available = room if available is None else min(available, room)
-            break
+    cgroup = cgroup_memory()
+    if cgroup is not None:
+        return cgroup[1] if available is None else min(available, cgroup[1])
     return available
 
 

@@ -3,6 +3,7 @@
 Every target is checked before any model runs (its folder can be made and written to, its name fits, an existing
 file is replaced only when asked), and each file is written to a temporary file beside it and renamed over the
 target only once it is complete: a full disk or a failed write leaves the old file as it was and no partial file.
+`write_new_file` is the same for a file that must get a name no file has yet (ComfyUI's numbered outputs).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import errno
 import os
 import secrets
 from pathlib import Path
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Iterable
 
 from .errors import InputError, OutputWriteError
 from .png_writer import COMFYUI_COMPRESS_LEVEL, write_png
@@ -62,15 +63,12 @@ def check_target(flag: str, path: str | os.PathLike, overwrite: bool, replace_hi
         raise InputError(flag, shown, f"a file that does not exist yet: it would be replaced ({replace_hint})")
 
 
-def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
-    """`write(file)` into a new file beside `path`, then rename it over `path`: the target is never seen half
-    written. On any failure the temporary file is removed and OutputWriteError names `path` (an existing file is
-    left as it was)."""
-    target = Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
-    temp = target.parent / f"{TEMP_PREFIX}{secrets.token_hex(4)}{TEMP_SUFFIX}"
-    existed = os.path.lexists(target)
+def _write_temp(folder: Path, write: Callable[[BinaryIO], None]) -> Path:
+    """`write(file)` into a new hidden file in `folder` (made if missing), flushed to disk; returns its path. On any
+    failure (an OSError, an encoder's error, Ctrl-C, SIGTERM) the file is removed and the error raised."""
+    temp = folder / f"{TEMP_PREFIX}{secrets.token_hex(4)}{TEMP_SUFFIX}"
     try:
-        target.parent.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
         # O_EXCL: a name collision fails rather than writing into someone's file; 0o666 lets the umask decide the
         # mode, as for any file the user creates.
         fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0), 0o666)
@@ -78,17 +76,80 @@ def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None])
             write(file)
             file.flush()
             os.fsync(file.fileno())
-        os.replace(temp, target)
-    except OSError as exc:
-        _remove_quietly(temp)
-        kept = "the existing file is unchanged" if existed else "nothing was written"
-        reason = (exc.strerror or os.strerror(exc.errno)) if exc.errno else str(exc)
-        if exc.errno == errno.ENOSPC:
-            reason = "the disk is full"
-        raise OutputWriteError(target, f"{reason} ({kept})") from None
-    except BaseException:  # an encoder's error, Ctrl-C: still no partial file left behind
+    except BaseException:
         _remove_quietly(temp)
         raise
+    return temp
+
+
+def _write_error(exc: OSError, target: Path, existed: bool) -> OutputWriteError:
+    kept = "the existing file is unchanged" if existed else "nothing was written"
+    reason = (exc.strerror or os.strerror(exc.errno)) if exc.errno else str(exc)
+    if exc.errno == errno.ENOSPC:
+        reason = "the disk is full"
+    return OutputWriteError(target, f"{reason} ({kept})")
+
+
+def _absolute(path: str | os.PathLike) -> Path:
+    return Path(os.path.abspath(os.path.expanduser(os.fspath(path))))
+
+
+def write_atomically(path: str | os.PathLike, write: Callable[[BinaryIO], None]) -> None:
+    """`write(file)` into a new file beside `path`, then rename it over `path`: the target is never seen half
+    written. On any failure the temporary file is removed and OutputWriteError names `path` (an existing file is
+    left as it was)."""
+    target = _absolute(path)
+    existed = os.path.lexists(target)
+    temp = None
+    try:
+        temp = _write_temp(target.parent, write)
+        os.replace(temp, target)
+    except OSError as exc:
+        if temp is not None:
+            _remove_quietly(temp)
+        raise _write_error(exc, target, existed) from None
+
+
+# Where a file system has no hard links, a new name is given by rename after checking it is free.
+_NO_HARD_LINKS = {errno.EPERM, errno.EACCES, errno.EXDEV, errno.EMLINK, errno.ENOSYS,
+                  getattr(errno, "ENOTSUP", errno.EPERM), getattr(errno, "EOPNOTSUPP", errno.EPERM)}
+
+
+def _take_name(temp: Path, target: Path) -> bool:
+    """Give the complete file `temp` the name `target` unless a file has that name: True when done. A hard link
+    fails on an existing name, so nothing is ever replaced, not even by a writer racing this one."""
+    try:
+        os.link(temp, target)
+    except FileExistsError:
+        return False
+    except OSError as exc:
+        if exc.errno not in _NO_HARD_LINKS:
+            raise
+        if os.path.lexists(target):
+            return False
+        os.rename(temp, target)  # Windows refuses an existing target; elsewhere the check above guards it
+        return True
+    _remove_quietly(temp)
+    return True
+
+
+def write_new_file(paths: Iterable[str | os.PathLike], write: Callable[[BinaryIO], None]) -> Path:
+    """`write(file)` into a temporary file beside the first of `paths`, which then takes the first of `paths` (all
+    in one folder) that no file has: an existing file is never replaced, and no name is ever seen half written.
+    Returns the name taken. On any failure the temporary file is removed and OutputWriteError names the path."""
+    paths = iter(paths)
+    target = _absolute(next(paths))
+    temp = None
+    try:
+        temp = _write_temp(target.parent, write)
+        while not _take_name(temp, target):
+            target = _absolute(next(paths))
+        return target
+    except OSError as exc:
+        raise _write_error(exc, target, False) from None
+    finally:
+        if temp is not None:
+            _remove_quietly(temp)  # already gone once a name was taken
 
 
 def save_image(file: BinaryIO, image, image_format: str) -> None:

@@ -8,7 +8,7 @@ from comfy.cli_args import args
 from comfy_api.latest import io
 
 from ..graph_runtime.comfy_interop.pixels import check_image
-from ..graph_runtime.comfy_interop.saved_images import png_text, save_batch
+from ..graph_runtime.comfy_interop.saved_images import png_text, prefix_text, save_batch
 from .comfyui.types import IMAGE
 
 
@@ -19,9 +19,9 @@ class KVGraphSaveImage(io.ComfyNode):
             node_id="KVGraphSaveImage",
             display_name="KV-Graph Save Image",
             category=IMAGE,
-            description=("Saves the images to the ComfyUI output folder exactly as core's Save Image does (the same "
-                         "file names, counter, prompt and workflow metadata), with each PNG compressed on several "
-                         "CPU threads."),
+            description=("Saves the images to the ComfyUI output folder as core's Save Image does (the same file "
+                         "names, counter, prompt and workflow metadata), with each PNG compressed on several CPU "
+                         "threads; it never replaces an existing file, and a failed write leaves no partial PNG."),
             inputs=[
                 io.Image.Input("images", tooltip="The images to save."),
                 io.String.Input("filename_prefix", default="ComfyUI",
@@ -38,6 +38,7 @@ class KVGraphSaveImage(io.ComfyNode):
     @classmethod
     def execute(cls, images, filename_prefix="ComfyUI") -> io.NodeOutput:
         check_image(images, "images")
+        filename_prefix = prefix_text(filename_prefix)
         folder, filename, counter, subfolder, _ = folder_paths.get_save_image_path(
             filename_prefix, folder_paths.get_output_directory(), images[0].shape[1], images[0].shape[0])
         hidden = cls.hidden

@@ -420,3 +420,104 @@ def test_other_subcommands_still_refuse_unknown_options(capsys):
         main(["make-tiny", "--tiny"])
     assert exit_info.value.code == 2
     assert "unrecognized arguments: --tiny" in capsys.readouterr().err
+
+
+SLOW_WRITE = """
+import sys, time
+import graph_runtime.output_files as output_files
+
+def slow_save(file, image, image_format):
+    file.write(b"\\x89PNG half of it")
+    file.flush()
+    print("writing", flush=True)
+    time.sleep(120)
+
+output_files.save_image = slow_save
+import graph_runtime.cli as cli
+cli.save_image = slow_save
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.parametrize("sig", ["SIGTERM", "SIGINT"])
+def test_a_signal_mid_write_leaves_no_partial_file(tmp_path, sig):
+    """A real `generate` process stopped by SIGTERM (or Ctrl-C's SIGINT) while it writes --out: it exits with the
+    shell's status for that signal, and neither the hidden temporary file nor a half-written --out is left."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    out = tmp_path / "out" / "image.png"
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parent.parent)}
+    process = subprocess.Popen([sys.executable, "-c", SLOW_WRITE, "generate", "--width", "32", "--height", "32",
+                                "--steps", "1", "--out", str(out)], stdout=subprocess.PIPE,
+                               stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        for line in process.stdout:  # the load and the run come first
+            if line.strip() == "writing":
+                break
+        else:
+            pytest.fail(f"the process ended before writing: {process.stderr.read()}")
+        assert [p.name for p in out.parent.iterdir()][0].startswith(".kvgraph-")  # mid-write, the temporary file
+        process.send_signal(getattr(signal, sig))
+        _, err = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == {"SIGTERM": 143, "SIGINT": 130}[sig], err
+    assert list(out.parent.iterdir()) == []
+    assert "Traceback" not in err
+
+
+def test_generate_help_lists_every_precision_and_what_auto_picks(capsys):
+    """`generate --help` names every `--precision` the loader accepts (int8 included) and says what auto picks: int8
+    on compute capability 8.0+, as graph_runtime/fp8/auto.py resolves it."""
+    from graph_runtime.cli import build_parser
+    from graph_runtime.fp8.precisions import PRECISION_CHOICES
+
+    generate = next(a for a in build_parser()._subparsers._group_actions[0].choices.values() if a.prog.endswith(
+        "generate"))
+    text = " ".join(generate.format_help().split())
+    for precision in PRECISION_CHOICES:
+        assert f"{precision} (" in text or f"{precision}," in text or f"{precision} or" in text, precision
+    assert "int8 for an INT8 ConvRot file, and for bf16 weights of a float file on a GPU of compute capability 8.0+" \
+        in text
+
+
+def test_generate_prints_each_step_as_it_ends(tmp_path, capsys):
+    """A long run is never silent: each sampling step prints a line as it ends, the last one saying the VAE decode
+    comes next."""
+    assert main(["generate", "--width", "32", "--height", "32", "--steps", "3", "--out", str(tmp_path / "a.png")]) == 0
+    lines = [line for line in capsys.readouterr().out.splitlines() if " step " in line]
+    assert [line.split(" done")[0] for line in lines] == ["run 1: step 1/3", "run 1: step 2/3", "run 1: step 3/3"]
+    assert lines[-1].endswith("; decoding with the VAE")
+
+
+# -- what docs/robustness.md and docs/memory.md promise about large images ---------------------------------------------
+
+@pytest.mark.parametrize("size, steps, limit", [(16384, 40, "at most 402897 latent tokens (about 10144x10144 px) "
+                                                            "with 40 steps"),
+                                                (16384, 8, "about 9616x9616 px) with 8 steps"),
+                                                (32768, 1, "about 21168x21168 px) with 1 steps")])
+def test_the_schedule_limits_the_docs_give_are_the_ones_enforced(tmp_path, capsys, size, steps, limit):
+    """docs/robustness.md: the largest image the dynamic schedule can shift depends on the steps (about 10,144 px a
+    side at 40 steps, 9,616 at 8, 21,168 at 1); a larger one is refused before any model runs for the sampler."""
+    out = tmp_path / "big.png"
+    assert main(["generate", "--width", str(size), "--height", str(size), "--steps", str(steps), "--out",
+                 str(out)]) == 2
+    assert limit in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_16384_at_one_step_is_refused_by_memory_alone_where_it_does_not_fit(tmp_path, capsys, monkeypatch):
+    """docs/memory.md and docs/robustness.md: 16384x16384 at --steps 1 passes the schedule's limit, and the tiny model
+    needs 18.1 GiB for it on the CPU: with 16 GiB available it is refused naming what fits, nothing written."""
+    from graph_runtime import free_memory
+
+    monkeypatch.setattr(free_memory, "host_available_bytes", lambda: 16 * 2**30)
+    out = tmp_path / "big.png"
+    assert main(["generate", "--width", "16384", "--height", "16384", "--steps", "1", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "needs 18.1 GiB" in err and "16.0 GiB is available" in err and "width x height at most" in err, err
+    assert not out.exists()

@@ -61,5 +61,19 @@ def test_the_readme_first_screen_says_what_it_is_how_to_install_and_the_ci_comma
     assert "custom_nodes" in first and "requirements.txt" in first
     ci = (ROOT / ".ci" / "run").read_text()
     setup = re.search(r"^python -m pip install -q (-e \S+)$", ci, flags=re.M).group(1)
-    test = re.search(r"^(python -m pytest)\b", ci, flags=re.M).group(1)
+    test = re.search(r"^(python -m pytest.*)$", ci, flags=re.M).group(1)
     assert f"pip install {setup}" in first and test in first
+
+
+def test_the_set_up_blocks_say_torch_comes_first_and_run_cis_test_command():
+    """The README's and docs/testing.md's set-up blocks: inside the block, torch (and torchvision) installed before
+    the pack, as .ci/run does, then CI's own test command (`-rs`: skipped tests say why)."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    torch_pin = re.search(r"^python -m pip install -q (torch==\S+ torchvision==\S+)$", ci, flags=re.M).group(1)
+    test = re.search(r"^(python -m pytest.*)$", ci, flags=re.M).group(1)
+    assert test == "python -m pytest -q -rs"
+    for page in ("README.md", "docs/testing.md"):
+        block = re.search(r"```bash\n((?:(?!```).)*pip install -e(?:(?!```).)*)```", (ROOT / page).read_text(), flags=re.S).group(1)
+        lines = block.splitlines()
+        assert f"pip install {torch_pin}" in lines[0], page
+        assert lines[1].startswith("pip install -e") and lines[2].startswith(test + " "), page

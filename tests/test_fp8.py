@@ -214,7 +214,8 @@ def test_auto_picks_int8_where_our_int8_gemm_runs_else_fp8_attn_else_bf16(monkey
 
     bf16 = torch.bfloat16
     assert auto.resolve_precision("auto", "cpu", dtype=bf16, int8_file=False) == auto.ResolvedPrecision(
-        "bf16", "auto: FP8 GEMMs need a CUDA device (this one is cpu)")
+        "bf16", "auto: no INT8 or FP8 path on this device (the INT8 GEMM kernel needs a"
+                " CUDA device (this one is cpu); FP8 GEMMs need a CUDA device (this one is cpu))")
     cpu_int8 = auto.resolve_precision("auto", "cpu", dtype=bf16, int8_file=True)
     assert cpu_int8.precision == "int8" and "through comfy-kitchen" in cpu_int8.reason and not cpu_int8.converts
     monkeypatch.setattr(auto, "fp8_gemm_reason", lambda device: None)  # a device with FP8 tensor cores
@@ -246,8 +247,9 @@ def test_cli_precision_auto_on_the_cpu_converts_nothing_and_says_why(tmp_path, c
     out = tmp_path / "x.png"
     assert main(["generate", "--out", str(out), "--width", "64", "--height", "64", "--steps", "1",
                  "--device", "cpu"]) == 0
-    assert ("precision: as loaded (fp32 weights, fp32 compute; auto: FP8 GEMMs need a CUDA device (this one is cpu))"
-            in capsys.readouterr().out)
+    # the CPU line says why nothing is converted: neither INT8 nor FP8 GEMMs run there
+    assert ("precision: as loaded (fp32 weights, fp32 compute; auto: no INT8 or FP8 path on this device (the INT8"
+            " GEMM kernel needs a CUDA device (this one is cpu); FP8 GEMMs need a CUDA device (this one is cpu)))" in capsys.readouterr().out)
 
 
 def test_cli_generates_with_an_fp8_transformer_and_names_a_wrong_precision(tmp_path, capsys):

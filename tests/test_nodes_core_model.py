@@ -92,6 +92,19 @@ def test_the_model_is_what_core_reads(comfy_env, setup):
     assert model.model.get_dtype() == torch.float32
 
 
+def test_the_model_type_is_flow_matching_not_flux(comfy_env, setup):
+    """ComfyUI logs the MODEL's type when it is built: FLOW (flow matching), which is what it is, not FLUX; the
+    sampling stays the exponential shift of the model's schedule (sigma(t) = e^mu / (e^mu + 1/t - 1))."""
+    import math
+
+    _, model, *_ = setup
+    assert model.model.model_type.name == "FLOW"
+    sampling = model.model.model_sampling
+    t = 0.25
+    expected = math.exp(sampling.shift) / (math.exp(sampling.shift) + 1 / t - 1)
+    assert float(sampling.sigma(torch.tensor(t))) == pytest.approx(expected, rel=1e-6)  # fp32 arithmetic
+
+
 def test_core_euler_over_kvgraph_sigmas_equals_the_kvgraph_sampler(comfy_env, setup):
     """Through the MODEL's own glue (prepared conditioning, the run wrapper, apply_model) core's Euler over the
     KV-Graph Sigmas node's schedule gives the KV-Graph Sampler node's latents; the run is gone afterwards."""

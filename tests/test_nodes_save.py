@@ -68,3 +68,95 @@ def test_no_prompt_and_no_extra_pnginfo_write_no_text(comfy_env, save_node, monk
     save_node.execute(images=batch(1), filename_prefix="plain")
     with Image.open(comfy_env.fake.output_dir / "plain_00041_.png") as saved:
         assert saved.text == {}
+
+
+@pytest.fixture
+def fresh_output(comfy_env, monkeypatch, tmp_path):
+    """An empty output folder for this test alone."""
+    monkeypatch.setattr(comfy_env.fake, "output_dir", tmp_path)
+    return tmp_path
+
+
+def _files(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(folder.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("prefix", ["", "sub/", "runs/", "runs/cat_%batch_num%", "%batch_num%"])
+def test_a_second_run_never_replaces_the_first_runs_files(comfy_env, save_node, fresh_output, prefix):
+    """Core's counter misses earlier files for these prefixes (the fake's counter stays at 41, as core's does): the
+    second run must still get new names, the counter going on past the first run's files, whose bytes are
+    unchanged."""
+    first = save_node.execute(images=batch(seed=1), filename_prefix=prefix).ui["images"]
+    folder = fresh_output / first[0]["subfolder"]
+    before = _files(folder)
+    second = save_node.execute(images=batch(seed=2), filename_prefix=prefix).ui["images"]
+    names = [item["filename"] for item in first + second]
+    assert len(set(names)) == 4, names
+    assert [name.rsplit("_", 2)[-2] for name in names] == ["00041", "00042", "00043", "00044"]
+    after = _files(folder)
+    assert {name: after[name] for name in before} == before
+    assert set(after) == set(before) | {item["filename"] for item in second}
+
+
+def test_a_name_taken_by_someone_else_is_skipped_not_replaced(comfy_env, save_node, fresh_output, monkeypatch):
+    """A file that appears under the next name after the counter was read (another writer) keeps its bytes; the
+    image takes the next free name. The same holds on a file system without hard links."""
+    import itertools
+
+    import graph_runtime.comfy_interop.saved_images as saved_images
+
+    out = fresh_output
+    real = saved_images.write_new_file
+
+    def someone_writes_first(paths, write):
+        paths = iter(paths)
+        first = next(paths)
+        Path(first).write_bytes(b"theirs")
+        return real(itertools.chain([first], paths), write)
+
+    monkeypatch.setattr(saved_images, "write_new_file", someone_writes_first)
+    result = save_node.execute(images=batch(1), filename_prefix="race").ui["images"]
+    assert (out / "race_00041_.png").read_bytes() == b"theirs"
+    assert result == [{"filename": "race_00042_.png", "subfolder": "", "type": "output"}]
+
+    import errno
+    import os
+
+    def no_links(src, dst):
+        raise OSError(errno.EPERM, "Operation not permitted")
+
+    monkeypatch.setattr(os, "link", no_links)
+    result = save_node.execute(images=batch(1), filename_prefix="race").ui["images"]
+    assert (out / "race_00043_.png").read_bytes() == b"theirs"
+    assert result == [{"filename": "race_00044_.png", "subfolder": "", "type": "output"}]
+    assert not [p for p in out.iterdir() if p.name.startswith(".kvgraph-")]
+
+
+def test_a_linked_number_is_used_as_text_and_other_types_are_refused(comfy_env, save_node, fresh_output):
+    """A linked INT (or FLOAT) prefix names the files as its digits would; a value of another type is refused with a
+    message naming the input, not a TypeError from deep inside."""
+    from graph_runtime.errors import InputError
+
+    result = save_node.execute(images=batch(1), filename_prefix=7).ui["images"]
+    assert result == [{"filename": "7_00041_.png", "subfolder": "", "type": "output"}]
+    assert comfy_env.fake.save_path_calls[-1][0] == "7"
+    with pytest.raises(InputError, match=r"filename_prefix=.* expected text"):
+        save_node.execute(images=batch(1), filename_prefix={"a": 1})
+
+
+def test_a_full_disk_leaves_no_png_under_the_final_name(comfy_env, save_node, fresh_output, monkeypatch):
+    """A write that fails part way (a full disk) raises an error naming the file and leaves neither a truncated PNG
+    under its name nor the temporary file."""
+    import errno
+
+    import graph_runtime.comfy_interop.saved_images as saved_images
+    from graph_runtime.errors import OutputWriteError
+
+    def write_then_fail(file, *args, **kwargs):
+        file.write(b"\x89PNG partial")
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(saved_images, "write_png", write_then_fail)
+    with pytest.raises(OutputWriteError, match=r"full_00041_\.png could not be written: the disk is full"):
+        save_node.execute(images=batch(1), filename_prefix="full")
+    assert list(fresh_output.iterdir()) == []

@@ -26,13 +26,15 @@ from .pixels import (
     vae_pixels_to_comfy_mask,
 )
 from .previews import PreviewProjection, fit_preview_projection, gray_projection, preview_image
-from .saved_images import png_text, save_batch, saved_pixels
+from .saved_images import (
+    BATCH_NUM, next_free_counter, png_text, prefix_text, save_batch, saved_pixels,
+)
 
 __all__ = [
     "LATENT_CHANNELS", "VAE_SCALE", "LatentStats", "ParsedConditioning", "PreviewProjection", "check_image", "comfy_image_to_pil",
     "comfy_image_to_vae_pixels", "conditioning_to", "conditioning_to_prompt", "crop_to_multiple", "decode_raw_latents", "empty_latent",
     "encode_pixels_raw", "file_identity", "fit_preview_projection", "gray_projection", "latent_noise_mask", "latent_samples",
     "latent_stats", "normalized_to_raw", "png_text", "preview_image", "prompt_to_conditioning", "raw_to_normalized",
-    "save_batch", "saved_pixels", "to_pil", "vae_pixels_to_comfy_image",
-    "vae_pixels_to_comfy_mask",
+    "save_batch", "saved_pixels", "to_pil", "vae_pixels_to_comfy_image", "vae_pixels_to_comfy_mask", "BATCH_NUM",
+    "next_free_counter", "prefix_text",
 ]

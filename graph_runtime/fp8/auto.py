@@ -69,7 +69,7 @@ def resolve_precision(precision: str, device, *, dtype: torch.dtype, int8_file: 
         return ResolvedPrecision(INT8, f"auto: an INT8 ConvRot file runs its own int8 weights, {how}", True)
     fp8_reason = fp8_gemm_reason(device)
     if int8_reason is not None and fp8_reason is not None:
-        return ResolvedPrecision("bf16", f"auto: {fp8_reason}")
+        return ResolvedPrecision("bf16", f"auto: no INT8 or FP8 path on this device ({int8_reason}; {fp8_reason})")
     if dtype != torch.bfloat16:
         return ResolvedPrecision("bf16", f"auto: {str(dtype).removeprefix('torch.')} weights were asked for")
     if int8_reason is None:

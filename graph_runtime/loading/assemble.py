@@ -9,6 +9,7 @@ are small and mostly computed in `__init__` (RoPE tables, timestep frequencies) 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import threading
 from typing import Callable, Iterable, Mapping
@@ -100,6 +101,34 @@ def check_against_model(model: torch.nn.Module, shapes: Mapping[str, tuple], pat
     if unexpected:
         raise CheckpointError(path, f"has {len(unexpected)} tensor(s) this model does not have: "
                                     f"{_first(file_key(k) for k in unexpected)}.", expected)
+
+
+def load_bytes(header, dtype: torch.dtype) -> int:
+    """What a file's weights take once loaded in `dtype`: float tensors cast to it, int8 layers (and their records)
+    as stored. The least a load needs."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return sum(math.prod(info.shape) * (1 if info.dtype in ("I8", "U8") else itemsize)
+               for info in header.tensors.values())
+
+
+def check_fits(path: str | os.PathLike, header, dtype: torch.dtype, device, expected: str) -> None:
+    """Refuse, before any weight is read, a checkpoint whose weights alone exceed all the memory of the device they
+    load to (the host's RAM or its memory cgroup's limit, a GPU's memory): such a load can only fail, after minutes,
+    or get the process killed."""
+    from ..free_memory import host_total_bytes
+    from ..report import gib
+
+    device = torch.device(device)
+    if device.type == "cuda" and torch.cuda.is_available():
+        total, where = torch.cuda.get_device_properties(device).total_memory, f"{device}'s memory"
+    elif device.type == "cpu":
+        total, where = host_total_bytes(), "the host's memory (or its memory cgroup's limit)"
+    else:
+        return
+    needed = load_bytes(header, dtype)
+    if total is not None and needed > total:
+        raise CheckpointError(path, f"holds {gib(needed)} of weights in {str(dtype).removeprefix('torch.')}, more "
+                                    f"than all of {where}, {gib(total)}.", expected)
 
 
 def assign_weights(model: torch.nn.Module, state_dict: Mapping[str, torch.Tensor]) -> None:

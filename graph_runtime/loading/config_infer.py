@@ -14,7 +14,7 @@ import os
 import re
 from typing import Callable, Mapping
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, shorten
 
 Shapes = Mapping[str, tuple]
 
@@ -44,10 +44,21 @@ class _ShapeReader:
         return tuple(shape)
 
     def count(self, pattern: str) -> int:
-        """1 + the highest N among keys matching `pattern` (a regex with one (\\d+) group), 0 if none."""
+        """How many numbered parts (blocks, layers) keys matching `pattern` (a regex with one (\\d+) group) name, 0 if
+        none. Every number from 0 up must be there: a damaged file naming only block 20000 would otherwise build a
+        model of 20001 blocks (minutes and gigabytes) before its missing tensors are found."""
         regex = re.compile(pattern)
-        indexes = [int(m.group(1)) for k in self.shapes if (m := regex.match(k))]
-        return max(indexes) + 1 if indexes else 0
+        first_key = {}
+        for key in self.shapes:
+            if m := regex.match(key):
+                first_key.setdefault(int(m.group(1)), key)
+        if len(first_key) == (max(first_key) + 1 if first_key else 0):
+            return len(first_key)
+        highest = max(first_key)
+        gap = next(i for i in range(highest + 1) if i not in first_key)
+        raise CheckpointError(self.path, f"names part {highest} ({shorten(self.file_key(first_key[highest]))}) but "
+                                         f"has no tensors of part {gap}: it holds {len(first_key)} numbered parts "
+                                         f"where parts 0 to {highest} are needed (a damaged file).", self.expected)
 
     def ratio(self, numerator: int, denominator: int, what: str) -> int:
         if denominator <= 0 or numerator % denominator:
@@ -191,3 +202,34 @@ def infer_text_encoder_config(shapes: Shapes, path: str | os.PathLike, expected:
         # Without an lm_head the checkpoint can only be used with the head tied to the embeddings.
         tie_word_embeddings="lm_head.weight" not in shapes,
     )
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
+
+
+def check_config_values(where: str | os.PathLike, given: Mapping[str, object], inferred: Mapping[str, object],
+                        expected: str, prefix: str = "") -> None:
+    """A folder's config.json must describe the weights beside it before a model is built from it: a width, depth
+    or layer count it gets wrong would build another model (minutes, or terabytes) before any shape is compared.
+    `given`: config.json's value of each key of `inferred` (the class default where it leaves one out); `prefix`
+    names the section in the message (e.g. "text_config.")."""
+    for key, value in inferred.items():
+        said = given.get(key)
+        if isinstance(said, bool) or _plain(said) != _plain(value):
+            raise CheckpointError(where, f"says {prefix}{key}={shorten(repr(said))}, but the weights beside it are "
+                                         f"of a model with {prefix}{key}={_plain(value)!r}: this config.json does not "
+                                         "belong to them.", expected)
+
+
+def config_values(config: Mapping, cls, keys, none_means: Mapping[str, str] | None = None) -> dict:
+    """What a diffusers config.json says for each of `keys`: its value, else the default of `cls.__init__`; where
+    the class reads None as another key's value (`none_means`: {key: that key}), that value."""
+    import inspect
+
+    defaults = {name: p.default for name, p in inspect.signature(cls.__init__).parameters.items()}
+    given = {key: config.get(key, defaults.get(key)) for key in keys}
+    for key, other in (none_means or {}).items():
+        if given.get(key) is None:
+            given[key] = config.get(other, defaults.get(other))
+    return given

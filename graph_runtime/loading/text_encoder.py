@@ -8,12 +8,12 @@ from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, shorten
 from ..quantized import KEEP_INT8, ConvRotInt8Embedding, ConvRotInt8Linear, check_mode, read_layers
-from .assemble import assign_weights, build_empty, check_against_model, finish
+from .assemble import assign_weights, build_empty, check_against_model, check_fits, finish
 from .checks import require_kind
 from .comfy_layout import text_encoder_from_comfy_state_dict
-from .config_infer import infer_text_encoder_config
+from .config_infer import check_config_values, infer_text_encoder_config
 from .detect import QWEN3VL_TEXT_ENCODER
 from .int8_files import install_int8_layers, read_weights, unquantized_shapes
 from .processor import ACCEPTED_TOKENIZER_FOLDERS, load_processor, tokenizer_folder, tokenizer_folder_near
@@ -34,6 +34,31 @@ def _folder_config(source):
         what = "a Qwen2.5-VL (Qwen-Image 1.x)" if model_type == "qwen2_5_vl" else f"a {model_type!r}"
         raise CheckpointError(source.path, f"is {what} model folder (config.json model_type), not Qwen3-VL.", EXPECTED)
     return Qwen3VLConfig.from_dict(source.config)
+
+
+# The config values the weights' shapes determine, per section of a Qwen3VLConfig.
+_TEXT_SIZED = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+               "head_dim", "vocab_size")
+_VISION_SIZED = ("depth", "hidden_size", "intermediate_size", "out_hidden_size", "num_position_embeddings",
+                 "in_channels", "patch_size", "spatial_merge_size", "temporal_patch_size")
+
+
+def _check_config_against_weights(source, config, shapes) -> None:
+    """config.json against the weights beside it (`check_config_values`), section by section, and its DeepStack
+    taps: one per merger the weights hold, each a vision block that exists."""
+    where = source.path / "config.json"
+    inferred = infer_text_encoder_config(shapes, source.path, EXPECTED)
+    for section, keys in (("text_config", _TEXT_SIZED), ("vision_config", _VISION_SIZED)):
+        given, wanted = getattr(config, section), getattr(inferred, section)
+        check_config_values(where, {k: getattr(given, k, None) for k in keys}, {k: getattr(wanted, k) for k in keys},
+                            EXPECTED, prefix=f"{section}.")
+    taps, depth = config.vision_config.deepstack_visual_indexes, inferred.vision_config.depth
+    mergers = len(inferred.vision_config.deepstack_visual_indexes)
+    if (not isinstance(taps, (list, tuple)) or len(taps) != mergers
+            or not all(isinstance(t, int) and not isinstance(t, bool) and 0 <= t < depth for t in taps)):
+        raise CheckpointError(where, f"says vision_config.deepstack_visual_indexes={shorten(repr(taps))}: expected "
+                                     f"{mergers} vision block numbers below {depth}, one per DeepStack merger of the "
+                                     "weights beside it.", EXPECTED)
 
 
 def _resolve_processor(source, given: Path, tokenizer_dir):
@@ -84,20 +109,23 @@ def load_text_encoder(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat
     config = _folder_config(source) if source.config is not None else None
     require_kind(source, QWEN3VL_TEXT_ENCODER, EXPECTED, BF16_FILE, quantized_ok=True)
     layers = read_layers(source.files, source.header, EXPECTED)
-    # The tokenizer is checked before any weight is read: a missing one should not cost a 16 GB load first.
-    processor = _resolve_processor(source, given, tokenizer_dir)
-
     meta = source.header.meta_state_dict()
     mapped_shapes = {k: tuple(v.shape) for k, v in text_encoder_from_comfy_state_dict(
         {k: meta[k] for k in unquantized_shapes(source.header.shapes, layers)}).items()}
     if config is None:
         config = infer_text_encoder_config(mapped_shapes, source.path, EXPECTED)
+    else:
+        _check_config_against_weights(source, config, mapped_shapes)
+    # The tokenizer is checked before any weight is read: a missing one should not cost a 16 GB load first.
+    processor = _resolve_processor(source, given, tokenizer_dir)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     if tied:
         # a tied head is the embedding table itself; a stored copy of it is redundant
         mapped_shapes.pop(LM_HEAD, None)
     model = build_empty(lambda: Qwen3VLForConditionalGeneration(config))
     check_against_model(model, mapped_shapes, source.path, EXPECTED, may_be_absent=[LM_HEAD] if tied else [])
+
+    check_fits(source.path, source.header, dtype, device, EXPECTED)
 
     loaded = read_weights(source, layers, text_encoder_from_comfy_state_dict, dtype, device, quantized,
                           dequantize_device=dequantize_device, expected=EXPECTED)

@@ -9,10 +9,10 @@ import torch
 
 from ..errors import CheckpointError, shorten
 from ..quantized import KEEP_INT8, check_mode, read_layers
-from .assemble import assign_weights, build_empty, check_against_model, finish
+from .assemble import assign_weights, build_empty, check_against_model, check_fits, finish
 from .checks import require_kind
 from .comfy_layout import transformer_comfy_key, transformer_from_comfy_state_dict
-from .config_infer import infer_transformer_config
+from .config_infer import check_config_values, config_values, infer_transformer_config
 from .detect import QWEN21_TRANSFORMER
 from .int8_files import install_int8_layers, read_weights, unquantized_shapes
 from .sources import resolve
@@ -33,30 +33,15 @@ def _check_folder_config(source) -> None:
 
 
 def _check_config_against_weights(source, config: dict, shapes, file_key) -> None:
-    """A folder's config.json must describe the weights beside it before a model is built from it: a width or head
-    count it gets wrong would allocate the wrong model (terabytes, or a negative size) before any shape is compared.
-    Every value the shapes determine is compared (a value config.json leaves out is the class default), and the
+    """config.json against the weights beside it (`check_config_values`): every value the shapes determine, and the
     rotary axes, which no shape tells, must split the head width."""
-    import inspect
-
     from diffusers import QwenImage21Transformer2DModel
 
     where = source.path / "config.json"
-    try:
-        inferred = infer_transformer_config(shapes, source.path, EXPECTED, file_key)
-    except CheckpointError:
-        return  # tensors the model needs are missing: check_against_model names them
-    defaults = {name: p.default for name, p in inspect.signature(QwenImage21Transformer2DModel.__init__).parameters
-                .items()}
-    given = {key: config.get(key, defaults.get(key)) for key in inferred}
-    if given["out_channels"] is None:
-        given["out_channels"] = given["in_channels"]  # the class's meaning of None
-    for key, value in inferred.items():
-        if key != "axes_dims_rope" and (isinstance(given[key], bool) or given[key] != value):
-            raise CheckpointError(where, f"says {key}={shorten(repr(given[key]))}, but the weights beside it are of a "
-                                         f"model with {key}={value!r}: this config.json does not belong to them.",
-                                  EXPECTED)
-    axes, head_dim = config.get("axes_dims_rope", defaults["axes_dims_rope"]), inferred["attention_head_dim"]
+    inferred = infer_transformer_config(shapes, source.path, EXPECTED, file_key)
+    given = config_values(config, QwenImage21Transformer2DModel, inferred, none_means={"out_channels": "in_channels"})
+    check_config_values(where, given, {k: v for k, v in inferred.items() if k != "axes_dims_rope"}, EXPECTED)
+    axes, head_dim = given["axes_dims_rope"], inferred["attention_head_dim"]
     if (not isinstance(axes, (list, tuple)) or len(axes) != 3
             or not all(isinstance(a, int) and not isinstance(a, bool) and a > 0 and a % 2 == 0 for a in axes)
             or sum(axes) != head_dim):
@@ -115,6 +100,8 @@ def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat1
         config = infer_transformer_config(mapped_shapes, source.path, EXPECTED, file_key)
     model = build_empty(lambda: QwenImage21Transformer2DModel.from_config(config))
     check_against_model(model, mapped_shapes, source.path, EXPECTED, file_key=file_key, file_shapes=file_shapes)
+
+    check_fits(source.path, source.header, dtype, device, EXPECTED)
 
     loaded = read_weights(source, layers, transformer_from_comfy_state_dict, dtype, device, quantized, keeps_int8,
                           dequantize_device, EXPECTED)

@@ -6,11 +6,11 @@ import os
 
 import torch
 
-from ..errors import CheckpointError
-from .assemble import assign_weights, build_empty, check_against_model, finish
+from ..errors import CheckpointError, shorten
+from .assemble import assign_weights, build_empty, check_against_model, check_fits, finish
 from .checks import require_kind
 from .comfy_layout import vae_comfy_key_namer, vae_from_comfy_state_dict
-from .config_infer import infer_vae_config
+from .config_infer import check_config_values, config_values, infer_vae_config
 from .detect import QWEN21_VAE
 from ..safetensors_file import iter_tensors
 from .sources import resolve
@@ -33,6 +33,28 @@ def _check_folder_config(source) -> None:
         raise CheckpointError(source.path, f"is {what} folder (config.json _class_name), not {CLASS_NAME}.", EXPECTED)
 
 
+# The config values the weights' shapes determine (the others, like latents statistics, are not weights).
+_SIZED_BY_WEIGHTS = ("base_dim", "decoder_base_dim", "z_dim", "dim_mult", "num_res_blocks", "in_channels",
+                     "out_channels")
+
+
+def _check_config_against_weights(source, config: dict, shapes, file_key) -> None:
+    """config.json against the weights beside it (`check_config_values`), and its latents statistics, one per latent
+    channel."""
+    from diffusers import AutoencoderKLQwenImage21
+
+    where = source.path / "config.json"
+    inferred = infer_vae_config(shapes, source.path, EXPECTED, file_key)
+    given = config_values(config, AutoencoderKLQwenImage21, [*_SIZED_BY_WEIGHTS, "latents_mean", "latents_std"],
+                          none_means={"decoder_base_dim": "base_dim"})
+    check_config_values(where, given, {key: inferred[key] for key in _SIZED_BY_WEIGHTS}, EXPECTED)
+    for key in ("latents_mean", "latents_std"):
+        value = given[key]
+        if not isinstance(value, (list, tuple)) or len(value) != inferred["z_dim"]:
+            raise CheckpointError(where, f"says {key}={shorten(repr(value))}: expected a list of {inferred['z_dim']} "
+                                         "numbers, one per latent channel of the weights beside it.", EXPECTED)
+
+
 def load_vae(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu"):
     """Load `diffusers.AutoencoderKLQwenImage21` in eval mode, gradients off.
 
@@ -53,6 +75,7 @@ def load_vae(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, devic
     file_key = vae_comfy_key_namer(mapped_shapes) if comfy else (lambda k: k)
     if source.config is not None:
         config = dict(source.config)
+        _check_config_against_weights(source, config, mapped_shapes, file_key)
     else:
         config = infer_vae_config(mapped_shapes, source.path, EXPECTED, file_key)
     model = build_empty(lambda: AutoencoderKLQwenImage21.from_config(config))
@@ -60,6 +83,8 @@ def load_vae(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16, devic
         file_key = vae_comfy_key_namer(model.state_dict().keys())
     check_against_model(model, mapped_shapes, source.path, EXPECTED, file_key=file_key,
                         file_shapes=source.header.shapes)
+
+    check_fits(source.path, source.header, dtype, device, EXPECTED)
 
     tensors = dict(iter_tensors(source.files, dtype=dtype, device=device))
     assign_weights(model, vae_from_comfy_state_dict(tensors))

@@ -18,6 +18,7 @@ import torch
 import comfy.conds
 import comfy.latent_formats
 import comfy.model_base
+import comfy.model_sampling
 import comfy.patcher_extension
 import comfy.supported_models_base
 
@@ -82,7 +83,12 @@ class QwenImage21KVModel(comfy.model_base.BaseModel):
         config = QwenImage21Config({"disable_unet_model_creation": True})
         config.sampling_settings = {"shift": dynamic_shift(scheduler_config, 1024, 1024)}
         config.set_inference_dtype(compute_dtype(transformer), None)
-        super().__init__(config, comfy.model_base.ModelType.FLUX, device=device)
+        # FLOW: what the model is (flow matching, velocity prediction), and what ComfyUI logs. Its schedule's shift
+        # is the exponential one, which core implements as its Flux sampling: that sampling replaces FLOW's linear
+        # shift, so sampling is unchanged.
+        super().__init__(config, comfy.model_base.ModelType.FLOW, device=device)
+        self.model_sampling = type("ModelSampling", (comfy.model_sampling.ModelSamplingFlux,
+                                                     comfy.model_sampling.CONST), {})(config)
         self.diffusion_model = transformer
         self.scheduler_config = scheduler_config
         self.variant = variant

@@ -163,15 +163,17 @@ class BaseModel(torch.nn.Module):
         super().__init__()
         if not model_config.unet_config.get("disable_unet_model_creation", False):
             raise NotImplementedError("the fake builds no network of its own")
-        if model_type != ModelType.FLUX:
-            raise NotImplementedError("the fake knows flow-matching (FLUX) sampling only")
+        if model_type not in (ModelType.FLOW, ModelType.FLUX):
+            raise NotImplementedError("the fake knows flow-matching (FLOW, FLUX) models only")
         self.latent_format = model_config.latent_format
         self.model_config = model_config
         self.manual_cast_dtype = model_config.manual_cast_dtype
         self.device = device
         self.current_patcher = None
         self.model_type = model_type
-        self.model_sampling = type("ModelSampling", (ModelSamplingFlux, CONST), {})(model_config)
+        # core's FLOW sampling (a linear shift) is not faked: a model of that type must set its own
+        self.model_sampling = type("ModelSampling", (ModelSamplingFlux, CONST), {})(model_config) \
+            if model_type == ModelType.FLUX else None
 
     def apply_model(self, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options={}, **kwargs):
         return WrapperExecutor.new_class_executor(

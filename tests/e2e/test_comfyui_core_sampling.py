@@ -77,6 +77,9 @@ def test_sampler_custom_advanced_over_kvgraph_sigmas_equals_the_kvgraph_sampler(
     b = saved_latent(server, server.run(with_save_latent(ours, sampler_id, "kvgraph_e2e/ours")))
     assert a.shape == b.shape and float(a.abs().max()) > 1.0
     assert float((a - b).abs().max()) <= LATENT_ATOL
+    # ComfyUI logs the MODEL's type as it builds it: flow matching, which it is, not FLUX.
+    log = server.log_path.read_text()
+    assert "model_type FLOW" in log and "model_type FLUX" not in log
 
 
 def test_interrupting_a_ksampler_run_leaves_nothing_behind(server):

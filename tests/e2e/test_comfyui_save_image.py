@@ -88,3 +88,47 @@ def test_the_server_lists_the_node_with_cores_inputs(server):
     assert ours["output_node"] and list(ours["input"]["required"]) == list(core["input"]["required"])
     assert ours["input"]["required"]["filename_prefix"][1]["default"] == "ComfyUI"
     assert set(ours["input"]["hidden"]) == {"prompt", "extra_pnginfo"}
+
+
+def only_ours(seed: int, prefix) -> dict:
+    """The text-to-image example at CPU size, its image repeated into a batch of two and saved by our node alone
+    under `prefix` (a value, or a link)."""
+    prompt = load_api_workflow(T2I, seed=seed, steps=2)
+    prompt["8"] = {"class_type": "RepeatImageBatch", "inputs": {"image": ["6", 0], "amount": 2}}
+    del prompt[next(k for k, v in prompt.items() if v["class_type"] == "SaveImage")]
+    prompt["9"] = {"class_type": "KVGraphSaveImage", "inputs": {"images": ["8", 0], "filename_prefix": prefix}}
+    return prompt
+
+
+def test_a_second_run_never_replaces_files_where_cores_counter_starts_again(server):
+    """An empty prefix, a prefix ending in "/", one naming only a subfolder and one holding %batch_num%: core's
+    counter finds no earlier file of these names and starts at 1 again (core's SaveImage replaces its own files
+    here); ours goes on past them, so the second run gets new names and every file of the first run keeps its
+    bytes."""
+    output = server.base / "output"
+    folder = f"kvgraph_again_{uuid.uuid4().hex[:8]}"
+    for seed, prefix in enumerate(["", f"{folder}/", f"{folder}_only/", f"{folder}/x_%batch_num%"], start=21):
+        seen, kept = [], {}
+        for run in range(2):
+            entry = run_with_workflow(server, only_ours(seed + run, prefix))
+            images = entry["outputs"]["9"]["images"]
+            assert len(images) == 2
+            for item in images:
+                path = output / item["subfolder"] / item["filename"]
+                assert item["filename"] not in seen, (prefix, item, seen)
+                seen.append(item["filename"])
+                kept[path] = path.read_bytes()
+        assert all(path.read_bytes() == data for path, data in kept.items()), prefix
+    assert not list(output.rglob(".kvgraph-*"))
+
+
+def test_a_linked_int_prefix_names_the_files_by_its_digits(server):
+    """An INT reaching the prefix through core's Switch node (which passes any type) is used as text, as a typed
+    prefix of those digits would be, instead of failing with `TypeError: argument of type 'int' is not iterable`."""
+    number = int(uuid.uuid4().int % 10**9) + 10**9
+    prompt = only_ours(31, ["10", 0])
+    prompt["10"] = {"class_type": "ComfySwitchNode", "inputs": {"switch": True, "on_true": number,
+                                                               "on_false": number}}
+    entry = run_with_workflow(server, prompt)
+    assert [item["filename"] for item in entry["outputs"]["9"]["images"]] == [f"{number}_00001_.png",
+                                                                             f"{number}_00002_.png"]
