@@ -104,6 +104,7 @@ class DecodeGraphEntry(CaptureRecord):
                 sin=zeros(rope_shape, torch.float32),
                 prefix_len=spec.prefix_len,
                 static_kv=True,
+                skip=frozenset(getattr(key, "skip", ())),
             )
         self.prefix_graph: PrefixGraph | str | None = None  # the captured prefix pass, or why it failed
         self._sources: list[weakref.ReferenceType] = []  # what the prefix rows hold (see refresh_prefix)
@@ -189,7 +190,7 @@ class PrefixGraph(CaptureRecord):
             self.inputs = PrefixInputs(hidden=torch.empty_like(like.hidden),
                                        modulation=torch.empty_like(like.modulation), cos=like.cos.clone(),
                                        sin=like.sin.clone(), mask=like.mask.clone(),
-                                       k=list(like.k), v=list(like.v))  # own lists: a request's release clears its
+                                       k=list(like.k), v=list(like.v), skip=like.skip)  # own lists: a request's release clears its
 
     def load(self, inputs: PrefixInputs) -> None:
         self.inputs.hidden.copy_(inputs.hidden)

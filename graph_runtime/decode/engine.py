@@ -97,27 +97,29 @@ class DecodeEngine:
 
     @torch.no_grad()
     def prefill(self, layout: TokenLayout, latents, encoder_hidden_states, timestep, text_mask=None,
-                branch="cond", mode="auto", with_target=True) -> tuple[torch.Tensor | None, PrefixCache]:
+                branch="cond", mode="auto", with_target=True,
+                skip: frozenset = frozenset()) -> tuple[torch.Tensor | None, PrefixCache]:
         """Step 1. When this request can own a graph entry, the prefix goes straight into its static buffers.
 
         `with_target=False` (what the sampler does) runs only the prefix rows and returns no prediction; the caller
         then predicts step 1 with `decode_step`, like every later step, so step 1 replays the graph too: a
         prefix-only forward plus one graph step instead of an eager forward over the whole joint sequence, for the
-        same math.
+        same math. `skip`: blocks left out of the prefix and of every decode step over it (a skip-layer guidance
+        pass); such a prefix has its own graph entry.
         """
         token = OwnerToken()
-        entry = self._claim(token, branch, layout, latents.shape[0], layout.joint_key_valid(text_mask), mode)
+        entry = self._claim(token, branch, layout, latents.shape[0], layout.joint_key_valid(text_mask), mode, skip)
         static_kv = None if entry is None else (entry.inputs.k, entry.inputs.v)
         runner = self.step.run_prefix if entry is None else (lambda inputs: self._prefix_pass(entry, inputs))
         out, prefix = run_prefill(self.transformer, layout, latents, encoder_hidden_states, timestep, text_mask,
                                   branch, static_kv=static_kv, with_target=with_target, prefix_runner=runner,
-                                  kv_heads=self.step.kv_heads)
+                                  kv_heads=self.step.kv_heads, skip=skip)
         prefix.owner = token
         if entry is not None:
             self.graphs.bind(entry, prefix)
         return out, prefix
 
-    def _claim(self, token: OwnerToken, branch: str, layout, batch: int, key_valid, mode: str):
+    def _claim(self, token: OwnerToken, branch: str, layout, batch: int, key_valid, mode: str, skip=()):
         """The graph entry this request's prefill writes into, or None when the request will not replay
         (ineligible, owned by another live request, failed key); its decode steps then say why."""
         if check_mode(mode) == "eager":
@@ -126,7 +128,7 @@ class DecodeEngine:
         spec = self._entry_spec(layout, batch)
         if not self._judge(spec.dtype, key_valid).ok:
             return None
-        key = make_key(self.step, branch, batch, layout, spec.dtype, spec.device)
+        key = make_key(self.step, branch, batch, layout, spec.dtype, spec.device, skip)
         return self.graphs.claim(key, token, lambda: spec)
 
     def _entry_spec(self, layout: TokenLayout, batch: int) -> EntrySpec:
@@ -188,7 +190,7 @@ class DecodeEngine:
         attn_mask = None if prefix.key_valid is None else prefix.key_valid[:, None, None, :]
         inputs = DecodeInputs(hidden=hidden, timestep=timestep, k=prefix.k, v=prefix.v, cos=prefix.cos,
                               sin=prefix.sin, prefix_len=prefix.layout.prefix_len, static_kv=False,
-                              attn_mask=attn_mask)
+                              attn_mask=attn_mask, skip=prefix.skip)
         return DecodeOutcome(self.step(inputs), "eager", reason)
 
     # -- before a first prompt -------------------------------------------------------------------------------------

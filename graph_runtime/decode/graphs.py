@@ -45,6 +45,7 @@ class GraphKey:
     device: str
     backend: str
     parallel: tuple = ()
+    skip: tuple = ()  # blocks the step leaves out (sorted): a skip-layer guidance pass is its own graph
 
     def describe(self) -> dict:
         prefix_len, target_tokens, shapes, _ = self.layout
@@ -58,12 +59,13 @@ class GraphKey:
             "device": self.device,
             "backend": self.backend,
             **({"parallel": dict(self.parallel)} if self.parallel else {}),
+            **({"skipped_blocks": list(self.skip)} if self.skip else {}),
         }
 
 
-def make_key(step: DecodeStep, branch: str, batch: int, layout, dtype, device) -> GraphKey:
+def make_key(step: DecodeStep, branch: str, batch: int, layout, dtype, device, skip=()) -> GraphKey:
     return GraphKey(branch=branch, batch=batch, layout=layout.signature, dtype=str(dtype).removeprefix("torch."),
-                    device=str(device), backend=step.variant(), parallel=step.parallel_key())
+                    device=str(device), backend=step.variant(), parallel=step.parallel_key(), skip=tuple(sorted(skip)))
 
 
 @dataclass
@@ -164,7 +166,7 @@ class DecodeGraphs:
         key = prefix.graph_key
         if key is None:
             key = prefix.graph_key = make_key(step, prefix.branch, prefix.batch, prefix.layout, hidden.dtype,
-                                              hidden.device)
+                                              hidden.device, prefix.skip)
         with self.lock:
             entry = self._lookup_or_register(key, make_spec)
             if isinstance(entry, FailedEntry):

@@ -6,7 +6,9 @@ model management loads whole (or, where it has room for only part, with blocks s
 steps). Its model function is the pack's runtime (graph_runtime/core_model): core prepares each
 conditioning entry once per run (`extra_conds` names its prefix by content), a wrapper around core's sampling call
 opens a `SamplingRun` (the prefixes live exactly that long, and the model's LoRA set is held merged), and every
-model call is a decode step that replays the captured graph of its shape.
+model call is a decode step that replays the captured graph of its shape. Other nodes' block and attention patches
+are read per call (graph_runtime/core_model/patches.py): skipped blocks replay a graph of their own, Python patches
+run eagerly, and patches no Qwen-Image-2.1 model runs stop the prompt with the node's name.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import comfy.supported_models_base
 
 from ...graph_runtime.comfy_interop.latents import LATENT_CHANNELS, latent_stats, normalized_to_raw, raw_to_normalized
 from ...graph_runtime.core_model import ModelFunction, PrefixSource, SamplingRun
+from ...graph_runtime.core_model.patches import check_supported, read_patches
 from ...graph_runtime.errors import InputError, KVGraphError
 from ...graph_runtime.memory import GenerationShape, TransformerDims, compute_dtype, estimate
 from ...graph_runtime.sampling.schedule import dynamic_shift
@@ -123,19 +126,20 @@ class QwenImage21KVModel(comfy.model_base.BaseModel):
     def _apply_model(self, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options={}, **kwargs):
         if control is not None:
             raise InputError("control", type(control).__name__, "no ControlNet: a KV-Graph model takes none")
-        self._warn_ignored(transformer_options)
+        patches = read_patches(transformer_options, len(self.diffusion_model.transformer_blocks))
+        self._log_ignored(patches.ignored)
         sigma = t
         velocity = self.model_function(self.model_sampling.calculate_input(sigma, x), sigma, kwargs.get(PREFIX),
                                        run=transformer_options.get(RUN),
-                                       roles=transformer_options.get("cond_or_uncond"))
+                                       roles=transformer_options.get("cond_or_uncond"), patches=patches)
         return self.model_sampling.calculate_denoised(sigma, velocity.float(), x)
 
-    def _warn_ignored(self, options: dict) -> None:
-        for key in ("patches", "patches_replace"):
-            if options.get(key) and key not in self._ignored:
-                self._ignored.add(key)
-                logger.warning("KV-Graph: the model's %s (attention or block patches from other nodes) are ignored: "
-                               "its steps run the pack's own decode step.", key)
+    def _log_ignored(self, ignored) -> None:
+        for what in ignored:
+            if what not in self._ignored:
+                self._ignored.add(what)
+                logger.info("KV-Graph: left out the %s replace: Qwen-Image-2.1 has single-stream blocks only (as "
+                            "ComfyUI's own Qwen-Image-2.1 model, which reads only the single-stream ones).", what)
 
 
 class KVGraphModelPatcher(FullLoadPatcher):
@@ -188,8 +192,9 @@ def sampling_run_wrapper(executor, noise, latent_image, sampler, sigmas, *args, 
     patcher = guider.model_patcher
     model = kv_model(patcher)
     loras = patcher.attachments.get(LORAS, ())
-    run = SamplingRun(model.engine, on_first_call=lambda: model.loaded.loras_in_use(loras))
     options = guider.model_options.setdefault("transformer_options", {})
+    check_supported(options)  # a patch no Qwen-Image-2.1 model runs stops the prompt before its first step
+    run = SamplingRun(model.engine, on_first_call=lambda: model.loaded.loras_in_use(loras))
     prompt_id, node_id = events.executing_ids()
     total = max(0, int(sigmas.shape[-1]) - 1)
     with in_flight.sampling(model.loaded, prompt_id, node_id, total) as record:
