@@ -14,9 +14,9 @@ import torch
 
 from graph_runtime.core_model import ModelFunction, SamplingRun
 from graph_runtime.core_model.patches import (ARBITRARY, CallPatches, UnsupportedPatch, check_supported, is_skip,
-                                              origin, read_patches)
+                                              read_patches)
 from graph_runtime.decode import DecodeEngine
-from graph_runtime.decode.block_patches import BlockPatches
+from graph_runtime.decode.block_patches import BlockPatches, PatchFailed, origin
 from tests.test_core_model import H, W, comfy_noise, encoded, source  # noqa: F401 - fixture
 from tests.test_graph_manager import RecordingBackend
 
@@ -179,3 +179,18 @@ def test_double_stream_replaces_next_to_single_ones_are_left_out():
     assert patches.skip == {1} and not patches.eager and patches.ignored
     assert read_patches({}, 2) == CallPatches() or not read_patches({}, 2).eager
     assert not BlockPatches()
+
+
+def test_a_patch_that_fails_on_this_model_names_its_node(engine, encoded):
+    """A patch written for another architecture (HyperTile's UNet attention patch takes no `pe`) fails with a
+    message naming the node and the convention, not a bare TypeError."""
+    class HyperTile:
+        @classmethod
+        def execute(cls):
+            def hypertile_in(q, k, v, extra_options):
+                return q, k, v
+
+            return hypertile_in
+
+    with pytest.raises(PatchFailed, match=r"attn1_patch of HyperTile \(.*TypeError"):
+        predict(engine, source(encoded["positive"]), {"patches": {"attn1_patch": [HyperTile.execute()]}})

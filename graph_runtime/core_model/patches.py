@@ -21,11 +21,10 @@ Nothing here imports ComfyUI: the options are plain dicts and the patches plain 
 
 from __future__ import annotations
 
-import functools
 import inspect
 from dataclasses import dataclass, field
 
-from ..decode.block_patches import BlockPatches
+from ..decode.block_patches import BlockPatches, origin
 from ..errors import KVGraphError
 
 RUN_PATCHES = ("attn1_patch", "post_input", "single_block")  # `transformer_options["patches"]` kinds that run
@@ -73,19 +72,6 @@ def is_skip(fn) -> bool:
     return (code.co_code == ref.co_code and code.co_argcount == 2 and code.co_kwonlyargcount == 0
             and not code.co_flags & _CALL_KIND_FLAGS and fn.__closure__ is None and not fn.__defaults__
             and not fn.__kwdefaults__)
-
-
-def origin(fn) -> str:
-    """The node (or function) a patch comes from, for messages: a node's patch is a function defined inside its
-    class (`SelfAttentionGuidance.execute.<locals>.attn_and_record`), so the class names the node."""
-    while isinstance(fn, functools.partial):
-        fn = fn.func
-    fn = getattr(fn, "__func__", fn)
-    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    module = getattr(fn, "__module__", None) or type(fn).__module__
-    outer = qualname.split(".<locals>")[0]
-    node = outer.split(".")[0] if "." in outer else outer
-    return f"{node} ({module})" if module else node
 
 
 def _refuse(fn, what: str) -> UnsupportedPatch:

@@ -21,14 +21,43 @@ rows attend only to the prefix, the target rows to everything, each row modulate
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from ..errors import KVGraphError, shorten
 from ..placement import block_on_device
 from .layout import TokenLayout
+
+
+class PatchFailed(KVGraphError):
+    """A patch raised: the message names the node it comes from and the convention it was called with."""
+
+
+def origin(fn) -> str:
+    """The node (or function) a patch comes from, for messages: a node's patch is a function defined inside its
+    class (`SelfAttentionGuidance.execute.<locals>.attn_and_record`), so the class names the node."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    module = getattr(fn, "__module__", None) or type(fn).__module__
+    scope = qualname.rsplit(".<locals>.", 1)[0].split(".")  # where it was defined: [..., class, method]
+    node = scope[-2] if len(scope) > 1 and scope[-2] != "<locals>" else scope[-1]
+    return f"{node} ({module})" if module else node
+
+
+def _call(kind: str, patch, *args, **kwargs):
+    """`patch(*args, **kwargs)`; a failure names the node: a patch written for another architecture (a UNet's
+    attention patch, say) fails on this model's conventions, and the raw error would not say whose it is."""
+    try:
+        return patch(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - re-raised with the node's name
+        raise PatchFailed(f"KV-Graph: the {kind} of {origin(patch)} failed on a Qwen-Image-2.1 model, which "
+                          f"calls it with ComfyUI's Qwen-Image-2.1 conventions: {type(exc).__name__}: "
+                          f"{shorten(str(exc))}. Remove that node from the workflow.") from exc
 
 
 @dataclass(frozen=True)
@@ -93,7 +122,7 @@ def _block(block, x, mod, pe, attn_fn, prefix_len, options, attn1) -> torch.Tens
         q, k, v, pe_heads = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pe.transpose(1, 2)
         extra = {**options, "img_slice": [prefix_len, x.shape[1]]}
         for patch in attn1:
-            out = patch(q, k, v, pe=pe_heads, attn_mask=None, extra_options=extra)
+            out = _call("attn1_patch", patch, q, k, v, pe=pe_heads, attn_mask=None, extra_options=extra)
             q, k, v, pe_heads = out.get("q", q), out.get("k", k), out.get("v", v), out.get("pe", pe_heads)
         q, k, v, pe = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), pe_heads.transpose(1, 2)
     out = attn.to_out[0](attn_fn(apply_pe(q, pe), apply_pe(k, pe), v, attn.heads))
@@ -127,7 +156,7 @@ def patched_step(transformer, prefix_rows: torch.Tensor, layout: TokenLayout, hi
     pe = rope_pe(layout.rotary(model.pos_embed)).to(x.device)
     options = dict(patches.options, total_blocks=len(model.transformer_blocks), block_type="single")
     for patch in patches.post_input:
-        out = patch({"img": x, "pe": pe, "transformer_options": options})
+        out = _call("post_input patch", patch, {"img": x, "pe": pe, "transformer_options": options})
         x, pe = out["img"], out.get("pe", pe)
         if x.shape[1] != seq:
             raise ValueError(f"a post_input patch changed the sequence from {seq} to {x.shape[1]} rows; a "
@@ -148,9 +177,10 @@ def patched_step(transformer, prefix_rows: torch.Tensor, layout: TokenLayout, hi
 
                 args = {"img": x, "vec": temb, "pe": pe, "mod": mod, "attn_fn": attn_fn, "prefix_len": prefix_len,
                         "transformer_options": options}
-                x = replace(args, {"original_block": original})["img"]
+                x = _call("single_block replace", replace, args, {"original_block": original})["img"]
         for patch in patches.after_block:
-            x = patch({"img": x, "x": latent, "block_index": i, "transformer_options": options})["img"]
+            x = _call("single_block patch", patch, {"img": x, "x": latent, "block_index": i,
+                                              "transformer_options": options})["img"]
     norm_out = model.norm_out
     scale = norm_out.linear(norm_out.silu(temb).to(x.dtype))[:batch]
     return model.proj_out(norm_out.norm(x[:, prefix_len:]) * (1 + scale[:, None]))
