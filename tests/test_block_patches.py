@@ -40,6 +40,17 @@ class SelfAttentionGuidance:  # the shape of a node's patch: a function defined 
         return attn_and_record
 
 
+def attention_pytorch(q, k, v, heads):  # an attention function of ComfyUI's, module-level as there
+    return q
+
+
+def set_model_optimized_attention(optimized_attention):  # what ComfyUI's ModelPatcher method stores
+    def optimized_attention_override(_, *args, **kwargs):
+        return optimized_attention(*args, **kwargs)
+
+    return optimized_attention_override
+
+
 def diff(a, b):
     return float((a - b).abs().max())
 
@@ -169,6 +180,8 @@ def test_patches_no_qwen_image_model_runs_are_refused_naming_the_node():
     with pytest.raises(UnsupportedPatch, match="blocks 0 to 1"):
         read_patches(slg_options(7), 2)
     assert origin(record).startswith("SelfAttentionGuidance (")
+    with pytest.raises(UnsupportedPatch, match="attention override .*attention_pytorch.*ModelAttentionBackend"):
+        check_supported({"optimized_attention_override": set_model_optimized_attention(attention_pytorch)})
 
 
 def test_double_stream_replaces_next_to_single_ones_are_left_out():

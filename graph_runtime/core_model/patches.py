@@ -14,7 +14,8 @@ model call's patches end in one of three ways here:
   cross-attention or UNet block patches, ...). A Qwen-Image-2.1 model has no place that would run it, so the node
   would do nothing: the prompt stops with a message instead. `double_block` replaces are left out without a refusal
   when `single_block` ones come with them (SkipLayerGuidance sets both; ComfyUI's own model has no double-stream
-  block and reads only the single ones); alone they are refused.
+  block and reads only the single ones); alone they are refused. An attention override (ModelAttentionBackend) is
+  refused too: the decode step runs its own attention.
 
 Nothing here imports ComfyUI: the options are plain dicts and the patches plain callables.
 """
@@ -28,6 +29,7 @@ from ..decode.block_patches import BlockPatches, origin
 from ..errors import KVGraphError
 
 RUN_PATCHES = ("attn1_patch", "post_input", "single_block")  # `transformer_options["patches"]` kinds that run
+ATTENTION_OVERRIDE = "optimized_attention_override"  # ComfyUI's `set_model_optimized_attention` puts it here
 ARBITRARY = "block or attention patches from other nodes (Python functions run on every row)"
 
 
@@ -94,6 +96,14 @@ def check_supported(options: dict | None) -> None:
     """Refuse (naming the node) any patch in `options` (a `transformer_options` dict) that no Qwen-Image-2.1 model
     runs. Run at the start of a sampling run and at every model call."""
     options = options or {}
+    override = options.get(ATTENTION_OVERRIDE)
+    if override is not None:
+        inner = next((c.cell_contents for c in (getattr(override, "__closure__", None) or ())
+                      if callable(c.cell_contents)), override)
+        raise UnsupportedPatch(
+            f"KV-Graph: the MODEL carries an attention override ({origin(inner)}, set by ModelAttentionBackend or "
+            "another node that sets the model's attention function). A KV-Graph MODEL runs its own attention in its "
+            "captured decode step, so the override would do nothing: remove that node from the workflow.")
     for kind, value in (options.get("patches") or {}).items():
         if value and kind not in RUN_PATCHES:
             raise _refuse(_first_fn(value), f"a '{kind}' patch")
