@@ -39,6 +39,7 @@ OVERRIDES = {
     "SkipLayerGuidanceDiT": {"double_layers": "1", "single_layers": "1", "start_percent": 0.0, "end_percent": 1.0},
     "SkipLayerGuidanceDiTSimple": {"double_layers": "1", "single_layers": "1"},
     "SkipLayerGuidanceSD3": {"layers": "1", "start_percent": 0.0, "end_percent": 1.0},
+    "FreSca": {"freq_cutoff": 1},  # its default low band (20 around the centre) covers a whole 4x4 latent
 }
 # Max |difference| of the final latents (magnitude ~3) above which a node "changed" the output. Below it is round-off:
 # another attention kernel, or an eager step over the joint sequence instead of a replayed decode step, move the
@@ -246,7 +247,13 @@ def main() -> dict:
             if name == "kvgraph":
                 row[name]["steps"] = engine.stats.delta(before)
         rows[node_id] = row
-    return {"comfyui": os.environ["COMFYUI_DIR"], "rows": rows}
+    return {"comfyui": os.environ["COMFYUI_DIR"], "version": comfyui_version(), "rows": rows}
+
+
+def comfyui_version() -> str:
+    import comfyui_version
+
+    return comfyui_version.__version__
 
 
 if __name__ == "__main__":

@@ -177,8 +177,8 @@ def test_patches_no_qwen_image_model_runs_are_refused_naming_the_node():
         check_supported({"patches": {"attn2_patch": [record]}})
     with pytest.raises(UnsupportedPatch, match="single-stream blocks only"):
         read_patches({"patches_replace": {"dit": {("double_block", 7): skip}}}, 2)
-    with pytest.raises(UnsupportedPatch, match="blocks 0 to 1"):
-        read_patches(slg_options(7), 2)
+    with pytest.raises(UnsupportedPatch, match="none of which the model has .blocks 0 to 1."):
+        read_patches(slg_options(7, 8), 2)
     assert origin(record).startswith("SelfAttentionGuidance (")
     with pytest.raises(UnsupportedPatch, match="attention override .*attention_pytorch.*ModelAttentionBackend"):
         check_supported({"optimized_attention_override": set_model_optimized_attention(attention_pytorch)})
@@ -190,6 +190,7 @@ def test_double_stream_replaces_next_to_single_ones_are_left_out():
     options = {"patches_replace": {"dit": {("double_block", 1): skip, ("single_block", 1): skip}}}
     patches = read_patches(options, 2)
     assert patches.skip == {1} and not patches.eager and patches.ignored
+    assert read_patches(slg_options(1, 7), 2).skip == {1}  # block 7: none in a two-block model, left out
     assert read_patches({}, 2) == CallPatches() or not read_patches({}, 2).eager
     assert not BlockPatches()
 

@@ -27,7 +27,7 @@ UI_FILES = sorted((ROOT / "example_workflows").glob("*.json"))
 EXPECTED = {"qwen_image_2.1_text_to_image", "qwen_image_2.1_turbo_8_steps", "qwen_image_2.1_edit_one_reference",
             "qwen_image_2.1_edit_two_references", "qwen_image_2.1_cfg_negative_prompt", "qwen_image_2.1_lora",
             "qwen_image_2.1_ksampler", "qwen_image_2.1_edit_custom_sampler", "qwen_image_2.1_inpaint",
-            "qwen_image_2.1_edit_five_references"}
+            "qwen_image_2.1_edit_five_references", "qwen_image_2.1_skip_layer_guidance"}
 LORA_FILE = "qwen_image_2.1_lora.safetensors"  # the LoRA example's file (users put their own in models/loras)
 # ComfyUI's templates load the INT8 ConvRot files by default; the Turbo example loads the Turbo checkpoint.
 REAL_FILES = {"qwen_image_2.1_int8_convrot.safetensors", "qwen3vl_8b_int8_convrot.safetensors",
@@ -55,6 +55,8 @@ CORE = {
                                                         "sigmas": "SIGMAS", "latent_image": "LATENT"},
                               "outputs": ["LATENT", "LATENT"]},
     "SetLatentNoiseMask": {"widgets": [], "inputs": {"samples": "LATENT", "mask": "MASK"}, "outputs": ["LATENT"]},
+    "SkipLayerGuidanceDiT": {"widgets": ["double_layers", "single_layers", "scale", "start_percent", "end_percent",
+                                         "rescaling_scale"], "inputs": {"model": "MODEL"}, "outputs": ["MODEL"]},
 }
 
 

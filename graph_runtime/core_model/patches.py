@@ -14,7 +14,8 @@ model call's patches end in one of three ways here:
   cross-attention or UNet block patches, ...). A Qwen-Image-2.1 model has no place that would run it, so the node
   would do nothing: the prompt stops with a message instead. `double_block` replaces are left out without a refusal
   when `single_block` ones come with them (SkipLayerGuidance sets both; ComfyUI's own model has no double-stream
-  block and reads only the single ones); alone they are refused. An attention override (ModelAttentionBackend) is
+  block and reads only the single ones); alone they are refused. Likewise blocks past the model's last one are left
+  out next to blocks it has, and refused alone. An attention override (ModelAttentionBackend) is
   refused too: the decode step runs its own attention.
 
 Nothing here imports ComfyUI: the options are plain dicts and the patches plain callables.
@@ -130,19 +131,26 @@ def read_patches(options: dict | None, num_blocks: int) -> CallPatches:
     check_supported(options)
     patches = options.get("patches") or {}
     dit = (options.get("patches_replace") or {}).get("dit") or {}
-    skip, replace, ignored = set(), {}, []
+    skip, replace, ignored, outside = set(), {}, [], []
     for key, fn in dit.items():
         kind, index = key
         if kind == "double_block":
-            ignored.append(f"double_block {index} ({origin(fn)})")
+            ignored.append(f"double_block {index} replace ({origin(fn)})")
             continue
         if not isinstance(index, int) or not 0 <= index < num_blocks:
-            raise UnsupportedPatch(f"KV-Graph: {origin(fn)} replaces block {index!r}; the model has blocks 0 to "
-                                   f"{num_blocks - 1}. Set layers in that range.")
+            # As ComfyUI's own model, which looks up only the blocks it has.
+            outside.append((index, fn))
+            ignored.append(f"single_block {index} replace ({origin(fn)}; the model has {num_blocks} blocks)")
+            continue
         if is_skip(fn):
             skip.add(index)
         else:
             replace[index] = fn
+    if outside and not (skip or replace):
+        index, fn = outside[0]
+        raise UnsupportedPatch(f"KV-Graph: {origin(fn)} replaces blocks {sorted(i for i, _ in outside)}, none of "
+                               f"which the model has (blocks 0 to {num_blocks - 1}): it would do nothing. Set "
+                               "layers in that range.")
     python = BlockPatches(replace=replace, attn1=tuple(patches.get("attn1_patch") or ()),
                           post_input=tuple(patches.get("post_input") or ()),
                           after_block=tuple(patches.get("single_block") or ()), options=options)

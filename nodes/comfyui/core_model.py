@@ -138,8 +138,9 @@ class QwenImage21KVModel(comfy.model_base.BaseModel):
         for what in ignored:
             if what not in self._ignored:
                 self._ignored.add(what)
-                logger.info("KV-Graph: left out the %s replace: Qwen-Image-2.1 has single-stream blocks only (as "
-                            "ComfyUI's own Qwen-Image-2.1 model, which reads only the single-stream ones).", what)
+                logger.info("KV-Graph: left out the %s: no such block in this model (as ComfyUI's own "
+                            "Qwen-Image-2.1 model, which has single-stream blocks only and looks up the ones it "
+                            "has).", what)
 
 
 class KVGraphModelPatcher(FullLoadPatcher):

@@ -62,6 +62,7 @@ MIN_SIZE = {
     "CFGGuider": (210, 98),
     "SamplerCustomAdvanced": (250, 106),
     "SetLatentNoiseMask": (200, 50),
+    "SkipLayerGuidanceDiT": (270, 178),  # one socket row and six widgets
 }
 # The encode node's reference sockets grow as they are connected: MIN_SIZE holds its height with as many sockets as it
 # has outputs (3), and each socket beyond those takes one more row.
