@@ -116,14 +116,14 @@ def node_inputs(node_id, cls, model) -> dict | str:
         for name, spec in types.get("required", {}).items():
             kind = spec[0]
             options = spec[1] if len(spec) > 1 else {}
-            value = _default(kind if isinstance(kind, str) else "COMBO", options.get("default"),
-                             kind if isinstance(kind, list) else None, model)
+            choices = kind if isinstance(kind, list) else options.get("options")  # old and new list styles
+            value = _default(kind if isinstance(kind, str) else "COMBO", options.get("default"), choices, model)
             if value is _MISSING:
                 missing.append(kind if isinstance(kind, str) else "COMBO")
                 continue
             values[name] = value
     if missing:
-        return "needs " + ", ".join(sorted(set(missing))) + " inputs"
+        return "needs " + ", ".join(sorted(set(missing))) + " inputs"  # COMBO: a list with nothing to pick (files)
     values.update({k: v for k, v in OVERRIDES.get(node_id, {}).items() if k in values})
     return values
 
