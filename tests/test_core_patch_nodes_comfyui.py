@@ -9,32 +9,17 @@ one moves them by up to ~2e-4).
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
 
+from tests.comfyui_driver import run_driver
 from tests.core_patch_nodes_table import documented, row_cells
 
 pytestmark = pytest.mark.comfyui
 
-REPO = Path(__file__).resolve().parents[1]
-
 
 @pytest.fixture(scope="module")
 def measured():
-    comfyui, python = os.environ.get("COMFYUI_DIR"), os.environ.get("COMFYUI_PYTHON")
-    if not comfyui or not python:
-        pytest.skip("needs a real ComfyUI: set COMFYUI_DIR to its checkout and COMFYUI_PYTHON to its Python (with "
-                    "diffusers installed)")
-    env = dict(os.environ, COMFYUI_DIR=comfyui, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    done = subprocess.run([python, str(REPO / "tests" / "core_patch_nodes_driver.py")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=1800)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("KVGRAPH-RESULT ")]
-    assert done.returncode == 0 and lines, f"the driver failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    return json.loads(lines[-1].split(" ", 1)[1])
+    return run_driver("core_patch_nodes_driver.py", timeout=1800)
 
 
 def test_no_node_is_silently_a_no_op_where_core_changes_the_output(measured):

@@ -12,16 +12,12 @@ to sigma 0 and goes through core's raw <-> normalized conversion: 1e-5.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-from pathlib import Path
-
 import pytest
+
+from tests.comfyui_driver import run_driver
 
 pytestmark = pytest.mark.comfyui
 
-REPO = Path(__file__).resolve().parents[1]
 STEPS = 4  # the driver's
 # Model calls of each sampler for STEPS steps at cfg 1: one per step, except Heun, which evaluates twice per step
 # but takes an Euler step into sigma 0 (2 * STEPS - 1).
@@ -31,16 +27,7 @@ EXPECTED_CALLS = {"euler": STEPS, "euler_ancestral": STEPS, "heun": 2 * STEPS - 
 
 @pytest.fixture(scope="module")
 def measured():
-    comfyui, python = os.environ.get("COMFYUI_DIR"), os.environ.get("COMFYUI_PYTHON")
-    if not comfyui or not python:
-        pytest.skip("needs a real ComfyUI: set COMFYUI_DIR to its checkout and COMFYUI_PYTHON to its Python (with "
-                    "diffusers installed)")
-    env = dict(os.environ, COMFYUI_DIR=comfyui, PYTHONPATH=str(REPO), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    done = subprocess.run([python, str(REPO / "tests" / "core_sampling_driver.py")], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=900)
-    lines = [line for line in done.stdout.splitlines() if line.startswith("KVGRAPH-RESULT ")]
-    assert done.returncode == 0 and lines, f"the driver failed:\n{done.stdout[-4000:]}\n{done.stderr[-4000:]}"
-    return json.loads(lines[-1].split(" ", 1)[1])
+    return run_driver("core_sampling_driver.py")
 
 
 def test_sampler_custom_advanced_euler_equals_the_kvgraph_sampler(measured):

@@ -196,20 +196,26 @@ def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="auto", reference
 def with_lora(workflow, lora_name=LORA_FILE, strength=1.0):
     """`workflow` with a KV-Graph Load LoRA between the transformer loader and the sampler (placed above the prompt,
     on the way from the one to the other), and the note saying where LoRAs go and which files are read."""
-    nodes, columns = workflow
     lora = (8, "KVGraphLoadLoRA", [("lora_name", lora_name), ("strength", strength)], {"model": (1, 0)},
             TITLES["KVGraphLoadLoRA"])
+    return with_model_node(workflow, lora, "KVGraphSampler", LORA_NOTE)
+
+
+def with_model_node(workflow, node, sampler_type, note):
+    """`workflow` with `node` between the transformer loader and the sampler of `sampler_type` (placed above the
+    prompt, after the loaders in the node list), and `note` added to the files note."""
+    nodes, columns = workflow
     out = []
     for node_id, node_type, widgets, links, title in nodes:
-        if node_type == "KVGraphSampler":
-            links = {**links, "model": (lora[0], 0)}
+        if node_type == sampler_type:
+            links = {**links, "model": (node[0], 0)}
         if node_type == "MarkdownNote":
-            widgets = [(name, value + LORA_NOTE) for name, value in widgets]
+            widgets = [(name, value + note) for name, value in widgets]
         out.append((node_id, node_type, widgets, links, title))
         if node_id == 3:
-            out.append(lora)
+            out.append(node)
     loaders, middle, *rest = columns
-    return out, [loaders, [[lora[0]]] + middle, *rest]
+    return out, [loaders, [[node[0]]] + middle, *rest]
 
 
 def on_the_model(workflow, sampler, columns):
@@ -269,21 +275,10 @@ SLG_NOTE = (
 def skip_layer_guidance(workflow):
     """`workflow` (KSampler on the MODEL) with core's SkipLayerGuidanceDiT between the MODEL and the sampler,
     placed above the prompt, and the note saying what it does."""
-    nodes, columns = workflow
     slg = (40, "SkipLayerGuidanceDiT", [("double_layers", ""), ("single_layers", "1"), ("scale", 3.0),
                                         ("start_percent", 0.01), ("end_percent", 0.15), ("rescaling_scale", 0.0)],
            {"model": (1, 1)}, TITLES["SkipLayerGuidanceDiT"])
-    out = []
-    for node_id, node_type, widgets, links, title in nodes:
-        if node_type == "KSampler":
-            links = {**links, "model": (slg[0], 0)}
-        if node_type == "MarkdownNote":
-            widgets = [(name, value + SLG_NOTE) for name, value in widgets]
-        out.append((node_id, node_type, widgets, links, title))
-        if node_id == 3:
-            out.append(slg)
-    loaders, middle, *rest = columns
-    return out, [loaders, [[slg[0]]] + middle, *rest]
+    return with_model_node(workflow, slg, "KSampler", SLG_NOTE)
 
 
 def five_references(workflow):
