@@ -126,7 +126,8 @@ def check_supported(options: dict | None) -> None:
 def read_patches(options: dict | None, num_blocks: int) -> CallPatches:
     """What a model call's `transformer_options` ask of a model of `num_blocks` blocks (refusing what it cannot
     run)."""
-    if not options or not (options.get("patches") or options.get("patches_replace")):
+    if not options or not (options.get("patches") or options.get("patches_replace")
+                           or options.get(ATTENTION_OVERRIDE) is not None):
         return NONE
     check_supported(options)
     patches = options.get("patches") or {}
