@@ -55,23 +55,16 @@ def slg_euler(fn, noise, sigmas, source, run, layers=(1,), scale=3.0):
 
 @pytest.fixture(scope="module", params=[torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def setup(request, cuda_models):
-    from graph_runtime.comfy_interop.conditioning import prompt_to_conditioning
-    from graph_runtime.core_model import ModelFunction, PrefixSource
+    from graph_runtime.core_model import ModelFunction
     from graph_runtime.decode import DecodeEngine
-    from graph_runtime.encoding.prompt import PromptEncoder
-    from graph_runtime.sampling.schedule import schedule_for
-    from tests.test_core_model import comfy_noise
+    from tests.gpu.core_calls import core_call_inputs
 
     dtype = request.param
     transformer = copy.deepcopy(cuda_models.transformer).to(dtype)
     engine = DecodeEngine(transformer)
-    embeds = PromptEncoder(cuda_models.text_encoder.float(), cuda_models.processor).encode("a red cube")
-    (cond, extras), = prompt_to_conditioning(embeds)
-    source = PrefixSource.from_conditioning(cond, extras)
-    _, sigmas = schedule_for("dynamic", STEPS, 12 * 16, cuda_models.scheduler_config)
-    noise = comfy_noise(3, (1, 64, 12, 16)).cuda()
+    source, sigmas, noise = core_call_inputs(cuda_models, STEPS)
     # The transformer rides along: the engine holds it weakly.
-    return engine, ModelFunction(engine), source, sigmas.cuda(), noise, dtype, transformer
+    return engine, ModelFunction(engine), source, sigmas, noise, dtype, transformer
 
 
 def test_skip_layer_guidance_replays_a_second_graph_and_equals_eager(setup):
