@@ -13,4 +13,3 @@ def cuda_models(tiny_parts):
     return types.SimpleNamespace(transformer=parts["transformer"], vae=parts["vae"],
                                  text_encoder=parts["text_encoder"], processor=parts["processor"],
                                  scheduler_config=dict(parts["scheduler"].config))
-
