@@ -27,11 +27,12 @@ import inspect
 from dataclasses import dataclass, field
 
 from ..decode.block_patches import BlockPatches, origin
+from ..decode.eligibility import PYTHON_PATCHES
 from ..errors import KVGraphError
 
 RUN_PATCHES = ("attn1_patch", "post_input", "single_block")  # `transformer_options["patches"]` kinds that run
 ATTENTION_OVERRIDE = "optimized_attention_override"  # ComfyUI's `set_model_optimized_attention` puts it here
-ARBITRARY = "block or attention patches from other nodes (Python functions run on every row)"
+ARBITRARY = PYTHON_PATCHES  # the eager steps' reason in the statistics
 
 
 class UnsupportedPatch(KVGraphError):
