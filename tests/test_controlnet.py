@@ -264,3 +264,18 @@ def test_the_memory_a_controlnet_adds(models):
     assert _spec(net).memory_bytes(transformer, 1, 20, 48) == weights + 2 * 2 * rows
     partial = _spec(net, sigma_start=0.9).memory_bytes(transformer, 1, 20, 48)
     assert partial == weights + 2 * 2 * rows + 2 * 4 * rows
+
+
+def test_skipped_blocks_with_a_controlnet_are_refused(models, generator):
+    """A prefix with skipped blocks (SkipLayerGuidance) and a ControlNet together is refused naming both: the control
+    stream's prefix pass runs every base block, so the skip would silently not apply to the prefix rows."""
+    from graph_runtime.errors import InputError
+
+    transformer, net = models
+    engine = DecodeEngine(transformer)
+    embeds = generator.encoder.encode("a red cube on a table")
+    layout = TokenLayout.build(embeds.image_mask, [(1, 8, 6)], "cpu")
+    latents = pack(initial_noise(7, 1, 64, 8, 6, torch.float32))
+    with torch.no_grad(), pytest.raises(InputError, match="SkipLayerGuidance together with a ControlNet"):
+        engine.prefill(layout, latents, embeds.embeds, torch.full((1,), 0.7), with_target=False,
+                       control=ControlledPrefix(net, (0, 2), _tokens(8, 6), 0.8), skip=frozenset({1}))

@@ -12,14 +12,9 @@ to sigma 0 and goes through core's raw <-> normalized conversion: 1e-5.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from comfyui_drivers import run_driver  # noqa: E402
+from tests.comfyui_driver import run_driver
 
 pytestmark = pytest.mark.comfyui
 

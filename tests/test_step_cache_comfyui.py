@@ -14,14 +14,11 @@ to ~0.2 without any cache; a cache that skipped other steps moves them by ~1 (me
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-
-from comfyui_drivers import run_driver  # noqa: E402
+from tests.comfyui_driver import run_driver
 
 pytestmark = pytest.mark.comfyui
 

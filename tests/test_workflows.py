@@ -29,7 +29,8 @@ EXPECTED = {"qwen_image_2.1_text_to_image", "qwen_image_2.1_turbo_8_steps", "qwe
             "qwen_image_2.1_ksampler", "qwen_image_2.1_edit_custom_sampler", "qwen_image_2.1_inpaint",
             "qwen_image_2.1_edit_five_references", "qwen_image_2.1_controlnet", "qwen_image_2.1_controlnet_inpaint",
             "qwen_image_2.1_step_cache", "qwen_image_2.1_easycache",
-            "qwen_image_2.1_core_lora", "qwen_image_2.1_remove_background"}
+            "qwen_image_2.1_core_lora", "qwen_image_2.1_remove_background",
+            "qwen_image_2.1_skip_layer_guidance"}
 LORA_FILE = "qwen_image_2.1_lora.safetensors"  # the LoRA example's file (users put their own in models/loras)
 CONTROLNET_FILE = "qwen_image_2.1_fun_controlnet_union.safetensors"  # the ControlNet examples' (models/model_patches)
 # ComfyUI's templates load the INT8 ConvRot files by default; the Turbo example loads the Turbo checkpoint.
@@ -64,6 +65,8 @@ CORE = {
     "LoraLoaderModelOnly": {"widgets": ["lora_name", "strength_model"], "inputs": {"model": "MODEL"},
                             "outputs": ["MODEL"]},
     "JoinImageWithAlpha": {"widgets": [], "inputs": {"image": "IMAGE", "alpha": "MASK"}, "outputs": ["IMAGE"]},
+    "SkipLayerGuidanceDiT": {"widgets": ["double_layers", "single_layers", "scale", "start_percent", "end_percent",
+                                         "rescaling_scale"], "inputs": {"model": "MODEL"}, "outputs": ["MODEL"]},
 }
 
 

@@ -14,8 +14,10 @@ import logging
 import torch
 
 from ..decode import DecodeEngine
+from ..errors import InputError
 from ..sampling.sampler import pack, unpack
 from ..sampling.schedule import sigma_timestep
+from .patches import ARBITRARY, NONE as NO_PATCHES, CallPatches
 from .prefix_source import PrefixSource
 from .run import SamplingRun
 
@@ -38,7 +40,7 @@ class ModelFunction:
         self._warned_no_run = False
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, source: PrefixSource, run: SamplingRun | None = None,
-                 roles=None) -> torch.Tensor:
+                 roles=None, patches: CallPatches = NO_PATCHES) -> torch.Tensor:
         if not isinstance(source, PrefixSource):
             raise TypeError("KV-Graph: the model was called without its conditioning's prefix (a KV-Graph model "
                             "takes conditioning through ComfyUI's samplers, which prepare it with the model)")
@@ -47,10 +49,10 @@ class ModelFunction:
                 self._warned_no_run = True
                 logger.warning("KV-Graph: the model was %s.", NO_RUN)
             with SamplingRun(self.engine) as own_run:
-                return self._predict(x, sigma, source, own_run, roles)
-        return self._predict(x, sigma, source, run, roles)
+                return self._predict(x, sigma, source, own_run, roles, patches)
+        return self._predict(x, sigma, source, run, roles, patches)
 
-    def _predict(self, x, sigma, source, run: SamplingRun, roles) -> torch.Tensor:
+    def _predict(self, x, sigma, source, run: SamplingRun, roles, patches: CallPatches) -> torch.Tensor:
         transformer = self.engine.transformer
         param = next(transformer.parameters())
         device, dtype = param.device, param.dtype
@@ -62,8 +64,24 @@ class ModelFunction:
             hidden = pack(x.to(device, dtype))
             sigma = sigma.reshape(-1).to(device)
             timestep = sigma_timestep(sigma.expand(batch) if sigma.numel() == 1 else sigma, dtype)
-            prefix = run.prefix(source, roles, (height, width), hidden, timestep, run.controlled(sigma))
-            outcome = self.engine.decode_step(prefix, hidden, timestep, run.mode)
-            run.count(sigma, outcome.path, outcome.reason)
+            controlled = run.controlled(sigma)
+            if patches.eager:
+                if controlled:
+                    # The eager patched step runs the blocks alone, without the ControlNet's stream beside them.
+                    raise InputError("model", "Python block or attention patches together with a ControlNet",
+                                     "one of the two on a KV-Graph MODEL")
+                output = self._patched(x, source, run, (height, width), hidden, timestep, patches)
+                run.count(sigma, "eager", ARBITRARY)
+            else:
+                prefix = run.prefix(source, roles, (height, width), hidden, timestep, controlled, patches.skip)
+                outcome = self.engine.decode_step(prefix, hidden, timestep, run.mode)
+                run.count(sigma, outcome.path, outcome.reason)
+                output = outcome.output
             # On the caller's device: where the weights are not on it (an eager step, counted), the step ran on theirs.
-            return unpack(outcome.output, height, width).to(x.device)
+            return unpack(output, height, width).to(x.device)
+
+    def _patched(self, x, source, run: SamplingRun, shape, hidden, timestep, patches: CallPatches) -> torch.Tensor:
+        """An eager step with other nodes' Python patches, counted in the engine's statistics (logged once)."""
+        if self.engine.graphs.count_eager(ARBITRARY):
+            logger.info("KV-Graph: decoding eagerly: %s.", ARBITRARY)
+        return run.patched_step(source, shape, hidden, timestep, patches, latent=x)

@@ -18,9 +18,11 @@ from dataclasses import dataclass, field
 import torch
 
 from ..decode import DecodeEngine, PrefixCache, TokenLayout
+from ..decode.block_patches import joint_prefix_rows, patched_step
 from ..decode.engine import check_mode
 from ..errors import InputError
 from ..validation import check_finite, check_positions
+from .patches import CallPatches
 from .prefix_source import PrefixSource
 
 logger = logging.getLogger("kvgraph")
@@ -92,26 +94,51 @@ class SamplingRun:
         return self.control is not None and self.control.active(float(sigma.reshape(-1)[0]))
 
     def prefix(self, source: PrefixSource, roles, target_shape: tuple[int, int], hidden: torch.Tensor,
-               timestep: torch.Tensor, controlled: bool = False) -> PrefixCache:
+               timestep: torch.Tensor, controlled: bool = False, skip: frozenset = frozenset()) -> PrefixCache:
         """The prefix of `source` for a call of `hidden`'s batch and a `target_shape` (h, w) latent, prefilled on the
         first call that needs it. `roles`: core's `cond_or_uncond` for the call's chunks (names the graph entry).
         `controlled`: the prefix with the run's ControlNet (its rows differ from the plain prefix's, see
-        graph_runtime/controlnet/stream.py), kept beside the plain one when the net acts on some steps only."""
+        graph_runtime/controlnet/stream.py), kept beside the plain one when the net acts on some steps only.
+        `skip`: blocks left out (a skip-layer guidance pass): a prefix of its own, with its own graph entry."""
         batch = hidden.shape[0]
-        key = (source.digest, batch, target_shape, controlled)
+        key = (source.digest, batch, target_shape, controlled, skip)
         with self._lock:
             cached = self._prefixes.get(key)
             if cached is not None:
                 return cached
-            prefix = self._prefill(source, roles, target_shape, hidden, timestep, controlled)
+            prefix = self._prefill(source, roles, target_shape, hidden, timestep, controlled, skip)
             self._prefixes[key] = prefix
             self.counts.prefills += 1
             return prefix
 
-    def _prefill(self, source, roles, target_shape, hidden, timestep, controlled=False) -> PrefixCache:
+    def _prefill(self, source, roles, target_shape, hidden, timestep, controlled=False,
+                 skip=frozenset()) -> PrefixCache:
         engine = self.engine
+        layout, embeds, text_mask, joint = self.joint_inputs(source, target_shape, hidden)
+        branch = self._graph_name(source, roles, hidden.shape[0], layout, skip)
+        # Only a skipping or controlled prefix passes `skip` / `control`: an engine's own prefill (sequence
+        # parallelism) need not know them.
+        extra = {"skip": skip} if skip else {}
+        if controlled:
+            extra["control"] = self.control.for_branch(engine.transformer, hidden.shape[0], *target_shape)
+        _, prefix = engine.prefill(layout, joint, embeds, timestep, text_mask, branch=branch, mode=self.mode,
+                                   with_target=False, **extra)
+        return prefix
+
+    def patched_step(self, source: PrefixSource, target_shape, hidden: torch.Tensor, timestep: torch.Tensor,
+                     patches: CallPatches, latent=None) -> torch.Tensor:
+        """One eager step over the whole joint sequence with `patches`' Python patches (their prefix rows may
+        change, so no cached prefix serves it): the target's prediction `[B, T, C]`."""
+        layout, embeds, text_mask, joint = self.joint_inputs(source, target_shape, hidden)
+        references = joint[:, :joint.shape[1] - hidden.shape[1]]
+        rows = joint_prefix_rows(self.engine.transformer, layout, references, embeds)
+        return patched_step(self.engine.transformer, rows, layout, hidden, timestep, layout.joint_key_valid(text_mask),
+                            patches.python, latent=latent, skip=patches.skip)
+
+    def joint_inputs(self, source: PrefixSource, target_shape, hidden: torch.Tensor):
+        """`(layout, embeds, text_mask, joint latents)` of `source` for a call of `hidden` (checked)."""
         batch, device, dtype = hidden.shape[0], hidden.device, hidden.dtype
-        transformer = engine.transformer
+        transformer = self.engine.transformer
         channels = transformer.config.in_channels
         for i, ref in enumerate(source.references):
             if ref.dim() != 4 or ref.shape[1] != channels:
@@ -128,20 +155,16 @@ class SamplingRun:
         if source.references:
             cond_tokens = torch.cat([r.to(device, dtype).flatten(2).transpose(1, 2) for r in source.references], 1)
             joint = torch.cat([cond_tokens.expand(batch, -1, -1), hidden], dim=1)
-        branch = self._graph_name(source, roles, batch, layout)
-        control = self.control.for_branch(transformer, batch, *target_shape) if controlled else None
-        _, prefix = engine.prefill(layout, joint, embeds, timestep, text_mask, branch=branch, mode=self.mode,
-                                   with_target=False, control=control)
-        return prefix
+        return layout, embeds, text_mask, joint
 
-    def _graph_name(self, source: PrefixSource, roles, batch: int, layout: TokenLayout) -> str:
+    def _graph_name(self, source: PrefixSource, roles, batch: int, layout: TokenLayout, skip=frozenset()) -> str:
         """The branch name the prefix's graph entry is keyed on: "cond" or "uncond" as core marks the call (the names
         the KV-Graph Sampler uses, so both share their captured graphs), numbered when another prefix of this run
         already uses that name with the same shapes (each needs its own entry)."""
         kinds = {BRANCH_NAMES.get(int(r), "cond") for r in (roles or [0])}
         base = kinds.pop() if len(kinds) == 1 else "cond+uncond"
         name, number = base, 1
-        while self._graph_names.setdefault((name, batch, layout.signature), source.digest) != source.digest:
+        while self._graph_names.setdefault((name, batch, layout.signature, skip), source.digest) != source.digest:
             number += 1
             name = f"{base}#{number}"
         return name

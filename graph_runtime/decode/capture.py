@@ -109,6 +109,7 @@ class DecodeGraphEntry(CaptureRecord):
                 sin=zeros(rope_shape, torch.float32),
                 prefix_len=spec.prefix_len,
                 static_kv=True,
+                skip=frozenset(getattr(key, "skip", ())),
             )
             if spec.residuals is not None:
                 self.inputs.extra["block_residuals"] = spec.residuals.static_copy(spec.prefix_len,
@@ -203,7 +204,7 @@ class PrefixGraph(CaptureRecord):
                                        modulation=torch.empty_like(like.modulation), cos=like.cos.clone(),
                                        sin=like.sin.clone(), mask=like.mask.clone(),
                                        # own lists: a request's release clears its
-                                       k=list(like.k), v=list(like.v),
+                                       k=list(like.k), v=list(like.v), skip=like.skip,
                                        segments=like.segments)  # the key pins the layout, so its segments too
 
     def load(self, inputs: PrefixInputs) -> None:

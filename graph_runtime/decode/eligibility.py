@@ -30,6 +30,8 @@ WEIGHTS_MOVED = "weights moved since capture"
 ALLOCATION_FAILED = "graph buffer allocation failed"
 CAPTURE_FAILED = "graph capture failed"
 LONG_PREFIX = "long prefix: its pass is GPU-bound, a captured one would not be faster"
+# Other nodes' Python patches may read or change any row, so such a step runs the whole sequence (block_patches.py).
+PYTHON_PATCHES = "block or attention patches from other nodes (Python functions run on every row)"
 
 _FLOAT_KV = (torch.bfloat16, torch.float16, torch.float32)
 

@@ -18,6 +18,7 @@ from typing import NamedTuple
 
 import torch
 
+from ..errors import InputError
 from . import eligibility as why
 from . import step as step_body
 from .capture import CudaGraphBackend, EntrySpec
@@ -100,7 +101,8 @@ class DecodeEngine:
 
     @torch.no_grad()
     def prefill(self, layout: TokenLayout, latents, encoder_hidden_states, timestep, text_mask=None,
-                branch="cond", mode="auto", with_target=True, control=None) -> tuple[torch.Tensor | None, PrefixCache]:
+                branch="cond", mode="auto", with_target=True, control=None,
+                skip: frozenset = frozenset()) -> tuple[torch.Tensor | None, PrefixCache]:
         """Step 1. When this request can own a graph entry, the prefix goes straight into its static buffers.
 
         `with_target=False` (what the sampler does) runs only the prefix rows and returns no prediction; the caller
@@ -110,13 +112,18 @@ class DecodeEngine:
 
         `control`: a ControlNet for this branch (graph_runtime/controlnet `ControlledPrefix`, prefix pass only): its
         `run(step, inputs)` is the prefix pass, and the per-block residuals it returns ride on the prefix for the
-        decode steps, which then have graph entries of their own.
+        decode steps, which then have graph entries of their own. `skip`: blocks left out of the prefix and of every
+        decode step over it (a skip-layer guidance pass); such a prefix has its own graph entry.
         """
         if control is not None and with_target:
             raise ValueError("a ControlNet prefill runs the prefix rows only (with_target=False)")
+        if control is not None and skip:
+            # The control stream's prefix pass runs every base block beside its own.
+            raise InputError("model", "SkipLayerGuidance together with a ControlNet",
+                             "one of the two on a KV-Graph model (the ControlNet's stream runs every block)")
         token = OwnerToken()
         entry = self._claim(token, branch, layout, latents.shape[0], layout.joint_key_valid(text_mask), mode,
-                            control)
+                            control, skip)
         static_kv = None if entry is None else (entry.inputs.k, entry.inputs.v)
         runner = self.step.run_prefix if entry is None else (lambda inputs: self._prefix_pass(entry, inputs))
         residuals = []
@@ -124,7 +131,7 @@ class DecodeEngine:
             runner = lambda inputs: residuals.append(self._controlled_prefix_pass(control, inputs))  # noqa: E731
         out, prefix = run_prefill(self.transformer, layout, latents, encoder_hidden_states, timestep, text_mask,
                                   branch, static_kv=static_kv, with_target=with_target, prefix_runner=runner,
-                                  kv_heads=self.step.kv_heads)
+                                  kv_heads=self.step.kv_heads, skip=skip)
         prefix.owner = token
         prefix.residuals = residuals[0] if residuals else None
         if entry is not None:
@@ -137,7 +144,8 @@ class DecodeEngine:
             logger.info("KV-Graph: prefix pass runs eagerly: %s.", control.prefill_reason)
         return control.run(self.step, inputs)
 
-    def _claim(self, token: OwnerToken, branch: str, layout, batch: int, key_valid, mode: str, control=None):
+    def _claim(self, token: OwnerToken, branch: str, layout, batch: int, key_valid, mode: str, control=None,
+               skip=()):
         """The graph entry this request's prefill writes into, or None when the request will not replay
         (ineligible, owned by another live request, failed key); its decode steps then say why."""
         if check_mode(mode) == "eager":
@@ -150,7 +158,7 @@ class DecodeEngine:
         spec = self._entry_spec(layout, batch)
         if not self._judge(spec.dtype, key_valid).ok:
             return None
-        key = make_key(self.step, branch, batch, layout, spec.dtype, spec.device)
+        key = make_key(self.step, branch, batch, layout, spec.dtype, spec.device, skip=skip)
         return self.graphs.claim(key, token, lambda: spec)
 
     def _entry_spec(self, layout: TokenLayout, batch: int, residuals=None) -> EntrySpec:
@@ -213,7 +221,7 @@ class DecodeEngine:
         attn_mask = None if prefix.key_valid is None else prefix.key_valid[:, None, None, :]
         inputs = DecodeInputs(hidden=hidden, timestep=timestep, k=prefix.k, v=prefix.v, cos=prefix.cos,
                               sin=prefix.sin, prefix_len=prefix.layout.prefix_len, static_kv=False,
-                              attn_mask=attn_mask,
+                              attn_mask=attn_mask, skip=prefix.skip,
                               extra={} if prefix.residuals is None else {"block_residuals": prefix.residuals})
         return DecodeOutcome(self.step(inputs), "eager", reason)
 

@@ -46,6 +46,7 @@ class GraphKey:
     backend: str
     parallel: tuple = ()
     residuals: tuple = ()  # a ControlNet's part (which net, where its weights are): its stream is captured work
+    skip: tuple = ()  # blocks the step leaves out (sorted): a skip-layer guidance pass is its own graph
 
     def describe(self) -> dict:
         prefix_len, target_tokens, shapes, _ = self.layout
@@ -60,14 +61,16 @@ class GraphKey:
             "backend": self.backend,
             **({"parallel": dict(self.parallel)} if self.parallel else {}),
             **({"residuals": f"{self.residuals[0]} #{self.residuals[1]}"} if self.residuals else {}),
+            **({"skipped_blocks": list(self.skip)} if self.skip else {}),
         }
 
 
-def make_key(step: DecodeStep, branch: str, batch: int, layout, dtype, device, residuals=None) -> GraphKey:
-    """`residuals`: the request's per-block residuals (a ControlNet), or None."""
+def make_key(step: DecodeStep, branch: str, batch: int, layout, dtype, device, residuals=None, skip=()) -> GraphKey:
+    """`residuals`: the request's per-block residuals (a ControlNet), or None; `skip`: the blocks the step leaves
+    out."""
     return GraphKey(branch=branch, batch=batch, layout=layout.signature, dtype=str(dtype).removeprefix("torch."),
                     device=str(device), backend=step.variant(device), parallel=step.parallel_key(),
-                    residuals=() if residuals is None else residuals.graph_key())
+                    residuals=() if residuals is None else residuals.graph_key(), skip=tuple(sorted(skip)))
 
 
 @dataclass
@@ -168,7 +171,7 @@ class DecodeGraphs:
         key = prefix.graph_key
         if key is None:
             key = prefix.graph_key = make_key(step, prefix.branch, prefix.batch, prefix.layout, hidden.dtype,
-                                              hidden.device, prefix.residuals)
+                                              hidden.device, prefix.residuals, prefix.skip)
         with self.lock:
             entry = self._lookup_or_register(key, make_spec)
             if isinstance(entry, FailedEntry):

@@ -45,6 +45,7 @@ class PrefixCache:
     graph_key: object = None  # the graphs' key for this request, computed at its first graph step
     # A stream beside the blocks whose per-block residuals its steps add (graph_runtime/controlnet), or None.
     residuals: object = None
+    skip: frozenset = frozenset()  # blocks left out of the prefix pass and of every decode step over it
 
     @property
     def batch(self) -> int:
@@ -101,6 +102,7 @@ def run_prefill(
     with_target: bool = True,
     prefix_runner=None,
     kv_heads: int | None = None,
+    skip: frozenset = frozenset(),
 ) -> tuple[torch.Tensor | None, PrefixCache]:
     """Run step 1. `latents` is `[B, cond_tokens + T, C]` (condition images first); returns the target rows'
     prediction `[B, T, C]` and the branch's prefix cache. `static_kv` are per-block `[B, P + T, H, D]` buffers to
@@ -112,8 +114,10 @@ def run_prefill(
     rows then go through the decode step's own block code (`step.run_prefix_blocks`) rather than diffusers' blocks:
     `prefix_runner(inputs)` runs them (a graph entry's captured pass, or the decode step's own pass), else they run
     eagerly. `kv_heads`: the heads whose K/V fresh buffers keep (default all; a sequence-parallel rank keeps its
-    share).
+    share). `skip`: blocks left out (prefix pass only), as a skip-layer guidance pass leaves them out of every row.
     """
+    if skip and with_target:
+        raise ValueError("skipped blocks need the prefix pass (with_target=False)")
     model = transformer
     device = latents.device
     batch = latents.shape[0]
@@ -142,6 +146,7 @@ def run_prefill(
         inputs = _prefix_inputs(model, layout, joint[:, :layout.prefix_len].contiguous(),
                                 modulation[-1:].expand(batch, -1), rotary[:layout.prefix_len], key_valid, static_kv,
                                 kv_heads)
+        inputs.skip = frozenset(skip)
         if prefix_runner is None:
             # No graph entry, no step to ask: the pass over the transformer's own blocks.
             run_prefix_blocks([TargetDecodeBlock(block) for block in model.transformer_blocks], inputs)
@@ -157,6 +162,7 @@ def run_prefill(
         cos=cos,
         sin=sin,
         key_valid=key_valid,
+        skip=frozenset(skip),
     )
     return out, prefix
 

@@ -68,6 +68,8 @@ class DecodeInputs:
     static_kv: bool
     attn_mask: torch.Tensor | None = None  # [B, 1, 1, P + T] bool, only on the eager padded-text path
     extra: dict = field(default_factory=dict)
+    # Blocks the step leaves out (a skip-layer guidance pass, decode/block_patches.py); a graph key pins them.
+    skip: frozenset = frozenset()
 
 
 def rope_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,6 +103,7 @@ class PrefixInputs:
     k: list[torch.Tensor]  # per block, [B, P, H, head_dim]: where the block's K land
     v: list[torch.Tensor]
     segments: tuple | None = None  # the layout's (start, end, is_text) runs `mask` encodes; None with key padding
+    skip: frozenset = frozenset()  # blocks the pass leaves out, as the decode steps of its prefix do
 
 
 # Up to this many prefix tokens (a text-only prompt) the pass is host-bound: it is captured and replayed, and its
@@ -117,8 +120,11 @@ def run_prefix_blocks(blocks, inputs: PrefixInputs) -> None:
     mask = PrefixMask(inputs.mask, inputs.segments)
     short = x.is_cuda and x.shape[1] <= SHORT_PREFIX_TOKENS
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if short else contextlib.nullcontext():
-        pending, last = None, len(blocks) - 1
+        kept = [i for i in range(len(blocks)) if i not in inputs.skip]
+        pending, last = None, kept[-1] if kept else -1
         for i, (block, k_rows, v_rows) in enumerate(zip(blocks, inputs.k, inputs.v)):
+            if i in inputs.skip:
+                continue  # a skipped block is the identity: the residual stream (and its pending add) passes on
             # Only the K/V rows are kept: the last block stops once it has written them.
             with block_on_device(block.block):
                 x, pending = block(x, pending, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True,
@@ -396,6 +402,8 @@ class DecodeStep(torch.nn.Module):
         residuals = residuals.start(self, x, modulation, inputs) if residuals is not None else None
         # The diffusers blocks, for a streamed model's residency (outside the wrappers, which may be compiled).
         for i, (block, inner) in enumerate(zip(self.blocks, model.transformer_blocks)):
+            if i in inputs.skip:
+                continue
             with block_on_device(inner):
                 x, pending = block(x, pending, modulation, inputs.cos, inputs.sin, inputs.k[i], inputs.v[i],
                                    inputs.prefix_len, inputs.static_kv, inputs.attn_mask)

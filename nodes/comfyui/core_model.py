@@ -6,7 +6,9 @@ model management loads whole (or, where it has room for only part, with blocks s
 steps). Its model function is the pack's runtime (graph_runtime/core_model): core prepares each
 conditioning entry once per run (`extra_conds` names its prefix by content), a wrapper around core's sampling call
 opens a `SamplingRun` (the prefixes live exactly that long, and the model's LoRA set is held merged), and every
-model call is a decode step that replays the captured graph of its shape.
+model call is a decode step that replays the captured graph of its shape. Other nodes' block and attention patches
+are read per call (graph_runtime/core_model/patches.py): skipped blocks replay a graph of their own, Python patches
+run eagerly, and patches no Qwen-Image-2.1 model runs stop the prompt with the node's name.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import comfy.supported_models_base
 from ...graph_runtime.comfy_interop.latents import LATENT_CHANNELS, latent_stats, normalized_to_raw, raw_to_normalized
 from ...graph_runtime.core_model import ModelFunction, PrefixSource, SamplingRun
 from ...graph_runtime.core_model.step_cache import StepsWithoutCalls
+from ...graph_runtime.core_model.patches import check_supported, read_patches
 from ...graph_runtime.errors import InputError, KVGraphError
 from ...graph_runtime.memory import GenerationShape, TransformerDims, compute_dtype, estimate
 from ...graph_runtime.sampling.schedule import dynamic_shift
@@ -135,7 +138,6 @@ class QwenImage21KVModel(comfy.model_base.BaseModel):
     def _apply_model(self, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options={}, **kwargs):
         if control is not None:
             raise InputError("control", type(control).__name__, "no ControlNet: a KV-Graph model takes none")
-        self._warn_ignored(transformer_options)
         sigma = t
         # As core's own models: the input in the inference dtype, through the DIFFUSION_MODEL wrappers (core's EasyCache
         # reads the input and the prediction there, and answers a skipped step without calling on).
@@ -149,24 +151,34 @@ class QwenImage21KVModel(comfy.model_base.BaseModel):
 
     def _diffusion_model(self, x, timestep, context, ref_latents, image_slots, transformer_options={}, **kwargs):
         """The diffusion model's call in the signature of core's Qwen-Image-2.1 model (`timestep` is the sigma: the
-        model's sampling maps sigma to itself); the prefix comes from the conditioning (`PREFIX`)."""
+        model's sampling maps sigma to itself); the prefix comes from the conditioning (`PREFIX`), the block and
+        attention patches from `transformer_options` as that model reads them."""
+        patches = read_patches(without_core_control(transformer_options),
+                               len(self.diffusion_model.transformer_blocks))
+        self._log_ignored(patches.ignored)
         return self.model_function(x, timestep, kwargs.get(PREFIX), run=transformer_options.get(RUN),
-                                   roles=transformer_options.get("cond_or_uncond"))
+                                   roles=transformer_options.get("cond_or_uncond"), patches=patches)
 
-    def _warn_ignored(self, options: dict) -> None:
-        for key in ("patches", "patches_replace"):
-            if key == "patches_replace" and _only_core_control(options):
-                continue  # core's Fun ControlNet: the sampling run runs it (core_controlnet.py)
-            if options.get(key) and key not in self._ignored:
-                self._ignored.add(key)
-                logger.warning("KV-Graph: the model's %s (attention or block patches from other nodes) are ignored: "
-                               "its steps run the pack's own decode step.", key)
+    def _log_ignored(self, ignored) -> None:
+        for what in ignored:
+            if what not in self._ignored:
+                self._ignored.add(what)
+                logger.info("KV-Graph: left out the %s: no such block in this model (as ComfyUI's own "
+                            "Qwen-Image-2.1 model, which has single-stream blocks only and looks up the ones it "
+                            "has).", what)
 
 
-def _only_core_control(options: dict) -> bool:
-    replace = options.get("patches_replace") or {}
-    dit = replace.get("dit") or {}
-    return set(replace) <= {"dit"} and len(core_fun_control_patches(options)) == len(dit)
+def without_core_control(options: dict) -> dict:
+    """`options` less core's Fun ControlNet block patches: the sampling run runs that net itself (core_controlnet.py),
+    so they are neither run as Python block patches nor refused."""
+    claimed = core_fun_control_patches(options)
+    if not claimed:
+        return options
+    replace = dict(options.get("patches_replace") or {})
+    replace["dit"] = {key: patch for key, patch in replace["dit"].items() if key not in claimed}
+    if not replace["dit"]:
+        del replace["dit"]
+    return {**options, "patches_replace": replace}
 
 
 class KVGraphModelPatcher(FullLoadPatcher):
@@ -239,6 +251,7 @@ def sampling_run_wrapper(executor, noise, latent_image, sampler, sigmas, *args, 
     model = kv_model(patcher)
     loras = patcher.attachments.get(LORAS, ())
     options = guider.model_options.setdefault("transformer_options", {})
+    check_supported(without_core_control(options))  # a patch no Qwen-Image-2.1 model runs stops the prompt at once
     control = patcher.attachments.get(CONTROL)
     core_control = control_from_core(options)
     if control is not None and core_control is not None:

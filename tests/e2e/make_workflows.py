@@ -75,6 +75,7 @@ OUTPUTS = {
     "LoraLoaderModelOnly": [("MODEL", "MODEL")],
     "JoinImageWithAlpha": [("IMAGE", "IMAGE")],
     "KVGraphSaveImage": [("images", "IMAGE")],
+    "SkipLayerGuidanceDiT": [("MODEL", "MODEL")],
 }
 SOCKETS = {
     # A socket that takes either kind of KV-Graph model (MatchType): the frontend types it with the allowed types.
@@ -101,6 +102,7 @@ SOCKETS = {
     "LoraLoaderModelOnly": [("model", "MODEL")],
     "JoinImageWithAlpha": [("image", "IMAGE"), ("alpha", "MASK")],
     "KVGraphSaveImage": [("images", "IMAGE")],
+    "SkipLayerGuidanceDiT": [("model", "MODEL")],
 }
 # Widgets followed in the UI format by their control_after_generate value.
 SEED_WIDGETS = ("seed", "noise_seed")
@@ -139,6 +141,7 @@ TITLES = {
     "KVGraphStepCache": "Step cache", "EasyCache": "EasyCache (core)",
     "LoraLoaderModelOnly": "Load LoRA (core)", "JoinImageWithAlpha": "Join image with alpha",
     "KVGraphSaveImage": "Save transparent PNG",
+    "SkipLayerGuidanceDiT": "Skip layer guidance",
 }
 # Frontend-only nodes: in the UI format, not in the API format (the frontend leaves them out of a prompt).
 UI_ONLY = {"MarkdownNote"}
@@ -383,6 +386,22 @@ def controlnet_inpaint(workflow, seed=42, steps=40):
     nodes, _ = with_controlnet((nodes, columns), 1, 5, {"inpaint_image": (11, 0), "mask": (11, 1)})
     return ([*nodes[:4], image, *nodes[4:]],
             [[[1], [2], [3], [40], [20]], [[11], [41], [4]], [[5], [6], [7]]])
+SLG_NOTE = (
+    "\n\n## Skip layer guidance\n\n"
+    "Core's **SkipLayerGuidanceDiT** adds a pass with the listed single-stream blocks skipped and guides away from it "
+    "(`scale`) between `start_percent` and `end_percent` of the schedule. Qwen-Image-2.1 has single-stream blocks "
+    "0 to 31 (`double_layers` stays empty). That pass replays a captured graph of its own. Layer 1 here also exists "
+    "in the small test model; pick the layers you want."
+)
+
+
+def skip_layer_guidance(workflow):
+    """`workflow` (KSampler on the MODEL) with core's SkipLayerGuidanceDiT between the MODEL and the sampler,
+    placed above the prompt, and the note saying what it does."""
+    slg = (40, "SkipLayerGuidanceDiT", [("double_layers", ""), ("single_layers", "1"), ("scale", 3.0),
+                                        ("start_percent", 0.01), ("end_percent", 0.15), ("rescaling_scale", 0.0)],
+           {"model": (1, 1)}, TITLES["SkipLayerGuidanceDiT"])
+    return with_model_patch(workflow, slg, SLG_NOTE)
 
 
 def five_references(workflow):
@@ -422,6 +441,9 @@ WORKFLOWS = {
         "custom_sampler", "Make the sky in image 1 a deep purple sunset and add a small sailing boat.",
         negative="blurry, low quality, distorted", references=1), custom_advanced(),
         [[[1], [2], [3], [20]], [[10], [4], [31], [32]], [[30, 33], [5, 6], [7]]]),
+    "qwen_image_2.1_skip_layer_guidance": skip_layer_guidance(on_the_model(graph(
+        "skip_layer_guidance", "A glass teapot with blooming tea on a linen tablecloth, macro photo, sharp detail."),
+        ksampler(), [[[1], [2], [3], [20]], [[4], [6]], [[5], [7]]])),
     "qwen_image_2.1_inpaint": inpaint(graph(
         "inpaint", "A red teapot on a wooden kitchen counter beside a window, morning light, photo.")),
     "qwen_image_2.1_controlnet": controlnet_control(graph(
@@ -465,6 +487,8 @@ CARDS = {
         "Qwen-Image-2.1 KSampler", "KSampler", "Core's KSampler on the KV-Graph MODEL"),
     "qwen_image_2.1_edit_custom_sampler": Card(
         "Qwen-Image-2.1 custom sampler", "Custom sampler", "SamplerCustomAdvanced with KV-Graph Sigmas"),
+    "qwen_image_2.1_skip_layer_guidance": Card(
+        "Qwen-Image-2.1 skip layers", "Skip layer guidance", "Core's SkipLayerGuidanceDiT with KSampler"),
     "qwen_image_2.1_inpaint": Card(
         "Qwen-Image-2.1 inpainting", "Inpainting", "Paint anew where the image is transparent"),
     "qwen_image_2.1_controlnet": Card(

@@ -72,6 +72,7 @@ MIN_SIZE = {
     "LoraLoaderModelOnly": (340, 82),
     "JoinImageWithAlpha": (200, 50),
     "KVGraphSaveImage": (330, 230),
+    "SkipLayerGuidanceDiT": (270, 178),  # one socket row and six widgets
 }
 # The encode node's reference sockets grow as they are connected: MIN_SIZE holds its height with as many sockets as it
 # has outputs (3), and each socket beyond those takes one more row.

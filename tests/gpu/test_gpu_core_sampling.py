@@ -42,20 +42,14 @@ ATOL = 5e-5
 def test_core_style_runs_replay_and_a_second_run_captures_nothing(cuda_models):
     """Core's Euler over the model function on CUDA: the first run captures the decode graph of its shape (every
     call replays it), a second run with the same shapes captures nothing, and the result equals an eager run."""
-    from graph_runtime.comfy_interop.conditioning import prompt_to_conditioning
-    from graph_runtime.core_model import ModelFunction, PrefixSource, SamplingRun
+    from graph_runtime.core_model import ModelFunction, SamplingRun
     from graph_runtime.decode import DecodeEngine
-    from graph_runtime.encoding.prompt import PromptEncoder
-    from graph_runtime.sampling.schedule import schedule_for
-    from tests.test_core_model import comfy_noise, core_euler
+    from tests.gpu.core_calls import core_call_inputs
+    from tests.test_core_model import core_euler
 
     transformer = cuda_models.transformer.float()
     engine = DecodeEngine(transformer)
-    embeds = PromptEncoder(cuda_models.text_encoder.float(), cuda_models.processor).encode("a red cube")
-    (cond, extras), = prompt_to_conditioning(embeds)
-    source = PrefixSource.from_conditioning(cond, extras)
-    _, sigmas = schedule_for("dynamic", STEPS, 12 * 16, cuda_models.scheduler_config)
-    noise = comfy_noise(3, (1, 64, 12, 16)).cuda()
+    source, sigmas, noise = core_call_inputs(cuda_models, STEPS)
     fn = ModelFunction(engine)
 
     def run(mode):

@@ -1,5 +1,8 @@
-"""Runs a driver script (tests/*_driver.py) in a real ComfyUI's Python and returns what it printed as JSON; skips the
-calling test when no ComfyUI is configured (COMFYUI_DIR and COMFYUI_PYTHON, as the end-to-end tests)."""
+"""Runs a driver script (tests/*_driver.py) in a real ComfyUI's Python and returns what it measured.
+
+The drivers print one `KVGRAPH-RESULT <json>` line; they need COMFYUI_DIR (a ComfyUI checkout) and COMFYUI_PYTHON
+(its Python, with diffusers), the same variables as the end-to-end tests, and the test is skipped without them.
+"""
 
 from __future__ import annotations
 
