@@ -168,7 +168,9 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
                                     else [raw_to_normalized(r, stats) for r in neg.reference_latents]),
         latent_height=height, latent_width=width, batch_size=batch, seed=int(seed), steps=int(steps),
         sigma_preset=preset, denoise=float(denoise),
-        init_latents=raw_to_normalized(samples, stats) if denoise < 1.0 or mask is not None else None,
+        # In float32 whatever the LATENT's dtype (the pack's bf16 VAE Encode gives bf16): the kept area of an inpaint
+        # comes back through normalized_to_raw in float32, so it is the input latent to float32 round-off.
+        init_latents=raw_to_normalized(samples.float(), stats) if denoise < 1.0 or mask is not None else None,
         noise_mask=mask,
         decode_mode=decode_mode, compile=compile == "blocks", scheduler_config=model.scheduler_config,
     )
