@@ -140,3 +140,33 @@ def test_two_loras_overflowing_together_are_both_named(model, tmp_path):
     with pytest.raises(CheckpointError) as err:
         state.apply([LoraChoice(a, 1.0), LoraChoice(b, 1.0)])
     assert "a.safetensors at strength 1" in str(err.value) and "b.safetensors at strength 1" in str(err.value)
+
+
+def test_nan_latents_during_a_run_with_a_lora_blame_the_lora(tiny_models, tmp_path):
+    """A LoRA whose merged weights stay finite but whose changes overflow the model's activations: the sampler's NaN
+    check names the LoRA and its strength instead of the transformer's weights."""
+    from graph_runtime.errors import NonFiniteError
+    from graph_runtime.sampling.sampler import SamplingRequest, sample
+    from tests.owners import generator_for
+
+    model = copy.deepcopy(tiny_models.transformer).requires_grad_(False)
+    try:
+        path = tmp_path / "loud.safetensors"
+        # The MLP's gate and up rows ~1e20 each (finite in fp32): their SwiGLU product ~1e40 is not.
+        tensors = {}
+        for target in ("transformer_blocks.0.img_mlp.gate_layer", "transformer_blocks.0.img_mlp.proj"):
+            rows, cols = model.get_parameter(f"{target}.weight").shape
+            tensors[f"diffusion_model.{target}.lora_up.weight"] = torch.full((rows, 4), 3e9)
+            tensors[f"diffusion_model.{target}.lora_down.weight"] = torch.full((4, cols), 3e9)
+        save_file(tensors, str(path))
+        lora = read_lora(path, model)
+        owner = loaded_for(model)
+        embeds = generator_for(copy.copy(tiny_models)).encoder.encode("a red cube")
+        request = SamplingRequest(positive=embeds, latent_height=8, latent_width=8, steps=2, decode_mode="eager",
+                                  scheduler_config=tiny_models.scheduler_config)
+        with pytest.raises(NonFiniteError) as err:
+            with owner.loras_in_use([LoraChoice(lora, 1.0)]):
+                sample(owner.engine, request)
+        assert "loud.safetensors at strength 1" in str(err.value) and "transformer's weights" not in str(err.value)
+    finally:
+        forget(model)

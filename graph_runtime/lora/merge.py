@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, NonFiniteError
 from .file import LoraFile
 from .weights import weight_slot
 
@@ -75,8 +75,18 @@ class LoraMerge:
             if changed:
                 self._switch(wanted)
             self._runs += 1
+            merged = self.merged
         try:
             yield changed
+        except NonFiniteError as exc:
+            if not merged:
+                raise
+            # The model's own weights were checked finite at load and the merged ones at the merge: what overflowed
+            # is the model run with these LoRAs, so they are named, not the checkpoint.
+            names = ", ".join(f"{c.lora.name} at strength {c.strength:g}" for c in merged)
+            raise NonFiniteError(exc.what, f"the run had LoRAs merged ({names}), which are the likely cause: their "
+                                           "changes overflow the model's activations at this strength; lower it, or "
+                                           "run without them to check the model") from exc
         finally:
             with self._changed:
                 self._runs -= 1
