@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from comfy_server import LORA_FILE, REFERENCE_IMAGES, load_api_workflow, node_of
+from comfy_server import LORA_FILE, load_api_workflow, node_of, with_diffusers_loader
 
 REFUSED, RUNS, EITHER = "refused", "runs", "either"
 T2I, EDIT, LORA = "qwen_image_2.1_text_to_image", "qwen_image_2.1_edit_one_reference", "qwen_image_2.1_lora"
@@ -74,28 +74,27 @@ def linked(value_of_socket: list) -> Callable[[dict], list]:
 # -- files the probes load (written before the server starts) -------------------------------------------------------
 
 
-def _header_file(path: Path, header: bytes | None, length: int | None = None, payload: bytes = b"") -> None:
-    if header is None:
-        path.write_bytes(b"")
-        return
-    path.write_bytes(struct.pack("<Q", len(header) if length is None else length) + header + payload)
-
-
-def damaged_header(kind: str) -> tuple[bytes | None, int | None, bytes]:
-    """(header bytes, header length to claim, data) of a damaged safetensors file."""
+def damaged_copy(source: Path, kind: str) -> bytes:
+    """The bytes of `source` (a valid safetensors file) damaged one way, everything else as it was: the loader gets as
+    far with it as with the real file."""
+    data = source.read_bytes()
+    length = struct.unpack("<Q", data[:8])[0]
+    header, payload = json.loads(data[8:8 + length]), data[8 + length:]
+    first = next(k for k in header if k != "__metadata__")
     if kind == "float_shape":
-        return json.dumps({"w": {"dtype": "F32", "shape": [2.5, 2], "data_offsets": [0, 16]}}).encode(), None, b"\0" * 16
-    if kind == "string_offsets":
-        return json.dumps({"w": {"dtype": "F32", "shape": [2, 2], "data_offsets": ["0", "16"]}}).encode(), None, \
-            b"\0" * 16
-    if kind == "truncated":
-        return json.dumps({"w": {"dtype": "F32", "shape": [64, 64], "data_offsets": [0, 16384]}}).encode(), None, \
-            b"\0" * 100
-    if kind == "huge_header_length":
-        return b"{}", 1 << 60, b""
-    if kind == "header_not_json":
-        return b"{not json at all", None, b""
-    return None, None, b""  # empty
+        header[first]["shape"] = [float(v) for v in header[first]["shape"]]  # 64 -> 64.0
+    elif kind == "string_offsets":
+        header[first]["data_offsets"] = [str(v) for v in header[first]["data_offsets"]]
+    elif kind == "truncated":
+        return data[: 8 + length + len(payload) // 2]
+    elif kind == "huge_header_length":
+        return struct.pack("<Q", 1 << 60) + data[8:]
+    elif kind == "header_not_json":
+        return struct.pack("<Q", 16) + b"{not json at all" + payload
+    elif kind == "empty":
+        return b""
+    raw = json.dumps(header).encode()
+    return struct.pack("<Q", len(raw)) + raw + payload
 
 
 def damaged_name(component: str, kind: str) -> str:
@@ -103,6 +102,8 @@ def damaged_name(component: str, kind: str) -> str:
 
 
 NON_UTF8_NAME = b"kvgraph_probe_\xff\xfe.safetensors"
+FAULT_FILES = ("kvgraph_probe_truncate_me.safetensors", "kvgraph_probe_delete_me.safetensors")
+NAN_VAE = "kvgraph_probe_nan_vae.safetensors"
 
 
 def prepare(base: Path) -> None:
@@ -110,12 +111,24 @@ def prepare(base: Path) -> None:
     import shutil
 
     models = base / "models"
-    for component, (_, _, folder) in {**LOADERS, "lora": (None, None, "loras")}.items():
+    prompt = good()
+    for component, (node, name, folder) in {**LOADERS, "lora": (None, None, "loras")}.items():
+        real = models / folder / (LORA_FILE if component == "lora" else prompt[node]["inputs"][name])
         for kind in DAMAGED_HEADERS:
-            _header_file(models / folder / damaged_name(component, kind), *damaged_header(kind))
+            (models / folder / damaged_name(component, kind)).write_bytes(damaged_copy(real, kind))
     # A valid file under a name that is not UTF-8 (what a download from another system can leave behind).
     source = models / "vae" / node_of(good(), "KVGraphLoadVAE")["inputs"]["vae_name"]
     (models / "vae").joinpath(NON_UTF8_NAME.decode("utf-8", "surrogateescape")).write_bytes(source.read_bytes())
+    # Copies of the transformer for the faults family to truncate and delete while a prompt samples from them, and a
+    # VAE whose weights are all NaN (docs/robustness.md: refused at the decode, naming the cause).
+    transformer = models / "diffusion_models" / prompt["1"]["inputs"]["transformer_name"]
+    for fault in FAULT_FILES:
+        shutil.copy(transformer, models / "diffusion_models" / fault)
+    from safetensors.torch import load_file, save_file
+    import torch
+
+    save_file({k: torch.full_like(v, float("nan")) if v.is_floating_point() else v
+               for k, v in load_file(source).items()}, str(models / "vae" / NAN_VAE))
     # Non-LoRA files in the LoRA folder: a text encoder and a VAE.
     shutil.copy(models / "text_encoders" / node_of(good(), "KVGraphLoadTextEncoder")["inputs"]["text_encoder_name"],
                 models / "loras" / "kvgraph_probe_text_encoder_as_lora.safetensors")
@@ -154,19 +167,7 @@ def _with_input(node: str, name: str, value, template: str = T2I) -> Callable[[P
 
 
 def _diffusers(folder: str) -> Callable[[Path], dict]:
-    def build(base):
-        prompt = good()
-        prompt["1"] = {"class_type": "KVGraphLoadDiffusers",
-                       "inputs": {"folder": folder, "dtype": "bf16", "text_encoder_placement": "cpu"}}
-        for node in prompt.values():
-            for key, value in node["inputs"].items():
-                if value == ["2", 0]:
-                    node["inputs"][key] = ["1", 1]
-                elif value == ["3", 0]:
-                    node["inputs"][key] = ["1", 2]
-        del prompt["2"], prompt["3"]
-        return prompt
-    return build
+    return lambda base: with_diffusers_loader(good(), folder, placement="cpu")
 
 
 def _lora(name_value) -> Callable[[Path], dict]:
@@ -212,7 +213,8 @@ def paths() -> list[Probe]:
             probes.append(Probe("paths", f"{component}: linked {label} name",
                                 prompt=_with_input(node, name, lambda p, v=value: link_string(p, v))))
     non_utf8 = NON_UTF8_NAME.decode("utf-8", "surrogateescape")
-    probes.append(Probe("paths", "vae: a real file with a non-UTF-8 name", prompt=_with_input("3", "vae_name", non_utf8)))
+    probes.append(Probe("paths", "vae: a real file with a non-UTF-8 name",
+                        prompt=_with_input("3", "vae_name", non_utf8)))
     probes.append(Probe("paths", "lora: lone surrogate name", prompt=_lora(surrogate)))
     probes.append(Probe("paths", "lora: linked traversal name", prompt=_lora(lambda p: link_string(p, "../vae/x"))))
     probes.append(Probe("paths", "diffusers: lone surrogate folder", prompt=_diffusers("x\ud800")))
@@ -235,6 +237,8 @@ def damaged_files() -> list[Probe]:
                                 prompt=_with_input(node, name, damaged_name(component, kind))))
     for kind in DAMAGED_HEADERS:
         probes.append(Probe("damaged files", f"lora: {kind}", prompt=_lora(damaged_name("lora", kind))))
+    probes.append(Probe("damaged files", "vae: every weight NaN", prompt=_with_input("3", "vae_name", NAN_VAE),
+                        words=("NaN",)))
     probes.append(Probe("damaged files", "lora: a text encoder file", prompt=_lora(
         "kvgraph_probe_text_encoder_as_lora.safetensors"), words=("not a LoRA",)))
     probes.append(Probe("damaged files", "lora: a VAE file", prompt=_lora("kvgraph_probe_vae_as_lora.safetensors"),
