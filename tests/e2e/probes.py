@@ -102,6 +102,7 @@ def damaged_name(component: str, kind: str) -> str:
 
 
 NON_UTF8_NAME = b"kvgraph_probe_\xff\xfe.safetensors"
+NON_UTF8_DAMAGED = b"kvgraph_probe_damaged_\xff.safetensors"
 FAULT_FILES = ("kvgraph_probe_truncate_me.safetensors", "kvgraph_probe_delete_me.safetensors")
 NAN_VAE = "kvgraph_probe_nan_vae.safetensors"
 
@@ -119,6 +120,8 @@ def prepare(base: Path) -> None:
     # A valid file under a name that is not UTF-8 (what a download from another system can leave behind).
     source = models / "vae" / node_of(good(), "KVGraphLoadVAE")["inputs"]["vae_name"]
     (models / "vae").joinpath(NON_UTF8_NAME.decode("utf-8", "surrogateescape")).write_bytes(source.read_bytes())
+    (models / "vae").joinpath(NON_UTF8_DAMAGED.decode("utf-8", "surrogateescape")).write_bytes(
+        damaged_copy(source, "float_shape"))
     # Copies of the transformer for the faults family to truncate and delete while a prompt samples from them, and a
     # VAE whose weights are all NaN (docs/robustness.md: refused at the decode, naming the cause).
     transformer = models / "diffusion_models" / prompt["1"]["inputs"]["transformer_name"]
@@ -215,9 +218,15 @@ def paths() -> list[Probe]:
     non_utf8 = NON_UTF8_NAME.decode("utf-8", "surrogateescape")
     probes.append(Probe("paths", "vae: a real file with a non-UTF-8 name",
                         prompt=_with_input("3", "vae_name", non_utf8)))
+    probes.append(Probe("paths", "vae: a damaged file with a non-UTF-8 name",
+                        prompt=_with_input("3", "vae_name", NON_UTF8_DAMAGED.decode("utf-8", "surrogateescape"))))
     probes.append(Probe("paths", "lora: lone surrogate name", prompt=_lora(surrogate)))
+    probes.append(Probe("paths", "lora: linked lone surrogate name",
+                        prompt=_lora(lambda p: link_string(p, surrogate))))
     probes.append(Probe("paths", "lora: linked traversal name", prompt=_lora(lambda p: link_string(p, "../vae/x"))))
     probes.append(Probe("paths", "diffusers: lone surrogate folder", prompt=_diffusers("x\ud800")))
+    probes.append(Probe("paths", "diffusers: linked lone surrogate folder",
+                        prompt=lambda base: _linked_folder(base, "x\ud800")))
     probes.append(Probe("paths", "diffusers: linked traversal folder",
                         prompt=lambda base: _linked_folder(base, "../../outside")))
     return probes

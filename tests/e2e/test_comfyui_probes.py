@@ -9,6 +9,7 @@ per family are printed (held / failed), and the test fails listing every probe t
 
 from __future__ import annotations
 
+import json
 import sys
 import threading
 import time
@@ -122,7 +123,10 @@ class Harness:
 
     def run_prompt(self, prompt: dict) -> tuple[str, str]:
         """('validation' | 'error' | 'success' | 'hung', the message shown)."""
-        response = self.server.queue(prompt)
+        # Encoded here, not by requests: a probe may hold NaN, which Python's JSON writes as ComfyUI's parser reads it.
+        body = json.dumps({"prompt": prompt, "client_id": self.server.client_id})
+        response = requests.post(f"{self.server.url}/prompt", data=body.encode("utf-8", "surrogatepass"),
+                                 headers={"Content-Type": "application/json"}, timeout=30)
         if response.status_code != 200:
             return "validation", response.text
         try:
@@ -139,7 +143,11 @@ class Harness:
         except Exception as exc:  # noqa: BLE001 - a probe that cannot be built is a harness bug, reported as such
             return f"the probe could not be built: {exc!r}"
         before = self.outputs()
-        outcome, message = self.run_prompt(prompt)
+        try:
+            outcome, message = self.run_prompt(prompt)
+        except requests.RequestException as exc:
+            self.last_outcome = "hung"
+            return f"the server did not answer the prompt: {type(exc).__name__}"
         self.last_outcome = outcome
         if probe.no_overwrite and outcome == "success":
             first = self.outputs()
