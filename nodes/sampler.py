@@ -40,11 +40,6 @@ def _check_choice(name: str, value, options) -> None:
         raise InputError(name, value, f"one of {', '.join(options)}")
 
 
-def _same_references(positive, negative) -> bool:
-    shapes = [tuple(r.shape) for r in positive.reference_latents]
-    return shapes == [tuple(r.shape) for r in negative.reference_latents]
-
-
 class KVGraphSampler(io.ComfyNode):
     @classmethod
     def define_schema(cls):
@@ -162,9 +157,6 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
         logger.warning("KV-Graph: cfg %.2f has no effect without a negative conditioning; sampling without CFG.", cfg)
     if cfg > 1.0 and negative is not None:
         neg = conditioning_to_prompt(negative, "negative", channels, text_dim)
-        if not _same_references(pos, neg):
-            raise InputError("negative", "conditioning encoded with other reference images",
-                             "the same reference images as the positive conditioning")
     for name, parsed in (("positive", pos), ("negative", neg)):
         if parsed is not None and parsed.embeds.embeds.shape[0] not in (1, batch):
             raise InputError(name, f"{parsed.embeds.embeds.shape[0]} prompts",
@@ -173,9 +165,14 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
     request = SamplingRequest(
         positive=pos.embeds, negative=neg.embeds if neg is not None else None, cfg=float(cfg),
         reference_latents=[raw_to_normalized(r, stats) for r in pos.reference_latents],
+        # Each branch prefills with the references its own conditioning carries, as core's samplers do.
+        negative_reference_latents=(None if neg is None
+                                    else [raw_to_normalized(r, stats) for r in neg.reference_latents]),
         latent_height=height, latent_width=width, batch_size=batch, seed=int(seed), steps=int(steps),
         sigma_preset=preset, denoise=float(denoise),
-        init_latents=raw_to_normalized(samples, stats) if denoise < 1.0 or mask is not None else None,
+        # In float32 whatever the LATENT's dtype (the pack's bf16 VAE Encode gives bf16): the kept area of an inpaint
+        # comes back through normalized_to_raw in float32, so it is the input latent to float32 round-off.
+        init_latents=raw_to_normalized(samples.float(), stats) if denoise < 1.0 or mask is not None else None,
         noise_mask=mask,
         decode_mode=decode_mode, compile=compile == "blocks", scheduler_config=model.scheduler_config,
         control=model.control,

@@ -255,6 +255,24 @@ def main() -> dict:
     core = custom_advanced(model_c, positive, negative, latent, sigmas, "euler", 4.0, 12)
     out["cfg_parity"] = {"max_diff": diff(core, kv_sampler(12, cfg=4.0)), "calls": model_c.calls}
 
+    # A negative carrying other reference latents than the positive (another image of the same size): core's
+    # CFGGuider gives each branch its own; the KV-Graph Sampler must too.
+    ref_pos, ref_neg, ref_latent = run_node(env, "KVGraphTextEncode", text_encoder=text_encoder, vae=vae,
+                                            prompt="make the sky purple", negative_prompt="blurry", width=SIZE[0],
+                                            height=SIZE[1], size_from_reference=True, reference_resolution=128,
+                                            images={"image1": torch.rand(1, SIZE[1], SIZE[0], 3,
+                                                                         generator=torch.Generator().manual_seed(1))})
+    (neg_cond, neg_extras), = ref_neg
+    other_neg = [[neg_cond, dict(neg_extras, reference_latents=[-r for r in neg_extras["reference_latents"]])]]
+    ref_sigmas, = run_node(env, "KVGraphSigmas", model=model, steps=STEPS, sigma_preset="auto", width=1024,
+                           height=1024, denoise=1.0, latent=ref_latent)
+    core = custom_advanced(model, ref_pos, other_neg, ref_latent, ref_sigmas, "euler", 4.0, 14)
+    kv = run_node(env, "KVGraphSampler", model=handle, positive=ref_pos, negative=other_neg, latent=ref_latent,
+                  seed=14, steps=STEPS, cfg=4.0, sigma_preset="auto", denoise=1.0, decode_mode="auto",
+                  compile="off")[0]["samples"].float()
+    same = custom_advanced(model, ref_pos, ref_neg, ref_latent, ref_sigmas, "euler", 4.0, 14)
+    out["cfg_other_references"] = {"max_diff": diff(core, kv), "changed_by_references": diff(core, same)}
+
     # Every sampler of the list: finite, and how many model calls it made for STEPS steps.
     out["samplers"] = {}
     for name in SAMPLERS:

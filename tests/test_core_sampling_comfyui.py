@@ -38,6 +38,15 @@ def test_sampler_custom_advanced_euler_equals_the_kvgraph_sampler(measured):
     assert parity["calls"] == [1] * STEPS
 
 
+def test_a_negative_with_other_references_equals_the_kvgraph_sampler(measured):
+    """CFGGuider with a negative that carries other reference latents than the positive: core gives each branch its
+    own references, and the KV-Graph Sampler's true CFG equals it (the references change the result by far more than
+    the tolerance)."""
+    result = measured["cfg_other_references"]
+    assert result["max_diff"] <= 1e-4
+    assert result["changed_by_references"] > 1e-3
+
+
 def test_cfg_with_a_negative_equals_the_kvgraph_sampler(measured):
     """The same with cfg 4 and a negative prompt: two prefixes, so cond and uncond are separate calls of batch 1
     (one graph entry each), and the result is the KV-Graph Sampler's true CFG."""

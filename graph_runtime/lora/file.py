@@ -18,6 +18,8 @@ import torch
 
 from ..comfy_interop.files import file_identity
 from ..errors import CheckpointError, shorten
+from ..loading.checks import FLOAT_DTYPES
+from ..loading.detect import inspect_shapes
 from ..safetensors_file import iter_tensors, read_header
 from .formats import (ALPHA, DIFF, DIFF_BIAS, DOWN, UP, Target, foreign_model, peft_scale, split_key,
                       unsupported_kind, weight_aliases)
@@ -74,9 +76,10 @@ def read_lora(path: str | os.PathLike, transformer: torch.nn.Module) -> LoraFile
     header = read_header(path, EXPECTED)
     shapes = {name: tuple(p.shape) for name, p in transformer.named_parameters()}
     aliases = weight_aliases(shapes)
-    groups = _group_keys(path, list(header.tensors), aliases, shapes)
+    groups = _group_keys(path, header, aliases, shapes)
     names = [key for kinds in groups.values() for key in kinds.values()]
     # Copies, not views of the file's memory map: the user may replace the file while the LoRA stays in use.
+    _refuse_integer_factors(path, header, groups)
     tensors = {name: t.clone() for name, t in iter_tensors([path], names=names)}
     for name, tensor in tensors.items():
         # Merged, a NaN would turn the model's output NaN, and the sampler could only blame the weights.
@@ -90,10 +93,37 @@ def read_lora(path: str | os.PathLike, transformer: torch.nn.Module) -> LoraFile
     return lora
 
 
-def _group_keys(path: str, keys: list[str], aliases: dict, shapes: dict) -> dict[str, dict[str, str]]:
+def _refuse_integer_factors(path: str, header, groups: dict[str, dict[str, str]]) -> None:
+    """LoRA factors and differences are floating-point (as the model loaders require of weights); integers or
+    booleans there are a damaged or wrongly converted file, whose merge would be meaningless. An alpha is one number
+    and may be stored as an integer."""
+    factors = sorted(key for kinds in groups.values() for kind, key in kinds.items() if kind != ALPHA
+                     and header.tensors[key].dtype not in FLOAT_DTYPES)
+    if factors:
+        shown = ", ".join(f"{shorten(repr(k))} ({header.tensors[k].dtype})" for k in factors[:3])
+        raise CheckpointError(path, f"stores {len(factors)} LoRA factor(s) as integers or booleans where a LoRA needs "
+                                    f"floating-point values: {shown}. A damaged or wrongly converted file.", EXPECTED)
+
+
+def _not_a_lora(path: str, header) -> CheckpointError:
+    """The refusal of a file none of whose keys is a LoRA's (a model checkpoint given to the LoRA loader), saying what
+    the file looks like from its tensor names and shapes."""
+    info = inspect_shapes({name: t.shape for name, t in header.tensors.items()})
+    keys = sorted(header.tensors)
+    first = ", ".join(repr(k) for k in keys[:3]) + (f" and {len(keys) - 3} more" if len(keys) > 3 else "")
+    looks = (f"it looks like {info.description}, a model checkpoint" if info.kind != "unknown"
+             else "it is no model checkpoint KV-Graph recognises either")
+    return CheckpointError(path, f"is not a LoRA: none of its {len(keys)} tensors is a LoRA factor (lora_A/lora_B, "
+                                 f"lora_down/lora_up, alpha or diff); {looks} (keys: {first}).", EXPECTED)
+
+
+def _group_keys(path: str, header, aliases: dict, shapes: dict) -> dict[str, dict[str, str]]:
     """{module stem: {kind: key}} for a file whose every key names a weight of the model; else the refusal."""
+    keys = list(header.tensors)
     if not keys:
         raise CheckpointError(path, "holds no tensors.", EXPECTED)
+    if not any(split_key(k) or unsupported_kind(k) for k in keys):
+        raise _not_a_lora(path, header)
     groups: dict[str, dict[str, str]] = {}
     unsupported: dict[str, str] = {}
     unmatched = []

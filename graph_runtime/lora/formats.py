@@ -64,6 +64,11 @@ FOREIGN_MODELS = (
       "txt_norm1")),
     ("Stable Diffusion 1.x / SDXL", ("down_blocks", "up_blocks", "mid_block", "input_blocks", "output_blocks",
                                      "middle_block", "lora_te1_", "lora_te2_", "text_model")),
+    # A language model's layer names (a LoRA for a text encoder, e.g. ComfyUI's lora_te_ keys): before Wan, whose
+    # blocks also have self_attn, but never q_proj/gate_proj under it.
+    ("a text encoder (language-model layers such as self_attn.q_proj and mlp.gate_proj)",
+     ("self_attn_q_proj", "self_attn_k_proj", "self_attn_v_proj", "self_attn_o_proj", "mlp_gate_proj",
+      "mlp_up_proj", "mlp_down_proj", "lora_te_", "text_encoder")),
     ("Wan", ("self_attn", "cross_attn")),
     ("Z-Image / Lumina 2", ("noise_refiner", "context_refiner", "adaln_modulation")),
 )

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..errors import CheckpointError, NonFiniteError
 from .file import LoraFile
 from .weights import weight_slot
 
@@ -74,8 +75,18 @@ class LoraMerge:
             if changed:
                 self._switch(wanted)
             self._runs += 1
+            merged = self.merged
         try:
             yield changed
+        except NonFiniteError as exc:
+            if not merged:
+                raise
+            # The model's own weights were checked finite at load and the merged ones at the merge: what overflowed
+            # is the model run with these LoRAs, so they are named, not the checkpoint.
+            names = ", ".join(f"{c.lora.name} at strength {c.strength:g}" for c in merged)
+            raise NonFiniteError(exc.what, f"the run had LoRAs merged ({names}), which are the likely cause: their "
+                                           "changes overflow the model's activations at this strength; lower it, or "
+                                           "run without them to check the model") from exc
         finally:
             with self._changed:
                 self._runs -= 1
@@ -96,7 +107,9 @@ class LoraMerge:
             for name, items in choice.lora.patches.items():
                 patches.setdefault(name, []).extend((choice.strength, patch) for patch in items)
         try:
-            self._write(model, patches)
+            overflowed = self._write(model, patches)
+            if overflowed:
+                raise merge_overflow(wanted, overflowed, model)
         except BaseException:
             # Never leave a half-merged model behind: back to the originals, so the next run starts clean.
             self.merged = ()
@@ -113,8 +126,9 @@ class LoraMerge:
             logger.info("KV-Graph: restored the original weights of %s (no LoRA) in %.0f ms.", type(model).__name__,
                         self.last_merge_ms)
 
-    def _write(self, model, patches: dict[str, list]) -> None:
-        """Restore every weight not in `patches`, merge every weight in it (from its original)."""
+    def _write(self, model, patches: dict[str, list]) -> list[str]:
+        """Restore every weight not in `patches`, merge every weight in it (from its original). Returns the merged
+        weights that are not finite in their dtype (one host sync for all of them)."""
         # Deltas and host copies are made as normal tensors (ComfyUI runs nodes under inference mode; each weight is
         # written in its own mode, see weights.writable), and in true fp32 (TF32 would round the products to
         # 10-bit mantissas).
@@ -122,6 +136,7 @@ class LoraMerge:
             for name, slot in self._slots.items():
                 if name not in patches:
                     slot.restore()
+            checks = {}
             for name, items in patches.items():
                 slot = self._slots.get(name)
                 if slot is None:
@@ -130,11 +145,15 @@ class LoraMerge:
                 delta = items[0][1].delta(device, items[0][0])
                 for strength, patch in items[1:]:
                     delta.add_(patch.delta(device, strength))
-                slot.merge(delta)
+                checks[name] = slot.merge(delta)
             if not patches:
                 self._slots.clear()  # every weight is its original again: the host copies can go
             if next(model.parameters()).device.type == "cuda":
                 torch.cuda.synchronize()
+            if not checks:
+                return []
+            flags = torch.stack([flag.cpu() for flag in checks.values()])
+            return [] if bool(flags.all()) else [name for name, ok in zip(checks, flags.tolist()) if not ok]
 
     def forget(self) -> None:
         """Call when the weights were put back to the file's values by other means (a reload from the file or
@@ -152,6 +171,24 @@ class LoraMerge:
         return {"loras": [c.describe() for c in self.merged], "weights": len(self._slots),
                 "originals_bytes": self.originals_bytes(), "merges": self.merges,
                 "last_merge_ms": round(self.last_merge_ms, 1)}
+
+
+def merge_overflow(wanted: tuple[LoraChoice, ...], weights: list[str], model) -> CheckpointError:
+    """The refusal of a merge that left weights infinite or NaN: the transformer's own weights were checked finite
+    when it was loaded, so the LoRA (its values times its strength) is what overflowed; it names the LoRA file(s)
+    changing the first such weight, with their strengths."""
+    first = weights[0]
+    culprits = [c for c in wanted if first in c.lora.patches] or list(wanted)
+    param = model.get_parameter(first)
+    # A quantized weight is checked as the float32 sum it is re-quantized from.
+    dtype = str(param.dtype if param.is_floating_point() else torch.float32).removeprefix("torch.")
+    named = " and ".join(f"{c.lora.name} at strength {c.strength:g}" for c in culprits)
+    more = f" (and {len(weights) - 1} more weight{'s' if len(weights) > 2 else ''})" if len(weights) > 1 else ""
+    problem = (f"merging this LoRA ({named}) makes the weight {first}{more} infinite or NaN in {dtype}: the LoRA's "
+               "changes overflow the weights, which were finite before the merge. The original weights are back; "
+               "lower the strength or check the LoRA file.")
+    return CheckpointError(culprits[0].lora.path, problem, f"a LoRA whose changes at this strength stay within "
+                                                           f"{dtype}'s range")
 
 
 @contextlib.contextmanager

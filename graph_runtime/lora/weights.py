@@ -73,14 +73,16 @@ class PlainWeight:
     def nbytes(self) -> int:
         return self.original.numel() * self.original.element_size()
 
-    def merge(self, delta: torch.Tensor) -> None:
-        """`weight = original + delta`, with `delta` fp32 on the weight's device (consumed)."""
+    def merge(self, delta: torch.Tensor) -> torch.Tensor:
+        """`weight = original + delta`, with `delta` fp32 on the weight's device (consumed). Returns whether the
+        merged weight is finite in its dtype (a 0-d bool on the device: read it once for all weights)."""
         param = self.param
         # A pristine weight is its own original: no host-to-device copy.
         original = param if self.pristine else self.original.to(param.device, non_blocking=True)
         with writable(param):
             param.copy_(delta.add_(original))
         self.pristine = False
+        return finite(param)
 
     def restore(self) -> None:
         if not self.pristine:
@@ -110,12 +112,16 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.originals.values())
 
-    def merge(self, delta: torch.Tensor) -> None:
+    def merge(self, delta: torch.Tensor) -> torch.Tensor:
+        """Returns whether the merged weight (before quantization, which would hide an overflow in its scales) is
+        finite, as a 0-d bool on the device."""
         self.restore()  # start from the file's quantized weight, not an earlier merge's re-quantization
-        weight = self.module.dequantized_weight(torch.float32)
+        weight = self.module.dequantized_weight(torch.float32).add_(delta)
+        ok = finite(weight)
         with writable(self.module.weight):
-            self.module.requantize_(weight.add_(delta))
+            self.module.requantize_(weight)
         self.pristine = False
+        return ok
 
     def restore(self) -> None:
         if not self.pristine:
@@ -124,6 +130,11 @@ class QuantizedWeight:
                 with writable(tensor):
                     tensor.copy_(original)
             self.pristine = True
+
+
+def finite(tensor: torch.Tensor) -> torch.Tensor:
+    """Whether every value of `tensor` is finite, as a 0-d bool on its device (no host sync)."""
+    return torch.isfinite(tensor).all()
 
 
 def is_quantized(module: torch.nn.Module) -> bool:

@@ -41,6 +41,9 @@ class SamplingRequest:
     negative: PromptEmbeds | None = None
     cfg: float = 1.0
     reference_latents: list[torch.Tensor] = field(default_factory=list)  # each [1, C, h, w], normalized space
+    # The negative's own reference images (each CFG branch prefills its own prefix, so each sees the references its
+    # prompt was encoded with); None: the positive's, as diffusers' pipeline gives both branches one set of images.
+    negative_reference_latents: list[torch.Tensor] | None = None
     batch_size: int = 1
     seed: int = 0
     steps: int = 40
@@ -79,6 +82,18 @@ class SamplingRequest:
     def do_cfg(self) -> bool:
         return self.negative is not None and self.cfg > 1.0
 
+    def references_of(self, branch: str) -> list[torch.Tensor]:
+        """The reference latents `branch` ("cond" / "uncond", or "positive" / "negative") prefills with."""
+        if branch in ("uncond", "negative") and self.negative_reference_latents is not None:
+            return self.negative_reference_latents
+        return self.reference_latents
+
+    def branches(self) -> list[tuple[str, PromptEmbeds, list[torch.Tensor]]]:
+        """(branch name, prompt embeddings, reference latents) of each branch the run computes: "cond", and "uncond"
+        with CFG."""
+        named = [("cond", self.positive)] + ([("uncond", self.negative)] if self.do_cfg else [])
+        return [(name, embeds, self.references_of(name)) for name, embeds in named]
+
 
 @dataclass
 class SampleResult:
@@ -103,21 +118,26 @@ def initial_noise(seed: int, batch: int, channels: int, height: int, width: int,
     return torch.randn((batch, 1, channels, height, width), generator=generator, dtype=dtype)[:, 0]
 
 
+def _image_shapes(req: SamplingRequest, references) -> list[tuple[int, int, int]]:
+    """The joint sequence's images: each reference, then the target."""
+    return [(1, r.shape[2], r.shape[3]) for r in references] + [(1, req.latent_height, req.latent_width)]
+
+
 def _validate(req: SamplingRequest, in_channels: int) -> None:
     """Refuse every request the loop could not run as asked, before any work (a NaN input would otherwise give a
     black or unchanged image reported as a success). Its settings were checked when it was built."""
-    branches = [("positive", req.positive)] + ([("negative", req.negative)] if req.do_cfg else [])
-    for name, embeds in branches:
+    for branch, embeds, references in req.branches():
+        name = "positive" if branch == "cond" else "negative"
         check_finite(name, embeds.embeds, "NaN/inf prompt embeddings come from the text encoder's weights")
-    for i, ref in enumerate(req.reference_latents):
-        if ref.dim() != 4 or ref.shape[1] != in_channels:
-            raise InputError(f"reference latent {i}", tuple(ref.shape), f"[1, {in_channels}, h, w]")
-        check_finite(f"reference latent {i}", ref, "NaN/inf reference latents come from the VAE's weights or the "
-                                                   "reference image")
-    img_shapes = [(1, r.shape[2], r.shape[3]) for r in req.reference_latents] + [
-        (1, req.latent_height, req.latent_width)]
-    for name, embeds in branches:
-        check_positions(int((~embeds.image_mask[0].bool()).sum()), img_shapes)
+        # The negative's own references are named as such; the positive's keep their plain names.
+        prefix = "negative " if branch == "uncond" and references is not req.reference_latents else ""
+        for i, ref in enumerate(references):
+            if not isinstance(ref, torch.Tensor) or ref.dim() != 4 or ref.shape[1] != in_channels:
+                found = tuple(getattr(ref, "shape", ())) or type(ref).__name__
+                raise InputError(f"{prefix}reference latent {i}", found, f"[1, {in_channels}, h, w]")
+            check_finite(f"{prefix}reference latent {i}", ref, "NaN/inf reference latents come from the VAE's "
+                                                               "weights or the reference image")
+        check_positions(int((~embeds.image_mask[0].bool()).sum()), _image_shapes(req, references))
     if req.init_latents is not None:
         init = req.init_latents
         expected = (f"a tensor [1 or {req.batch_size}, {in_channels}, {req.latent_height}, {req.latent_width}] "
@@ -143,8 +163,8 @@ class _Prepared:
     latents: torch.Tensor  # [B, h * w, C] packed start latents
     timesteps: torch.Tensor
     sigmas: torch.Tensor
-    cond_tokens: torch.Tensor | None  # [B, reference tokens, C] packed reference latents, prepended at prefill
-    branches: dict  # name -> (layout, embeds, text mask); "cond" first, "uncond" with CFG
+    branches: dict  # name -> (layout, embeds, text mask, reference tokens); "cond" first, "uncond" with CFG; the
+    # reference tokens ([B, tokens, C] packed reference latents, prepended at prefill) are None without references
     dtype: torch.dtype  # the model's
     inpaint: Inpaint | None = None  # a noise mask's region kept (inpaint.py)
 
@@ -179,16 +199,14 @@ def _prepare(req: SamplingRequest, channels: int, device, dtype) -> _Prepared:
     elif req.denoise < 1.0:
         raise InputError("denoise", req.denoise, "1.0 unless an input latent to start from is given")
 
-    cond_tokens = None
-    if req.reference_latents:
-        cond_tokens = torch.cat([pack(r.to(device, dtype)) for r in req.reference_latents], dim=1)
-        cond_tokens = cond_tokens.expand(batch, -1, -1)
-    img_shapes = [(1, r.shape[2], r.shape[3]) for r in req.reference_latents] + [(1, height, width)]
     branches = {}
-    for name, embeds in [("cond", req.positive)] + ([("uncond", req.negative)] if req.do_cfg else []):
-        layout = TokenLayout.build(embeds.image_mask, img_shapes, device)
-        branches[name] = (layout, *embeds.for_batch(batch, device, dtype))
-    return _Prepared(latents, timesteps, sigmas, cond_tokens, branches, dtype, inpaint)
+    for name, embeds, references in req.branches():
+        cond_tokens = None
+        if references:
+            cond_tokens = torch.cat([pack(r.to(device, dtype)) for r in references], dim=1).expand(batch, -1, -1)
+        layout = TokenLayout.build(embeds.image_mask, _image_shapes(req, references), device)
+        branches[name] = (layout, *embeds.for_batch(batch, device, dtype), cond_tokens)
+    return _Prepared(latents, timesteps, sigmas, branches, dtype, inpaint)
 
 
 def _prefill(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, prefixes: dict, control=None) -> None:
@@ -197,8 +215,8 @@ def _prefill(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, prefixe
     controlled prefixes."""
     timestep = model_timestep(run.timesteps[0].expand(req.batch_size), run.dtype)
     latents = run.latents.to(run.dtype)
-    hidden = latents if run.cond_tokens is None else torch.cat([run.cond_tokens, latents], dim=1)
-    for name, (layout, embeds, text_mask) in run.branches.items():
+    for name, (layout, embeds, text_mask, cond_tokens) in run.branches.items():
+        hidden = latents if cond_tokens is None else torch.cat([cond_tokens, latents], dim=1)
         branch = None if control is None else control.for_branch(engine.transformer, req.batch_size,
                                                                  req.latent_height, req.latent_width)
         _, prefixes[name] = engine.prefill(layout, hidden, embeds, timestep, text_mask, branch=name,
