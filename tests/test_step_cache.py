@@ -17,7 +17,8 @@ from graph_runtime.decode.stats import DecodeStats
 from graph_runtime.errors import InputError
 from graph_runtime.report import run_summary
 from graph_runtime.sampling.sampler import Cancelled, SamplingRequest, sample
-from graph_runtime.sampling.step_cache import StepCache, StepCacheSettings, percent_to_sigma
+from graph_runtime.sampling.schedule import flow_percent_to_sigma as percent_to_sigma
+from graph_runtime.sampling.step_cache import StepCache, StepCacheSettings
 from tests.test_graph_manager import RecordingBackend
 
 H = W = 16  # latent tokens: a 2 x 2 subsampled grid

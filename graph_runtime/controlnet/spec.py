@@ -24,21 +24,12 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..report import compute_dtype
+from ..sampling.schedule import flow_percent_to_sigma
 from .model import LATENT_CHANNELS, FunControlNet
 from .stream import ControlledPrefix
 
 VAE_SCALE = 16
 
-
-def flow_percent_to_sigma(percent: float, shift: float) -> float:
-    """The sigma at `percent` of a flow-matching schedule shifted by `shift` (as ComfyUI's flow model sampling maps
-    ControlNet start/end percents): 1 at 0 %, 0 at 100 %."""
-    if percent <= 0.0:
-        return 1.0
-    if percent >= 1.0:
-        return 0.0
-    t = 1.0 - percent
-    return math.exp(shift) / (math.exp(shift) + (1.0 / t - 1.0))
 
 
 def _check_image(image, name: str):

@@ -176,3 +176,15 @@ def sigma_timestep(sigma: torch.Tensor, dtype) -> torch.Tensor:
 def euler_step(latents: torch.Tensor, velocity: torch.Tensor, sigma: torch.Tensor, sigma_next: torch.Tensor):
     """Flow-match Euler, upcast to fp32 for the update and cast back, as diffusers' scheduler steps."""
     return (latents.float() + (sigma_next - sigma) * velocity).to(velocity.dtype)
+
+
+def flow_percent_to_sigma(percent: float, shift: float) -> float:
+    """The sigma at `percent` of a flow-matching model's sigma range under the exponential time shift `shift`: how
+    ComfyUI's flow model sampling (`ModelSamplingFlux.percent_to_sigma`) maps the start/end percents of ControlNets
+    and step caches, so the same settings cover the same sigmas on the KV-Graph Sampler and on core samplers."""
+    if percent <= 0.0:
+        return 1.0
+    if percent >= 1.0:
+        return 0.0
+    t = 1.0 - percent
+    return math.exp(shift) / (math.exp(shift) + (1.0 / t - 1.0))

@@ -10,8 +10,8 @@ The rule is EasyCache's, as ComfyUI's `EasyCache` node applies it (its settings 
   `reuse_threshold` the step is skipped: each branch's output is the input plus that branch's last computed
   (output - input). A step that is computed resets the estimate.
 - The range starts at `start_percent` and ends at `end_percent` of the model's sigma range, mapped to sigmas with the
-  model's time shift (`percent_to_sigma`); outside it every step is computed and nothing is remembered, so the first
-  two steps of the range are always computed (they give the first ratio k).
+  model's time shift (`flow_percent_to_sigma`); outside it every step is computed and nothing is remembered, so the
+  first two steps of the range are always computed (they give the first ratio k).
 
 `StepCache` is one run's state: the sampler makes one per run, asks `skip` before each step, hands `computed` the
 outputs of the steps it ran, and drops it when the run ends (`summary` is its log line).
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import InputError
+from .schedule import flow_percent_to_sigma
 
 SUBSAMPLE = 8  # every 8th latent row and column is compared (core's EasyCache node uses 8)
 MAX_THRESHOLD = 3.0  # the widget range of core's EasyCache node
@@ -54,17 +55,6 @@ class StepCacheSettings:
         return (f"threshold {self.reuse_threshold:g}, from {self.start_percent:g} to {self.end_percent:g} of the "
                 "schedule")
 
-
-def percent_to_sigma(percent: float, mu: float) -> float:
-    """The sigma at `percent` of the model's sigma range under the exponential time shift `mu`: how core's
-    `ModelSamplingFlux.percent_to_sigma` maps a percent for the MODEL (whose shift is `mu`), so the same settings
-    cover the same sigmas on either sampler."""
-    if percent <= 0.0:
-        return 1.0
-    if percent >= 1.0:
-        return 0.0
-    t = 1.0 - percent
-    return math.exp(mu) / (math.exp(mu) + (1.0 / t - 1.0))
 
 
 def _grid(tokens: torch.Tensor, height: int, width: int) -> torch.Tensor:
@@ -97,8 +87,8 @@ class StepCache:
 
     @classmethod
     def for_run(cls, settings: StepCacheSettings, mu: float, height: int, width: int) -> "StepCache":
-        return cls(settings, percent_to_sigma(settings.start_percent, mu),
-                   percent_to_sigma(settings.end_percent, mu), height, width)
+        return cls(settings, flow_percent_to_sigma(settings.start_percent, mu),
+                   flow_percent_to_sigma(settings.end_percent, mu), height, width)
 
     def _active(self, sigma: float) -> bool:
         return self.end_sigma < sigma <= self.start_sigma
