@@ -191,14 +191,16 @@ class KVGraphLoadTransformer(io.ComfyNode):
             display_name="KV-Graph Load Transformer",
             category=LOADERS,
             description=("Loads the Qwen-Image-2.1 transformer from models/diffusion_models (ComfyUI's "
-                         f"{TRANSFORMER_FILE}, its Turbo twin, or the bf16 files). The loaded model, and the decode "
+                         f"{TRANSFORMER_FILE}, its Turbo twin, the bf16 files, or ComfyUI-GGUF .gguf files). The loaded model, and the decode "
                          "graphs captured for it, stay cached across prompts and workflows until released."),
             inputs=[
                 io.Combo.Input("transformer_name", options=model_files.file_choices("diffusion_models",
                                                                                     *TRANSFORMER_FILES),
                                default=TRANSFORMER_FILE,
                                tooltip="The transformer file in models/diffusion_models: ComfyUI's INT8 ConvRot file "
-                                       "(the templates' default) or the bf16 one; a file with 'turbo' in its name is "
+                                       "(the templates' default), the bf16 one, or a .gguf file (also from models/unet; "
+                                       "dequantized at load, then run at the chosen precision); a file with 'turbo' "
+                                       "in its name is "
                                        "the 8-step Turbo model (the sampler's auto preset follows it)."),
                 _dtype_input(),
                 _int8_input(),

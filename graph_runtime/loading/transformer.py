@@ -14,13 +14,15 @@ from .checks import require_kind
 from .comfy_layout import transformer_comfy_key, transformer_from_comfy_state_dict
 from .config_infer import infer_transformer_config
 from .detect import QWEN21_TRANSFORMER
+from .gguf_files import is_gguf
 from .int8_files import install_int8_layers, read_weights, unquantized_shapes
 from .sources import resolve
 
 BF16_FILE = "qwen_image_2.1_bf16.safetensors"
 INT8_FILE = "qwen_image_2.1_int8_convrot.safetensors"
 EXPECTED = (f"a Qwen-Image-2.1 transformer: ComfyUI's models/diffusion_models/{INT8_FILE} or {BF16_FILE} (or their "
-            "Turbo twins), a diffusers pipeline folder (with transformer/), or a diffusers transformer/ folder")
+            "Turbo twins), a ComfyUI-GGUF qwen_image21 .gguf file, a diffusers pipeline folder (with transformer/), "
+            "or a diffusers transformer/ folder")
 CLASS_NAME = "QwenImage21Transformer2DModel"
 BLOCKS = "transformer_blocks."
 
@@ -75,7 +77,9 @@ def keeps_int8(module_name: str) -> bool:
 
 def transformer_is_quantized(path: str | os.PathLike) -> bool:
     """Whether the transformer checkpoint at `path` holds quantized layers (INT8 ConvRot); reads headers only, and
-    a missing or broken file raises the CheckpointError its load would."""
+    a missing or broken file raises the CheckpointError its load would. A GGUF file loads as float weights."""
+    if is_gguf(path):
+        return False
     return resolve(path, "transformer", EXPECTED).info.quantized is not None
 
 
@@ -91,10 +95,16 @@ def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat1
     `quantized` says how an INT8 ConvRot file runs (a float file loads the same either way): "int8" keeps the
     blocks' weights int8 (ConvRotInt8Linear: half the memory, W8A8 through comfy-kitchen); "dequantize" expands
     every quantized layer once, on `dequantize_device` (default: `device`), into ordinary `dtype` weights.
+
+    A `.gguf` file (ComfyUI-GGUF's `qwen_image21` layout) is dequantized at load into ordinary `dtype` weights.
     """
     from diffusers import QwenImage21Transformer2DModel
 
     check_mode(quantized)
+    if is_gguf(path):  # dequantized at load into `dtype` weights (gguf_transformer.py)
+        from .gguf_transformer import load_gguf_transformer
+
+        return load_gguf_transformer(path, dtype, device, EXPECTED)
     source = resolve(path, "transformer", EXPECTED)
     if source.config is not None:
         _check_folder_config(source)

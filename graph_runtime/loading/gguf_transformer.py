@@ -1,0 +1,84 @@
+"""Load the Qwen-Image-2.1 DiT from a ComfyUI-GGUF file (`qwen_image21`, any type the gguf package dequantizes).
+
+The file is checked whole before a weight is read (architecture, tensor names and shapes against the model its shapes
+describe); then each tensor is dequantized, cast to the load dtype and placed, one at a time. The result is an
+ordinary float model: the loader's precision (`auto`: int8 ConvRot where our INT8 GEMM runs) quantizes it as it does
+a bf16 file's weights.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+
+import torch
+
+from ..errors import CheckpointError, KVGraphError
+from ..free_memory import host_available_bytes
+from .assemble import assign_weights, build_empty, check_against_model, finish
+from .comfy_layout import transformer_comfy_key, transformer_from_comfy_state_dict
+from .config_infer import infer_transformer_config
+from .detect import DESCRIPTIONS, QWEN21_TRANSFORMER, inspect_gguf_shapes
+from .gguf_files import ARCH_FIELD, GGUFFile
+
+logger = logging.getLogger(__name__)
+GGUF_ARCH = "qwen_image21"
+
+
+def open_gguf_transformer(path: str | os.PathLike, expected: str) -> GGUFFile:
+    """The file, refused unless it is a Qwen-Image-2.1 DiT."""
+    file = GGUFFile(path, expected)
+    info = inspect_gguf_shapes(file.arch, file.shapes)
+    if info.kind != QWEN21_TRANSFORMER:
+        said = f"{ARCH_FIELD} is {file.arch!r}" if file.arch else "judged from its tensor names"
+        raise CheckpointError(path, f"is a GGUF file of {info.description} ({said}), not {GGUF_ARCH} "
+                                    f"({DESCRIPTIONS[QWEN21_TRANSFORMER]}).", expected)
+    return file
+
+
+def load_bytes(file: GGUFFile, dtype: torch.dtype) -> tuple[int, int]:
+    """(the loaded weights' bytes in `dtype`, the largest tensor's dequantized float32 bytes: the load's extra peak)."""
+    counts = [math.prod(t.shape) for t in file.tensors.values()] or [0]
+    return sum(counts) * dtype.itemsize, max(counts) * 4
+
+
+def check_host_memory(file: GGUFFile, dtype: torch.dtype, device) -> None:
+    """Refuse, before anything is allocated, a load whose weights cannot fit in the host memory available (every
+    tensor is dequantized on the host first; with `device` a GPU only one tensor at a time stays there)."""
+    weights, peak = load_bytes(file, dtype)
+    need = peak + (weights if torch.device(device).type == "cpu" else 0)
+    available = host_available_bytes()
+    if available is not None and need > available:
+        raise KVGraphError(f"KV-Graph: loading {file.path} dequantized to {str(dtype).removeprefix('torch.')} needs "
+                           f"{need / 2**30:.2f} GiB of host memory, and {available / 2**30:.2f} GiB is available. "
+                           "Nothing was allocated: free host memory, or load it in a smaller dtype.")
+
+
+def load_gguf_transformer(path: str | os.PathLike, dtype: torch.dtype, device, expected: str):
+    """`diffusers.QwenImage21Transformer2DModel` in `dtype` on `device`, from a GGUF file (see the module docstring)."""
+    from diffusers import QwenImage21Transformer2DModel
+
+    file = open_gguf_transformer(path, expected)
+    meta = {k: torch.empty(shape, device="meta") for k, shape in file.shapes.items()}
+    mapped = {k: tuple(v.shape) for k, v in transformer_from_comfy_state_dict(meta).items()}
+    stored = {t.name: t.shape for t in file.tensors.values()}
+
+    def file_key(key: str) -> str:
+        return transformer_comfy_key(key, file.prefix)
+
+    config = infer_transformer_config(mapped, path, expected, file_key)
+    model = build_empty(lambda: QwenImage21Transformer2DModel.from_config(config))
+    check_against_model(model, mapped, path, expected, file_key=file_key, file_shapes=stored)
+
+    check_host_memory(file, dtype, device)
+    start = time.perf_counter()
+    tensors = {}
+    for key in file.tensors:
+        tensors.update(transformer_from_comfy_state_dict({key: file.read(key, dtype).to(device)}))
+    assign_weights(model, tensors)
+    del tensors
+    logger.info("KV-Graph: read GGUF %s (%s), dequantized to %s in %.1f s", path, file.describe_types(),
+                str(dtype).removeprefix("torch."), time.perf_counter() - start)
+    return finish(model, path, expected, device)
