@@ -189,3 +189,27 @@ def test_not_a_gguf_file(tmp_path):
     noise.write_bytes(os.urandom(4096))
     _error(noise, ["not a readable GGUF file"])
     _error(tmp_path / "absent.gguf", ["does not exist"])
+
+
+def test_make_tiny_writes_gguf_files_the_cli_generates_from(tmp_path, tiny_folder, capsys):
+    """`make-tiny --comfyui-models` writes the Q8_0 and Q4_0 transformers into diffusion_models/, with the bf16 file's
+    weights within Q8_0's rounding, and `generate --transformer X.gguf` makes an image from it."""
+    from PIL import Image
+
+    from graph_runtime.cli import main
+
+    models = tmp_path / "models"
+    assert main(["make-tiny", "--comfyui-models", str(models)]) == 0
+    printed = capsys.readouterr().out
+    q8 = models / "diffusion_models" / "qwen_image_2.1-Q8_0.gguf"
+    assert f"wrote transformer (GGUF Q8_0): {q8}" in printed and (q8.parent / "qwen_image_2.1-Q4_0.gguf").is_file()
+    bf16 = load_transformer(models / "diffusion_models" / "qwen_image_2.1_bf16.safetensors", dtype=F32).state_dict()
+    for key, value in load_transformer(q8, dtype=F32).state_dict().items():
+        assert bool(((value - bf16[key]).abs() <= rounding_bound(bf16[key], "Q8_0") + 2.0 ** -8 * bf16[key].abs())
+                    .all()), key  # Q8_0 of the fp32 weights, against their bf16 rounding: both roundings allowed
+    out = tmp_path / "gguf.png"
+    assert main(["generate", "--out", str(out), "--width", "64", "--height", "64", "--steps", "2",
+                 "--transformer", str(q8), "--vae", str(models / "vae" / "qwen_image_2.1_vae_bf16.safetensors"),
+                 "--text-encoder", str(models / "text_encoders" / "qwen3vl_8b_bf16.safetensors"),
+                 "--tokenizer", str(tiny_folder)]) == 0
+    assert Image.open(out).size == (64, 64)
