@@ -40,4 +40,6 @@ def test_the_loader_lists_and_loads_gguf_files(comfy_env, gguf_files):
         weight = handle.module.transformer_blocks[0].attn.to_q.weight
         assert weight.dtype == torch.float32 and not (weight == 0).all()
     pack = importlib.import_module(f"{comfy_env.pack.__name__}.nodes.comfyui.model_files")
-    assert pack.gguf_choices("diffusion_models") == ["city96/tiny-Q4_0.gguf", "tiny-Q8_0.gguf"]
+    listed = pack.gguf_choices("diffusion_models")
+    assert {"city96/tiny-Q4_0.gguf", "tiny-Q8_0.gguf"} <= set(listed) and listed == sorted(listed)
+    assert all(name.endswith(".gguf") for name in listed)

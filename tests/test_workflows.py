@@ -27,12 +27,13 @@ UI_FILES = sorted((ROOT / "example_workflows").glob("*.json"))
 EXPECTED = {"qwen_image_2.1_text_to_image", "qwen_image_2.1_turbo_8_steps", "qwen_image_2.1_edit_one_reference",
             "qwen_image_2.1_edit_two_references", "qwen_image_2.1_cfg_negative_prompt", "qwen_image_2.1_lora",
             "qwen_image_2.1_ksampler", "qwen_image_2.1_edit_custom_sampler", "qwen_image_2.1_inpaint",
-            "qwen_image_2.1_edit_five_references"}
+            "qwen_image_2.1_edit_five_references", "qwen_image_2.1_gguf"}
 LORA_FILE = "qwen_image_2.1_lora.safetensors"  # the LoRA example's file (users put their own in models/loras)
 # ComfyUI's templates load the INT8 ConvRot files by default; the Turbo example loads the Turbo checkpoint.
 REAL_FILES = {"qwen_image_2.1_int8_convrot.safetensors", "qwen3vl_8b_int8_convrot.safetensors",
               "qwen_image_2.1_vae_bf16.safetensors"}
 TURBO_FILE = "qwen_image_2.1_turbo_int8_convrot.safetensors"
+GGUF_FILE = "qwen_image_2.1-Q8_0.gguf"  # the GGUF example's transformer (make-tiny writes a tiny one)
 BF16_FILES = ("qwen_image_2.1_bf16.safetensors", "qwen3vl_8b_bf16.safetensors")
 WIDGETS = ("BOOLEAN", "INT", "FLOAT", "STRING", "COMBO")
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
@@ -172,6 +173,8 @@ def test_ui_workflow_matches_node_schemas(comfy_env, name):
     expected_files = REAL_FILES
     if "turbo" in name:
         expected_files = REAL_FILES - {"qwen_image_2.1_int8_convrot.safetensors"} | {TURBO_FILE}
+    if "gguf" in name:
+        expected_files = REAL_FILES - {"qwen_image_2.1_int8_convrot.safetensors"} | {GGUF_FILE}
     assert files - {LORA_FILE} == expected_files and (LORA_FILE in files) == ("lora" in name)
     link_ids = set()
     for link_id, src, src_slot, dst, dst_slot, link_type in workflow["links"]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, shorten
+from ..errors import CheckpointError, DependencyError, shorten
 from .detect import COMFY_DIFFUSION_PREFIX
 
 GGUF_SUFFIX = ".gguf"
@@ -95,6 +95,11 @@ class GGUFFile:
         self.path, self.expected = Path(path), expected
         if not self.path.is_file():
             raise CheckpointError(self.path, "does not exist or is not a file.", expected)
+        try:
+            import gguf  # noqa: F401
+        except ImportError:
+            raise DependencyError(f"{self.path} is a GGUF file, which needs the gguf package: pip install gguf "
+                                  "(the pack's requirements.txt lists it) into ComfyUI's Python.") from None
         try:
             self.reader = _checked_reader(self.path)
         except _Damaged as exc:

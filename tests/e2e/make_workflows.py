@@ -34,6 +34,9 @@ VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
 # The LoRA workflow's file in models/loras: a stand-in for the user's own LoRA (`make-tiny --comfyui-models` writes a
 # tiny one under this name, so the example runs as shipped on the tiny files).
 LORA_FILE = "qwen_image_2.1_lora.safetensors"
+# The GGUF example's transformer: a ComfyUI-GGUF Q8_0 file (`make-tiny --comfyui-models` writes a tiny one under
+# this name, so the example runs as shipped on the tiny files).
+GGUF_FILE = "qwen_image_2.1-Q8_0.gguf"
 BF16_ALTERNATIVES = {TRANSFORMER_FILE: "qwen_image_2.1_bf16.safetensors",
                      TURBO_TRANSFORMER_FILE: "qwen_image_2.1_turbo_bf16.safetensors",
                      TEXT_ENCODER_FILE: "qwen3vl_8b_bf16.safetensors"}
@@ -124,6 +127,17 @@ OUTPUTS["MarkdownNote"] = []
 
 
 def files_note(transformer: str) -> str:
+    if transformer == GGUF_FILE:
+        return (
+            "## Model files\n\n"
+            f"The transformer is a ComfyUI-GGUF file (`{GGUF_FILE}` stands for yours: any `qwen_image21` `.gguf` in "
+            "`models/diffusion_models` or `models/unet`, Q8_0, Q4_K_M, ...), with ComfyUI's own text encoder and "
+            f"VAE:\n\n- `text_encoders/{TEXT_ENCODER_FILE}`\n- `vae/{VAE_FILE}`\n\n"
+            "The GGUF weights are dequantized once, at load; `precision` **auto** then quantizes them to INT8 "
+            "ConvRot where the pack's INT8 GEMM runs (bf16 elsewhere), so every step runs at the 8-bit rate "
+            "instead of dequantizing each layer per step (docs/quantized.md). The text encoder's bf16 file works "
+            f"too (`{BF16_ALTERNATIVES[TEXT_ENCODER_FILE]}`)."
+        )
     return (
         "## Model files\n\n"
         "The loaders default to the INT8 ConvRot files ComfyUI's own Qwen-Image-2.1 templates download:\n\n"
@@ -293,6 +307,10 @@ WORKFLOWS = {
         [[[1], [2], [3], [20]], [[10], [4], [31], [32]], [[30, 33], [5, 6], [7]]]),
     "qwen_image_2.1_inpaint": inpaint(graph(
         "inpaint", "A red teapot on a wooden kitchen counter beside a window, morning light, photo.")),
+    # A ComfyUI-GGUF transformer, dequantized at load onto the int8 path; laid out as the text-to-image example.
+    "qwen_image_2.1_gguf": graph(
+        "gguf", "A capybara wearing a wizard hat, reading a spell book by candlelight, oil painting.",
+        transformer=GGUF_FILE, transformer_title="Load transformer (GGUF)"),
     "qwen_image_2.1_edit_five_references": five_references(graph(
         "five_references", "Put the objects from images 2, 3, 4 and 5 on the table in image 1, side by side, "
         "matching its lighting.", references=5)),
@@ -320,6 +338,8 @@ CARDS = {
         "Qwen-Image-2.1 custom sampler", "Custom sampler", "SamplerCustomAdvanced with KV-Graph Sigmas"),
     "qwen_image_2.1_inpaint": Card(
         "Qwen-Image-2.1 inpainting", "Inpainting", "Paint anew where the image is transparent"),
+    "qwen_image_2.1_gguf": Card(
+        "Qwen-Image-2.1 GGUF file", "GGUF transformer", "A ComfyUI-GGUF file, run at the int8 rate"),
     "qwen_image_2.1_edit_five_references": Card(
         "Qwen-Image-2.1 five references", "Five references", "Put the objects of images 2 to 5 into image 1"),
 }
