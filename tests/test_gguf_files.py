@@ -213,3 +213,19 @@ def test_make_tiny_writes_gguf_files_the_cli_generates_from(tmp_path, tiny_folde
                  "--text-encoder", str(models / "text_encoders" / "qwen3vl_8b_bf16.safetensors"),
                  "--tokenizer", str(tiny_folder)]) == 0
     assert Image.open(out).size == (64, 64)
+
+
+def test_a_load_that_cannot_fit_in_host_memory_is_refused_first(files, monkeypatch):
+    """With less host memory available than the dequantized weights need, the load is refused before any tensor is
+    dequantized, naming the file, the need and what is available."""
+    from graph_runtime.errors import KVGraphError
+    from graph_runtime.loading import gguf_files, gguf_transformer
+
+    monkeypatch.setattr(gguf_transformer, "host_available_bytes", lambda: 1000)
+    read = []
+    monkeypatch.setattr(gguf_files.GGUFFile, "read", lambda self, *a: read.append(a) or 1 / 0)
+    with pytest.raises(KVGraphError) as excinfo:
+        load_transformer(files["Q8_0"], dtype=F32)
+    message = str(excinfo.value)
+    assert str(files["Q8_0"]) in message and "host memory" in message and "0.00 GiB is available" in message
+    assert read == []
