@@ -76,11 +76,15 @@ def keeps_int8(module_name: str) -> bool:
 
 
 def transformer_is_quantized(path: str | os.PathLike) -> bool:
-    """Whether the transformer checkpoint at `path` holds quantized layers (INT8 ConvRot); reads headers only, and
+    """Whether the transformer checkpoint at `path` holds INT8 ConvRot layers; reads headers and records only, and
     a missing or broken file raises the CheckpointError its load would. A GGUF file loads as float weights."""
     if is_gguf(path):
         return False
-    return resolve(path, "transformer", EXPECTED).info.quantized is not None
+    source = resolve(path, "transformer", EXPECTED)
+    if source.info.quantized is None:
+        return False
+    # FP8 layers are dequantized at load: only int8 ones make it an INT8 file
+    return any(not layer.is_float8 for layer in read_layers(source.files, source.header, EXPECTED).values())
 
 
 def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
