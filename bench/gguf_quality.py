@@ -3,6 +3,7 @@
     python -m bench.gguf_quality FILE.gguf [--original BF16.safetensors] [--precision int8|bf16] [--device cuda]
     python -m bench.gguf_quality --tiny             # the tiny model, every type make-tiny writes
     python -m bench.gguf_quality --dequant-speed    # gguf's numpy dequantizer, seconds per GiB of file
+    python -m bench.gguf_quality FILE.gguf --load-time BF16.safetensors --device cuda   # load to int8, both files
 
 Quality, per block (the block's Linear weights taken together, relative Frobenius norm `||A - B|| / ||B||`):
 - `loaded`: the weights as loaded (bf16, or INT8 ConvRot quantized from them at load for `int8`) against the file's own
@@ -113,6 +114,19 @@ def dequant_speed(types=("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q4_0", "BF16", "F16"),
     return out
 
 
+def load_seconds(path, device, precision: str = "int8") -> float:
+    """Seconds from nothing to the model on `device` at `precision` (the loader's bf16 read, then the conversion)."""
+    start = time.perf_counter()
+    model = load_transformer(path, dtype=torch.bfloat16, device=device)
+    if precision == "int8":
+        apply_precision(model, "int8", device=device)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+    seconds = time.perf_counter() - start
+    del model
+    return seconds
+
+
 def tiny_rows(precision: str) -> dict[str, list[dict]]:
     import tempfile
     from pathlib import Path
@@ -144,6 +158,8 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--tiny", action="store_true")
     parser.add_argument("--dequant-speed", action="store_true")
+    parser.add_argument("--load-time", metavar="FLOAT_FILE",
+                        help="time loading FILE and this float file to --precision on --device (ratio: target 1.5)")
     args = parser.parse_args(argv)
     if args.dequant_speed:
         print("| type | s per GiB of file | s per 10^9 weights |\n|---|---|---|")
@@ -152,7 +168,13 @@ def main(argv=None) -> int:
     if args.tiny:
         for qtype, rows in tiny_rows(args.precision).items():
             _print_rows(f"{qtype} -> {args.precision}", rows)
-    if args.file:
+    if args.file and args.load_time:
+        # the best of two each: the first load of the process also pays for imports and CUDA's start
+        ours, theirs = (min(load_seconds(f, args.device, args.precision) for _ in range(2))
+                        for f in (args.file, args.load_time))
+        print(f"load to {args.precision} on {args.device}: {args.file} {ours:.1f} s, {args.load_time} {theirs:.1f} s, "
+              f"ratio {ours / theirs:.2f}")
+    elif args.file:
         original = None
         if args.original:
             original = {k: v.float() for k, v in load_transformer(args.original, dtype=torch.bfloat16)
