@@ -72,3 +72,33 @@ def write_comfyui_gguf_files(models_dir: str | os.PathLike, transformer, force: 
     check_writable(list(files.values()), force)
     state_dict = transformer.state_dict()
     return {t: write_gguf_transformer(state_dict, path, t) for t, path in files.items()}
+
+
+def write_gguf_language_tower(state_dict, path: str | os.PathLike, qtype: str, arch: str = "qwen3vl") -> Path:
+    """Write a Qwen3VLForConditionalGeneration state dict's language tower as a llama.cpp-named GGUF of type `qtype`
+    (2-D weights whose rows split into the type's blocks; the rest F32). The vision tower is left out: it is read
+    from the model's safetensors file."""
+    import gguf
+    import torch
+    from gguf.quants import quantize
+
+    from .loading.gguf_text_encoder import gguf_language_name
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    block, _ = gguf.GGML_QUANT_SIZES[qt]
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    writer = gguf.GGUFWriter(path=None, arch=arch)
+    for key, value in state_dict.items():
+        name = gguf_language_name(key)
+        if name is None:
+            continue
+        t = qt if value.dim() == 2 and value.shape[-1] % block == 0 else gguf.GGMLQuantizationType.F32
+        writer.add_tensor(name, quantize(value.detach().to(torch.float32).numpy(), t), raw_dtype=t)
+    writer.write_header_to_file(path=part)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(part, path)
+    return path

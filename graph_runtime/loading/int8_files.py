@@ -50,17 +50,20 @@ def unquantized_shapes(shapes: Mapping[str, tuple], layers: Mapping[str, LayerQu
 
 def read_weights(source, layers: Mapping[str, LayerQuant], key_map: KeyMap, dtype: torch.dtype, device,
                  mode: str, keep_int8: Callable[[str], bool] = lambda name: True,
-                 dequantize_device=None, expected: str | None = None) -> LoadedWeights:
+                 dequantize_device=None, expected: str | None = None,
+                 keep: Callable[[str], bool] = lambda key: True) -> LoadedWeights:
     """Stream `source`'s tensors into model keys. Float tensors are cast to `dtype`; quantized layers stay int8 or
     are dequantized as the module docstring says. `dequantize_device`: where comfy-kitchen dequantizes (a GPU
     does it in a fraction of the CPU's time); the result goes to `device`. Scales that are all zero or not finite
-    raise a CheckpointError naming the file and the key (with `expected`)."""
+    raise a CheckpointError naming the file and the key (with `expected`). `keep(file key)`: the tensors to read
+    (default all; a GGUF text encoder takes only the vision tower from its safetensors file)."""
     loaded = LoadedWeights()
     scales = {}
+    layers = {p: layer for p, layer in layers.items() if keep(p + WEIGHT)}
     for name, tensor in iter_tensors(source.files, device=device, names=[p + SCALE for p in layers]):
         check_scale(tensor, source.path, name, expected)
         scales[name[: -len(SCALE)]] = tensor
-    wanted = [k for k in source.header.tensors if not k.endswith((RECORD, SCALE))
+    wanted = [k for k in source.header.tensors if not k.endswith((RECORD, SCALE)) and keep(k)
               and not (k.endswith(INPUT_SCALE) and k[: -len(INPUT_SCALE)] in layers)]
     # Not owned as read: each tensor is cast, dequantized or copied out of the file's map below, once.
     for name, tensor in iter_tensors(source.files, device=device, names=wanted, own=False):
