@@ -22,8 +22,16 @@ def gguf_file_name(qtype: str) -> str:
     return f"qwen_image_2.1-{qtype}.gguf"
 
 
+# The tiny Qwen3-VL language tower as a GGUF (its vision tower comes from text_encoders/qwen3vl_8b_bf16.safetensors).
+TEXT_ENCODER_GGUF = "text_encoders/qwen3vl_8b-Q8_0.gguf"
+
+
 def comfyui_gguf_paths(models_dir: str | os.PathLike, types=SHIPPED_TYPES) -> dict[str, Path]:
     return {t: Path(models_dir) / "diffusion_models" / gguf_file_name(t) for t in types}
+
+
+def comfyui_text_encoder_gguf_path(models_dir: str | os.PathLike) -> Path:
+    return Path(models_dir) / TEXT_ENCODER_GGUF
 
 
 def _tensor_type(key: str, value, qtype):

@@ -203,6 +203,7 @@ def test_make_tiny_writes_gguf_files_the_cli_generates_from(tmp_path, tiny_folde
     printed = capsys.readouterr().out
     q8 = models / "diffusion_models" / "qwen_image_2.1-Q8_0.gguf"
     assert f"wrote transformer (GGUF Q8_0): {q8}" in printed and (q8.parent / "qwen_image_2.1-Q4_0.gguf").is_file()
+    assert (models / "text_encoders" / "qwen3vl_8b-Q8_0.gguf").is_file()
     bf16 = load_transformer(models / "diffusion_models" / "qwen_image_2.1_bf16.safetensors", dtype=F32).state_dict()
     for key, value in load_transformer(q8, dtype=F32).state_dict().items():
         assert bool(((value - bf16[key]).abs() <= rounding_bound(bf16[key], "Q8_0") + 2.0 ** -8 * bf16[key].abs())

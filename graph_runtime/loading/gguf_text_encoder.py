@@ -121,3 +121,26 @@ def load_gguf_text_encoder(path: str | os.PathLike, vision_path: str | os.PathLi
                 path, file.describe_types(), str(dtype).removeprefix("torch."), time.perf_counter() - start,
                 vision_path)
     return finish(model, path, expected, device), processor
+
+
+# The vision tower's file when the user has several: ComfyUI's own Qwen3-VL files first (bf16, then INT8 ConvRot).
+VISION_FILES = ("qwen3vl_8b_bf16.safetensors", "qwen3vl_8b_int8_convrot.safetensors")
+
+
+def pick_vision_file(candidates) -> Path | None:
+    """The Qwen3-VL safetensors file among `candidates` (paths) to take a GGUF language tower's vision tower from:
+    one of VISION_FILES by name, else the first (sorted by name) whose header says Qwen3-VL; None if there is none."""
+    from .detect import detect_checkpoint
+
+    paths = sorted((Path(c) for c in candidates if str(c).lower().endswith(".safetensors")), key=lambda p: p.name)
+    for name in VISION_FILES:
+        for p in paths:
+            if p.name == name:
+                return p
+    for p in paths:
+        try:
+            if detect_checkpoint(p) == QWEN3VL_TEXT_ENCODER:
+                return p
+        except CheckpointError:
+            continue
+    return None

@@ -17,9 +17,9 @@ from ...graph_runtime.loading.paths import find_in_folders
 
 DIFFUSERS = "diffusers"
 GGUF = ".gguf"
-# ComfyUI-GGUF's transformer loader lists `unet` (on current ComfyUI another name for diffusion_models): a folder
-# registered under that name alone is searched too.
-ALSO_SEARCHED = {"diffusion_models": ("unet",)}
+# ComfyUI-GGUF's loaders list `unet` and `clip` (on current ComfyUI other names for diffusion_models and
+# text_encoders): a folder registered under those names alone is searched too.
+ALSO_SEARCHED = {"diffusion_models": ("unet",), "text_encoders": ("clip",)}
 
 
 def folder_roots(folder: str) -> list[str]:
@@ -110,3 +110,9 @@ def bundled_tokenizer_dir() -> str | None:
         if os.path.isdir(path):
             return path
     return None
+
+
+def files_in(folder: str) -> list[str]:
+    """Every file under `folder`'s model folders (full paths)."""
+    return [os.path.join(dirpath, f) for root in folder_roots(folder)
+            for dirpath, _, files in os.walk(root, followlinks=True) for f in files]
