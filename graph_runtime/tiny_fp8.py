@@ -24,15 +24,23 @@ def quantize_fp8(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def write_fp8_scaled_transformer(state_dict, path: str | os.PathLike, input_scales: bool = True):
     """Write a diffusers-named transformer state dict as an fp8-scaled ComfyUI file (with `.input_scale` tensors as
-    ComfyUI's files carry them, unless `input_scales` is False)."""
+    ComfyUI's files carry them, unless `input_scales` is False): the blocks' Linears in FP8."""
+    from .loading.comfy_layout import transformer_to_comfy_state_dict
+
+    return write_fp8_scaled(transformer_to_comfy_state_dict(state_dict), path,
+                            lambda key: ".transformer_blocks." in key, input_scales)
+
+
+def write_fp8_scaled(comfy_state_dict, path: str | os.PathLike, select, input_scales: bool = True):
+    """A state dict in a ComfyUI file's names -> an fp8-scaled file: each 2-D `.weight` whose key `select` takes in
+    FP8 with its scale and record, the rest bf16."""
     from pathlib import Path
 
-    from .loading.comfy_layout import transformer_to_comfy_state_dict
     from .tiny import save_safetensors
 
     out = {}
-    for key, value in transformer_to_comfy_state_dict(state_dict).items():
-        if key.endswith(".weight") and ".transformer_blocks." in key and value.dim() == 2:
+    for key, value in comfy_state_dict.items():
+        if key.endswith(".weight") and select(key) and value.dim() == 2:
             prefix = key[: -len(".weight")]
             out[key], out[prefix + ".weight_scale"] = quantize_fp8(value)
             out[prefix + ".comfy_quant"] = fp8_record()

@@ -83,3 +83,21 @@ def test_an_older_scaled_fp8_file_is_refused_by_name(original, tmp_path):
     with pytest.raises(CheckpointError) as excinfo:
         load_transformer(path, dtype=F32)
     assert "older scaled-FP8 file" in str(excinfo.value) and "scaled_fp8" in str(excinfo.value)
+
+
+def test_a_text_encoder_with_fp8_language_layers_loads_dequantized(tmp_path, tiny_folder):
+    """The text encoder loader reads the same records: every FP8 language Linear equals its e4m3 value times its
+    scale (fp32, exact), and the encoder runs to finite hidden states."""
+    from graph_runtime.loading import load_text_encoder, text_encoder_to_comfy_state_dict
+    from graph_runtime.tiny_fp8 import write_fp8_scaled
+
+    encoder = build_tiny_components(0)["text_encoder"]
+    path = write_fp8_scaled(text_encoder_to_comfy_state_dict(encoder.state_dict()), tmp_path / "te_fp8.safetensors",
+                            lambda key: key.startswith("model.language_model.layers."))
+    model, processor = load_text_encoder(path, dtype=F32, tokenizer_dir=tiny_folder)
+    stored, state = load_file(path), model.state_dict()
+    fp8 = [k for k in stored if stored[k].dtype == torch.float8_e4m3fn]
+    assert fp8 and all(torch.equal(state[k], stored[k].float() * stored[k[: -len(".weight")] + ".weight_scale"])
+                       for k in fp8)
+    ids = processor.tokenizer("a red kite", return_tensors="pt").input_ids
+    assert torch.isfinite(model.model.language_model(input_ids=ids).last_hidden_state).all()
