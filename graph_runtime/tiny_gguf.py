@@ -34,23 +34,12 @@ def comfyui_text_encoder_gguf_path(models_dir: str | os.PathLike) -> Path:
     return Path(models_dir) / TEXT_ENCODER_GGUF
 
 
-def _tensor_type(key: str, value, qtype):
-    import gguf
-
-    block, _ = gguf.GGML_QUANT_SIZES[qtype]
-    if value.dim() == 2 and key.startswith("transformer_blocks.") and value.shape[-1] % block == 0:
-        return qtype
-    return gguf.GGMLQuantizationType.F32
-
-
-def write_gguf_transformer(state_dict, path: str | os.PathLike, qtype: str, arch: str = GGUF_ARCH) -> Path:
-    """Write a diffusers-named transformer state dict as a ComfyUI-GGUF file of type `qtype` (one of GGUF_TYPES);
-    the file appears under its name only once complete."""
+def _write(tensors, path: str | os.PathLike, arch: str, qtype: str, quantized) -> Path:
+    """Write {GGUF name: float tensor} to `path`, each in `qtype` where `quantized(name, tensor, type)` says so, else
+    F32; the file appears under its name only once complete."""
     import gguf
     import torch
     from gguf.quants import quantize
-
-    from .loading.comfy_layout import COMFY_DIFFUSION_PREFIX, transformer_to_comfy_state_dict
 
     qt = gguf.GGMLQuantizationType[qtype]
     path = Path(path)
@@ -58,17 +47,30 @@ def write_gguf_transformer(state_dict, path: str | os.PathLike, qtype: str, arch
     part = path.with_name(path.name + ".part")
     writer = gguf.GGUFWriter(path=None, arch=arch)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for key, value in transformer_to_comfy_state_dict(state_dict).items():
-        key = key.removeprefix(COMFY_DIFFUSION_PREFIX)
-        t = _tensor_type(key, value, qt)
-        data = quantize(value.detach().to(torch.float32).numpy(), t)
-        writer.add_tensor(key, data, raw_dtype=t)
+    for name, value in tensors.items():
+        t = qt if quantized(name, value, qt) else gguf.GGMLQuantizationType.F32
+        writer.add_tensor(name, quantize(value.detach().to(torch.float32).numpy(), t), raw_dtype=t)
     writer.write_header_to_file(path=part)
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     os.replace(part, path)
     return path
+
+
+def _splits_into_blocks(value, qtype) -> bool:
+    import gguf
+
+    return value.dim() == 2 and value.shape[-1] % gguf.GGML_QUANT_SIZES[qtype][0] == 0
+
+
+def write_gguf_transformer(state_dict, path: str | os.PathLike, qtype: str, arch: str = GGUF_ARCH) -> Path:
+    """Write a diffusers-named transformer state dict as a ComfyUI-GGUF file of type `qtype` (one of GGUF_TYPES)."""
+    from .loading.comfy_layout import COMFY_DIFFUSION_PREFIX, transformer_to_comfy_state_dict
+
+    tensors = {k.removeprefix(COMFY_DIFFUSION_PREFIX): v for k, v in transformer_to_comfy_state_dict(state_dict).items()}
+    return _write(tensors, path, arch, qtype,
+                  lambda name, value, qt: name.startswith("transformer_blocks.") and _splits_into_blocks(value, qt))
 
 
 def write_comfyui_gguf_files(models_dir: str | os.PathLike, transformer, force: bool = False,
@@ -86,27 +88,7 @@ def write_gguf_language_tower(state_dict, path: str | os.PathLike, qtype: str, a
     """Write a Qwen3VLForConditionalGeneration state dict's language tower as a llama.cpp-named GGUF of type `qtype`
     (2-D weights whose rows split into the type's blocks; the rest F32). The vision tower is left out: it is read
     from the model's safetensors file."""
-    import gguf
-    import torch
-    from gguf.quants import quantize
-
     from .loading.gguf_text_encoder import gguf_language_name
 
-    qt = gguf.GGMLQuantizationType[qtype]
-    block, _ = gguf.GGML_QUANT_SIZES[qt]
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(path.name + ".part")
-    writer = gguf.GGUFWriter(path=None, arch=arch)
-    for key, value in state_dict.items():
-        name = gguf_language_name(key)
-        if name is None:
-            continue
-        t = qt if value.dim() == 2 and value.shape[-1] % block == 0 else gguf.GGMLQuantizationType.F32
-        writer.add_tensor(name, quantize(value.detach().to(torch.float32).numpy(), t), raw_dtype=t)
-    writer.write_header_to_file(path=part)
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(part, path)
-    return path
+    tensors = {name: v for k, v in state_dict.items() if (name := gguf_language_name(k)) is not None}
+    return _write(tensors, path, arch, qtype, lambda name, value, qt: _splits_into_blocks(value, qt))
