@@ -3,7 +3,8 @@
 The layout follows ComfyUI-GGUF's converter: ComfyUI's tensor names without the `model.diffusion_model.` prefix
 (`img_mlp.gate_up` fused), 1-D tensors and the layers outside the blocks (embedders, the shared modulation, the output
 head) in F32, the blocks' 2-D weights in the file's type. Only the types `gguf.quants.quantize` can write are offered
-(K-quants and IQ types it reads but cannot write).
+(K-quants and IQ types it reads but cannot write). The text encoder's language tower is written in llama.cpp's
+`qwen3vl` names (its vision tower stays in the safetensors file).
 """
 
 from __future__ import annotations
