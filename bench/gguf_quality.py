@@ -116,9 +116,12 @@ def dequant_speed(types=("Q8_0", "Q6_K", "Q5_K", "Q4_K", "Q4_0", "BF16", "F16"),
 
 def load_seconds(path, device, precision: str = "int8") -> float:
     """Seconds from nothing to the model on `device` at `precision` (the loader's bf16 read, then the conversion)."""
+    from graph_runtime.loading.gguf_files import is_gguf
+
     start = time.perf_counter()
-    model = load_transformer(path, dtype=torch.bfloat16, device=device)
-    if precision == "int8":
+    early = precision == "int8" and is_gguf(path)  # as the loader node does: int8 block by block while reading
+    model = load_transformer(path, dtype=torch.bfloat16, device=device, gguf_int8_on=device if early else None)
+    if precision == "int8" and not early:
         apply_precision(model, "int8", device=device)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)

@@ -230,3 +230,22 @@ def test_a_load_that_cannot_fit_in_host_memory_is_refused_first(files, monkeypat
     message = str(excinfo.value)
     assert str(files["Q8_0"]) in message and "host memory" in message and "0.00 GiB is available" in message
     assert read == []
+
+
+def test_int8_while_reading_equals_int8_after_the_load(files):
+    """Quantizing each block as soon as it is read gives exactly the int8 layers apply_precision makes from the whole
+    float model (same quantizer, same bf16 inputs: bit-equal), and the other weights are the same."""
+    from graph_runtime.fp8 import apply_precision
+    from graph_runtime.quantized import ConvRotInt8Linear
+
+    early = load_transformer(files["Q4_0"], dtype=BF16, gguf_int8_on="cpu")
+    late = load_transformer(files["Q4_0"], dtype=BF16)
+    apply_precision(late, "int8", device="cpu")
+    ours = {n: m for n, m in early.named_modules() if isinstance(m, ConvRotInt8Linear)}
+    theirs = {n: m for n, m in late.named_modules() if isinstance(m, ConvRotInt8Linear)}
+    assert ours.keys() == theirs.keys() and len(ours) == 14
+    for name, layer in ours.items():
+        assert torch.equal(layer.weight, theirs[name].weight) and torch.equal(layer.weight_scale,
+                                                                              theirs[name].weight_scale), name
+    a, b = early.state_dict(), late.state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -88,7 +88,8 @@ def transformer_is_quantized(path: str | os.PathLike) -> bool:
 
 
 def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
-                     device: str | torch.device = "cpu", quantized: str = KEEP_INT8, dequantize_device=None):
+                     device: str | torch.device = "cpu", quantized: str = KEEP_INT8, dequantize_device=None,
+                     gguf_int8_on=None):
     """Load `diffusers.QwenImage21Transformer2DModel` in eval mode, gradients off.
 
     `path`: a diffusers pipeline folder (its transformer/ is used), a transformer/ folder, or one .safetensors file in
@@ -100,7 +101,8 @@ def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat1
     blocks' weights int8 (ConvRotInt8Linear: half the memory, W8A8 through comfy-kitchen); "dequantize" expands
     every quantized layer once, on `dequantize_device` (default: `device`), into ordinary `dtype` weights.
 
-    A `.gguf` file (ComfyUI-GGUF's `qwen_image21` layout) is dequantized at load into ordinary `dtype` weights.
+    A `.gguf` file (ComfyUI-GGUF's `qwen_image21` layout) is dequantized at load into ordinary `dtype` weights; with
+    `gguf_int8_on` (a device) the blocks' Linears become INT8 ConvRot block by block as they are read.
     """
     from diffusers import QwenImage21Transformer2DModel
 
@@ -108,7 +110,7 @@ def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat1
     if is_gguf(path):  # dequantized at load into `dtype` weights (gguf_transformer.py)
         from .gguf_transformer import load_gguf_transformer
 
-        return load_gguf_transformer(path, dtype, device, EXPECTED)
+        return load_gguf_transformer(path, dtype, device, EXPECTED, gguf_int8_on)
     source = resolve(path, "transformer", EXPECTED)
     if source.config is not None:
         _check_folder_config(source)

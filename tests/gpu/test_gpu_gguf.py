@@ -23,10 +23,12 @@ WIDE = dict(patch_size=1, in_channels=64, out_channels=64, num_layers=2, attenti
             causal_condition=True)
 
 
+@pytest.mark.parametrize("while_read", [True, False])
 @pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
-def test_auto_runs_a_gguf_file_int8(tmp_path, qtype):
-    """auto resolves to int8 for a GGUF file on a GPU with our INT8 GEMM; every block Linear becomes int8, holding
-    exactly the ConvRot quantization of the file's weights (as bf16)."""
+def test_auto_runs_a_gguf_file_int8(tmp_path, qtype, while_read):
+    """auto resolves to int8 for a GGUF file on a GPU with our INT8 GEMM; every block Linear becomes int8 (block by
+    block while the file is read, as the loader node does, or after the load), holding exactly the ConvRot
+    quantization of the file's weights (as bf16)."""
     from graph_runtime.tiny import random_tiny_transformer
 
     torch.manual_seed(0)
@@ -34,8 +36,9 @@ def test_auto_runs_a_gguf_file_int8(tmp_path, qtype):
     device = torch.device("cuda")
     resolved = resolve_precision("auto", device, dtype=torch.bfloat16, int8_file=transformer_is_quantized(path))
     assert resolved.precision == "int8" and resolved.converts, resolved
-    model = load_transformer(path, dtype=torch.bfloat16, device=device)
-    apply_precision(model, resolved.precision, device=device)
+    model = load_transformer(path, dtype=torch.bfloat16, device=device, gguf_int8_on=device if while_read else None)
+    if not while_read:
+        apply_precision(model, resolved.precision, device=device)
     file = GGUFFile(path, "")
     expected = transformer_from_comfy_state_dict({k: file.read(k, torch.bfloat16) for k in file.tensors})
     layers = {n: m for n, m in model.named_modules() if isinstance(m, ConvRotInt8Linear)}
