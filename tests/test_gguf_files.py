@@ -249,3 +249,17 @@ def test_int8_while_reading_equals_int8_after_the_load(files):
                                                                               theirs[name].weight_scale), name
     a, b = early.state_dict(), late.state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_host_memory_check_prices_an_int8_load_at_the_int8_size(files):
+    """Loaded int8 block by block, the weights are priced at one byte a block weight (plus the float tensors outside
+    the blocks) and the extra peak grows by one block in the load dtype: less than the bf16 load's weights."""
+    from graph_runtime.loading.gguf_transformer import load_bytes
+
+    file = GGUFFile(files["Q8_0"], "")
+    total = sum(int(np.prod(t.shape)) for t in file.tensors.values())
+    blocks = sum(int(np.prod(t.shape)) for k, t in file.tensors.items() if k.startswith("transformer_blocks."))
+    weights, peak = load_bytes(file, BF16)
+    weights8, peak8 = load_bytes(file, BF16, int8=True)
+    assert weights == 2 * total and weights8 == 2 * (total - blocks) + blocks and weights8 < weights
+    assert peak < peak8 < peak + 2 * blocks

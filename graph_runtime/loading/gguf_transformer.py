@@ -38,16 +38,24 @@ def open_gguf_transformer(path: str | os.PathLike, expected: str) -> GGUFFile:
     return file
 
 
-def load_bytes(file: GGUFFile, dtype: torch.dtype) -> tuple[int, int]:
-    """(the loaded weights' bytes in `dtype`, the largest tensor's dequantized float32 bytes: the load's extra peak)."""
-    counts = [math.prod(t.shape) for t in file.tensors.values()] or [0]
-    return sum(counts) * dtype.itemsize, max(counts) * 4
+def load_bytes(file: GGUFFile, dtype: torch.dtype, int8: bool = False) -> tuple[int, int]:
+    """(the loaded weights' bytes, the load's extra peak: the largest tensor dequantized in fp32, and with `int8` the
+    largest block in `dtype`, whose Linears are then held as int8, about one byte a weight)."""
+    counts = {k: math.prod(t.shape) for k, t in file.tensors.items()}
+    largest = max(counts.values(), default=0) * 4
+    if not int8:
+        return sum(counts.values()) * dtype.itemsize, largest
+    blocks: dict[int, int] = {}
+    for key, count in counts.items():
+        blocks[_block_of(key)] = blocks.get(_block_of(key), 0) + count
+    outside = blocks.pop(-1, 0)
+    return outside * dtype.itemsize + sum(blocks.values()), largest + max(blocks.values(), default=0) * dtype.itemsize
 
 
-def check_host_memory(file: GGUFFile, dtype: torch.dtype, device) -> None:
+def check_host_memory(file: GGUFFile, dtype: torch.dtype, device, int8: bool = False) -> None:
     """Refuse, before anything is allocated, a load whose weights cannot fit in the host memory available (every
     tensor is dequantized on the host first; with `device` a GPU only one tensor at a time stays there)."""
-    weights, peak = load_bytes(file, dtype)
+    weights, peak = load_bytes(file, dtype, int8)
     need = peak + (weights if torch.device(device).type == "cpu" else 0)
     available = host_available_bytes()
     if available is not None and need > available:
@@ -81,7 +89,7 @@ def load_gguf_transformer(path: str | os.PathLike, dtype: torch.dtype, device, e
     model = build_empty(lambda: QwenImage21Transformer2DModel.from_config(config))
     check_against_model(model, mapped, path, expected, file_key=file_key, file_shapes=stored)
 
-    check_host_memory(file, dtype, device)
+    check_host_memory(file, dtype, device, int8_on is not None)
     start = time.perf_counter()
     if int8_on is not None:
         from ..fp8.convert import install, int8_factory, linear_names, module_at
