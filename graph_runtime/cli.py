@@ -280,8 +280,10 @@ def cmd_generate(args) -> int:
 def cmd_make_tiny(args) -> int:
     from .controlnet.tiny import comfyui_controlnet_path, write_tiny_controlnet
     from .lora.tiny import comfyui_lora_path, write_tiny_lora
-    from .tiny import (check_writable, comfyui_file_paths, comfyui_int8_file_paths, write_comfyui_files,
-                       write_comfyui_int8_files, write_diffusers_folder)
+    from .tiny import (build_tiny_components, check_writable, comfyui_file_paths, comfyui_int8_file_paths,
+                       write_comfyui_files, write_comfyui_int8_files, write_diffusers_folder)
+    from .tiny_gguf import (comfyui_gguf_paths, comfyui_text_encoder_gguf_path, write_comfyui_gguf_files,
+                            write_gguf_language_tower)
 
     if not args.dir and not args.comfyui_models:
         raise SystemExit("make-tiny needs DIR and/or --comfyui-models DIR")
@@ -289,6 +291,8 @@ def cmd_make_tiny(args) -> int:
     if args.comfyui_models:
         check_writable([*comfyui_file_paths(args.comfyui_models).values(),
                         *comfyui_int8_file_paths(args.comfyui_models).values(),
+                        *comfyui_gguf_paths(args.comfyui_models).values(),
+                        comfyui_text_encoder_gguf_path(args.comfyui_models),
                         comfyui_lora_path(args.comfyui_models), comfyui_controlnet_path(args.comfyui_models)],
                        args.force)
     if args.dir:
@@ -298,6 +302,14 @@ def cmd_make_tiny(args) -> int:
             print(f"wrote {name}: {path}")
         for name, path in write_comfyui_int8_files(args.comfyui_models, force=args.force).items():
             print(f"wrote {name} (INT8 ConvRot): {path}")
+        # the same weights as the bf16 file (seed 0), as ComfyUI-GGUF files
+        parts = build_tiny_components(0)
+        for qtype, path in write_comfyui_gguf_files(args.comfyui_models, parts["transformer"],
+                                                    force=args.force).items():
+            print(f"wrote transformer (GGUF {qtype}): {path}")
+        te_gguf = write_gguf_language_tower(parts["text_encoder"].state_dict(),
+                                            comfyui_text_encoder_gguf_path(args.comfyui_models), "Q8_0")
+        print(f"wrote text encoder language tower (GGUF Q8_0): {te_gguf}")
         # The LoRA example workflow's file, so that example runs as shipped on the tiny model too.
         print(f"wrote lora: {write_tiny_lora(comfyui_lora_path(args.comfyui_models))}")
         # The ControlNet examples' file (the Fun ControlNet Union's layout), in models/model_patches.
@@ -392,10 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("make-tiny", help="write a tiny random Qwen-Image-2.1 for tests")
     tiny.add_argument("dir", nargs="?", help="diffusers folder to write")
     tiny.add_argument("--comfyui-models", help="a ComfyUI models/ folder to write the single files into (bf16 and "
-                                               "INT8 ConvRot, under the real files' names), and a tiny LoRA under "
-                                               "the name the LoRA example loads (loras/) and a tiny Fun "
-                                               "ControlNet Union under the name the ControlNet examples load "
-                                               "(model_patches/)")
+                                               "INT8 ConvRot, under the real files' names; the transformer also as "
+                                               "ComfyUI-GGUF Q8_0 and Q4_0 files, the text encoder's language tower "
+                                               "as a Q8_0 GGUF), and a tiny LoRA under the name the LoRA example "
+                                               "loads (loras/) and a tiny Fun ControlNet Union under the name the "
+                                               "ControlNet examples load (model_patches/)")
     tiny.add_argument("--force", action="store_true", help="overwrite existing files (refused otherwise)")
     tiny.set_defaults(func=cmd_make_tiny)
 

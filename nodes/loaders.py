@@ -19,6 +19,9 @@ from ..graph_runtime.kernels.preload import start_preload
 from ..graph_runtime.loading import (
     default_scheduler_config, load_pipeline_folder, load_text_encoder, load_transformer, load_vae,
 )
+from ..graph_runtime.errors import CheckpointError
+from ..graph_runtime.loading.gguf_files import is_gguf
+from ..graph_runtime.loading.gguf_text_encoder import pick_vision_file
 from ..graph_runtime.loading.transformer import transformer_is_quantized
 from ..graph_runtime.loading.variant import transformer_variant
 from ..graph_runtime.parallel import GPUS_HELP, check_gpus
@@ -133,12 +136,15 @@ def transformer_handle(path: str, dtype_name: str, scheduler_config: dict | None
     # A conversion quantizes from float weights: an INT8 file is dequantized first whatever `int8_weights` says
     # (`int8` on an INT8 file converts nothing: the file's own int8 weights run).
     quantized = "dequantize" if resolved.converts else int8_weights
+    # a GGUF file turns int8 block by block while it is read (a peak near the int8 model's size, not the bf16 one's)
+    int8_while_read = is_gguf(path) and resolved.converts and resolved.precision == "int8"
 
     def load():
         start_kernel_preload()  # started at ComfyUI's start-up already, unless the pack was loaded otherwise
         module = load_transformer(path, dtype=DTYPES[dtype_name], device=mm.unet_offload_device(),
-                                  quantized=quantized, dequantize_device=mm.get_torch_device())
-        if resolved.converts:
+                                  quantized=quantized, dequantize_device=mm.get_torch_device(),
+                                  gguf_int8_on=mm.get_torch_device() if int8_while_read else None)
+        if resolved.converts and not int8_while_read:
             apply_precision(module, resolved.precision, device=mm.get_torch_device())
         logger.info("KV-Graph: transformer precision: %s", resolved.describe(module))
         info = {"variant": transformer_variant(path), **weights_info(module, quantized),
@@ -154,7 +160,7 @@ def transformer_handle(path: str, dtype_name: str, scheduler_config: dict | None
 
 
 def text_encoder_handle(path: str, dtype_name: str, placement: str, tokenizer_dir: str | None,
-                        int8_weights: str = KEEP_INT8):
+                        int8_weights: str = KEEP_INT8, vision: str | None = None):
     if placement not in TE_PLACEMENTS:
         from ..graph_runtime.errors import InputError
 
@@ -166,12 +172,12 @@ def text_encoder_handle(path: str, dtype_name: str, placement: str, tokenizer_di
         offload_device = "cpu" if placement == "cpu" else mm.text_encoder_offload_device()
         module, processor = load_text_encoder(path, dtype=DTYPES[dtype_name], device=offload_device,
                                               tokenizer_dir=tokenizer_dir, quantized=int8_weights,
-                                              dequantize_device=load_device)
+                                              dequantize_device=load_device, vision=vision)
         return TextEncoderHandle.create("text_encoder", module, path, dtype_name, load_device, offload_device,
                                         processor=processor, placement=placement,
                                         info={"placement": placement, **weights_info(module, int8_weights)})
 
-    key = model_cache.cache_key("text_encoder", path, dtype_name, placement, int8_weights)
+    key = model_cache.cache_key("text_encoder", path, dtype_name, placement, int8_weights, *([vision] if vision else []))
     return model_cache.get_or_load(key, load)
 
 
@@ -191,14 +197,16 @@ class KVGraphLoadTransformer(io.ComfyNode):
             display_name="KV-Graph Load Transformer",
             category=LOADERS,
             description=("Loads the Qwen-Image-2.1 transformer from models/diffusion_models (ComfyUI's "
-                         f"{TRANSFORMER_FILE}, its Turbo twin, or the bf16 files). The loaded model, and the decode "
+                         f"{TRANSFORMER_FILE}, its Turbo twin, the bf16 files, or ComfyUI-GGUF .gguf files). The loaded model, and the decode "
                          "graphs captured for it, stay cached across prompts and workflows until released."),
             inputs=[
                 io.Combo.Input("transformer_name", options=model_files.file_choices("diffusion_models",
                                                                                     *TRANSFORMER_FILES),
                                default=TRANSFORMER_FILE,
                                tooltip="The transformer file in models/diffusion_models: ComfyUI's INT8 ConvRot file "
-                                       "(the templates' default) or the bf16 one; a file with 'turbo' in its name is "
+                                       "(the templates' default), the bf16 one, or a .gguf file (also from models/unet; "
+                                       "dequantized at load, then run at the chosen precision); a file with 'turbo' "
+                                       "in its name is "
                                        "the 8-step Turbo model (the sampler's auto preset follows it)."),
                 _dtype_input(),
                 _int8_input(),
@@ -237,7 +245,9 @@ class KVGraphLoadTextEncoder(io.ComfyNode):
                                                                                      *TEXT_ENCODER_FILES),
                                default=TEXT_ENCODER_FILE,
                                tooltip="The Qwen3-VL-8B file in models/text_encoders: ComfyUI's INT8 ConvRot file "
-                                       "(the templates' default) or the bf16 one."),
+                                       "(the templates' default), the bf16 one, or a GGUF language tower (also from "
+                                       "models/clip; dequantized at load, its vision tower read from ComfyUI's "
+                                       "Qwen3-VL file in models/text_encoders)."),
                 _dtype_input(),
                 _placement_input(),
                 _int8_input(),
@@ -252,8 +262,17 @@ class KVGraphLoadTextEncoder(io.ComfyNode):
     @classmethod
     def execute(cls, text_encoder_name, dtype, text_encoder_placement, int8_weights=KEEP_INT8) -> io.NodeOutput:
         path = model_files.full_path("text_encoders", text_encoder_name, "text_encoder_name")
+        vision = None
+        if is_gguf(path):  # a GGUF language tower: the vision tower from the user's Qwen3-VL file beside it
+            vision = pick_vision_file(model_files.files_in("text_encoders"))
+            if vision is None:
+                raise CheckpointError(path, "is a GGUF language tower, and models/text_encoders holds no Qwen3-VL "
+                                            "safetensors file to take the vision tower from.",
+                                      "qwen3vl_8b_bf16.safetensors (or its INT8 ConvRot twin) in models/text_encoders")
+            logger.info("KV-Graph: vision tower for %s from %s", text_encoder_name, vision)
+            vision = str(vision)
         handle = text_encoder_handle(path, dtype, text_encoder_placement, model_files.bundled_tokenizer_dir(),
-                                     int8_weights)
+                                     int8_weights, vision)
         return io.NodeOutput(handle)
 
 

@@ -30,13 +30,14 @@ EXPECTED = {"qwen_image_2.1_text_to_image", "qwen_image_2.1_turbo_8_steps", "qwe
             "qwen_image_2.1_edit_five_references", "qwen_image_2.1_controlnet", "qwen_image_2.1_controlnet_inpaint",
             "qwen_image_2.1_step_cache", "qwen_image_2.1_easycache",
             "qwen_image_2.1_core_lora", "qwen_image_2.1_remove_background",
-            "qwen_image_2.1_skip_layer_guidance"}
+            "qwen_image_2.1_skip_layer_guidance", "qwen_image_2.1_gguf"}
 LORA_FILE = "qwen_image_2.1_lora.safetensors"  # the LoRA example's file (users put their own in models/loras)
 CONTROLNET_FILE = "qwen_image_2.1_fun_controlnet_union.safetensors"  # the ControlNet examples' (models/model_patches)
 # ComfyUI's templates load the INT8 ConvRot files by default; the Turbo example loads the Turbo checkpoint.
 REAL_FILES = {"qwen_image_2.1_int8_convrot.safetensors", "qwen3vl_8b_int8_convrot.safetensors",
               "qwen_image_2.1_vae_bf16.safetensors"}
 TURBO_FILE = "qwen_image_2.1_turbo_int8_convrot.safetensors"
+GGUF_FILE = "qwen_image_2.1-Q8_0.gguf"  # the GGUF example's transformer (make-tiny writes a tiny one)
 BF16_FILES = ("qwen_image_2.1_bf16.safetensors", "qwen3vl_8b_bf16.safetensors")
 WIDGETS = ("BOOLEAN", "INT", "FLOAT", "STRING", "COMBO")
 CONTROL_VALUES = {"fixed", "increment", "decrement", "randomize"}
@@ -184,6 +185,8 @@ def test_ui_workflow_matches_node_schemas(comfy_env, name):
     expected_files = REAL_FILES
     if "turbo" in name:
         expected_files = REAL_FILES - {"qwen_image_2.1_int8_convrot.safetensors"} | {TURBO_FILE}
+    if "gguf" in name:
+        expected_files = REAL_FILES - {"qwen_image_2.1_int8_convrot.safetensors"} | {GGUF_FILE}
     assert files - {LORA_FILE, CONTROLNET_FILE} == expected_files and (LORA_FILE in files) == ("lora" in name)
     assert (CONTROLNET_FILE in files) == ("controlnet" in name)
     link_ids = set()

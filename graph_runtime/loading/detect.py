@@ -183,3 +183,25 @@ def detect_checkpoint(path: str | os.PathLike) -> str:
     """Name what a .safetensors file is ("qwen-image-2.1-transformer", "qwen-image-2.1-vae", "qwen3vl-text-encoder",
     "qwen-image-1.x-transformer", "sdxl-unet", "flux-transformer", "wan-vae", "sd-vae", ..., "unknown")."""
     return inspect_checkpoint(path).kind
+
+
+# ComfyUI-GGUF's `general.architecture` strings -> what the file is; a file without one (stable-diffusion.cpp's) is
+# classified from its tensor names, as ComfyUI-GGUF does.
+GGUF_ARCHITECTURES = {
+    "qwen_image21": QWEN21_TRANSFORMER,
+    "qwen_image": "qwen-image-1.x-transformer",
+    "flux": "flux-transformer",
+    "sdxl": "sdxl-unet",
+    "sd1": "sd-unet",
+    "t5": "t5-text-encoder",
+    "t5encoder": "t5-text-encoder",
+    "qwen2vl": "qwen2.5vl-text-encoder",
+    "llama": "llm-text-encoder",
+}
+
+
+def inspect_gguf_shapes(arch: str | None, shapes: Mapping[str, tuple]) -> CheckpointInfo:
+    """Classify a GGUF file from its architecture string and {tensor name (prefix stripped): shape}."""
+    if arch in (None, "pig"):
+        return replace(inspect_shapes(shapes), quantized="gguf")
+    return CheckpointInfo(kind=GGUF_ARCHITECTURES.get(arch, "unknown"), layout="comfyui", quantized="gguf")

@@ -15,6 +15,7 @@ from .checks import require_kind
 from .comfy_layout import text_encoder_from_comfy_state_dict
 from .config_infer import check_config_values, infer_text_encoder_config
 from .detect import QWEN3VL_TEXT_ENCODER
+from .gguf_files import is_gguf
 from .int8_files import install_int8_layers, read_weights, unquantized_shapes
 from .processor import ACCEPTED_TOKENIZER_FOLDERS, load_processor, tokenizer_folder, tokenizer_folder_near
 from .sources import resolve
@@ -90,7 +91,8 @@ def _tie_head(model) -> None:
 
 def load_text_encoder(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
                       device: str | torch.device = "cpu", tokenizer_dir: str | os.PathLike | None = None,
-                      quantized: str = KEEP_INT8, dequantize_device=None):
+                      quantized: str = KEEP_INT8, dequantize_device=None,
+                      vision: str | os.PathLike | None = None):
     """Load `(Qwen3VLForConditionalGeneration, Qwen3VLProcessor)`; the model in eval mode, gradients off.
 
     `path`: a diffusers pipeline folder (text_encoder/ + processor/ or tokenizer/), a text_encoder/ folder, or
@@ -100,10 +102,22 @@ def load_text_encoder(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat
     or next to the file. `quantized` ("int8" or "dequantize"): how an INT8 ConvRot file runs, as in
     `load_transformer`; in int8 mode every quantized Linear and Embedding of the file stays int8 (the conditioning
     is the same hidden state, through int8 GEMMs).
+
+    A `.gguf` `path` is a Qwen3-VL language tower (llama.cpp's names), dequantized to `dtype` at load; `vision` then
+    names the Qwen3-VL safetensors file whose vision tower (and tokenizer search) goes with it
+    (gguf_text_encoder.py).
     """
     from transformers import Qwen3VLForConditionalGeneration
 
     check_mode(quantized)
+    if is_gguf(path):
+        from .gguf_text_encoder import load_gguf_text_encoder
+
+        if vision is None:
+            raise CheckpointError(path, "is a GGUF language tower without its vision tower: name the Qwen3-VL "
+                                        "safetensors file to take it from.", EXPECTED)
+        return load_gguf_text_encoder(path, vision, EXPECTED, dtype, device, quantized, dequantize_device,
+                                      lambda source, given: _resolve_processor(source, given, tokenizer_dir))
     given = Path(path).expanduser()
     source = resolve(given, "text_encoder", EXPECTED)
     config = _folder_config(source) if source.config is not None else None

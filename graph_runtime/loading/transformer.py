@@ -14,13 +14,15 @@ from .checks import require_kind
 from .comfy_layout import transformer_comfy_key, transformer_from_comfy_state_dict
 from .config_infer import check_config_values, config_values, infer_transformer_config
 from .detect import QWEN21_TRANSFORMER
+from .gguf_files import is_gguf
 from .int8_files import install_int8_layers, read_weights, unquantized_shapes
 from .sources import resolve
 
 BF16_FILE = "qwen_image_2.1_bf16.safetensors"
 INT8_FILE = "qwen_image_2.1_int8_convrot.safetensors"
 EXPECTED = (f"a Qwen-Image-2.1 transformer: ComfyUI's models/diffusion_models/{INT8_FILE} or {BF16_FILE} (or their "
-            "Turbo twins), a diffusers pipeline folder (with transformer/), or a diffusers transformer/ folder")
+            "Turbo twins), a ComfyUI-GGUF qwen_image21 .gguf file, a diffusers pipeline folder (with transformer/), "
+            "or a diffusers transformer/ folder")
 CLASS_NAME = "QwenImage21Transformer2DModel"
 BLOCKS = "transformer_blocks."
 
@@ -59,13 +61,20 @@ def keeps_int8(module_name: str) -> bool:
 
 
 def transformer_is_quantized(path: str | os.PathLike) -> bool:
-    """Whether the transformer checkpoint at `path` holds quantized layers (INT8 ConvRot); reads headers only, and
-    a missing or broken file raises the CheckpointError its load would."""
-    return resolve(path, "transformer", EXPECTED).info.quantized is not None
+    """Whether the transformer checkpoint at `path` holds INT8 ConvRot layers; reads headers and records only, and
+    a missing or broken file raises the CheckpointError its load would. A GGUF file loads as float weights."""
+    if is_gguf(path):
+        return False
+    source = resolve(path, "transformer", EXPECTED)
+    if source.info.quantized is None:
+        return False
+    # FP8 layers are dequantized at load: only int8 ones make it an INT8 file
+    return any(not layer.is_float8 for layer in read_layers(source.files, source.header, EXPECTED).values())
 
 
 def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
-                     device: str | torch.device = "cpu", quantized: str = KEEP_INT8, dequantize_device=None):
+                     device: str | torch.device = "cpu", quantized: str = KEEP_INT8, dequantize_device=None,
+                     gguf_int8_on=None):
     """Load `diffusers.QwenImage21Transformer2DModel` in eval mode, gradients off.
 
     `path`: a diffusers pipeline folder (its transformer/ is used), a transformer/ folder, or one .safetensors file in
@@ -76,10 +85,17 @@ def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat1
     `quantized` says how an INT8 ConvRot file runs (a float file loads the same either way): "int8" keeps the
     blocks' weights int8 (ConvRotInt8Linear: half the memory, W8A8 through comfy-kitchen); "dequantize" expands
     every quantized layer once, on `dequantize_device` (default: `device`), into ordinary `dtype` weights.
+
+    A `.gguf` file (ComfyUI-GGUF's `qwen_image21` layout) is dequantized at load into ordinary `dtype` weights; with
+    `gguf_int8_on` (a device) the blocks' Linears become INT8 ConvRot block by block as they are read.
     """
     from diffusers import QwenImage21Transformer2DModel
 
     check_mode(quantized)
+    if is_gguf(path):  # dequantized at load into `dtype` weights (gguf_transformer.py)
+        from .gguf_transformer import load_gguf_transformer
+
+        return load_gguf_transformer(path, dtype, device, EXPECTED, gguf_int8_on)
     source = resolve(path, "transformer", EXPECTED)
     if source.config is not None:
         _check_folder_config(source)

@@ -21,8 +21,13 @@ from ..safetensors_file import iter_tensors
 from .int8_convrot import group_size_problem
 
 INT8_TENSORWISE = "int8_tensorwise"
-SUPPORTED_FORMATS = (INT8_TENSORWISE,)
+# FP8 layers (ComfyUI's "fp8 scaled" files): an e4m3 / e5m2 weight times its `.weight_scale`. They are dequantized at
+# load (the precision then quantizes the float weights as it does a bf16 file's).
+FLOAT8_FORMATS = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
+SUPPORTED_FORMATS = (INT8_TENSORWISE, *FLOAT8_FORMATS)
 RECORD, SCALE, WEIGHT = ".comfy_quant", ".weight_scale", ".weight"
+INPUT_SCALE = ".input_scale"  # an FP8 layer's activation scale: not needed once the weight is dequantized
+LEGACY_FP8_MARKER = "scaled_fp8"
 DEFAULT_GROUP_SIZE = 256  # what ComfyUI assumes when a record says convrot without a group size
 _FLOAT_DTYPES = ("F32", "BF16", "F16")
 
@@ -40,6 +45,10 @@ class LayerQuant:
     @property
     def describe(self) -> str:
         return describe_format(self.format, self.convrot, self.group_size)
+
+    @property
+    def is_float8(self) -> bool:
+        return self.format in FLOAT8_FORMATS
 
 
 def describe_format(fmt: str, convrot: bool, group_size: int) -> str:
@@ -68,8 +77,9 @@ def _layer_quant(record: dict, prefix: str, path, expected) -> LayerQuant:
     key = prefix + RECORD
     fmt = record.get("format")
     if fmt not in SUPPORTED_FORMATS:
-        raise CheckpointError(path, f"quantizes {prefix} as {fmt!r} ({key}); KV-Graph runs ComfyUI's "
-                                    f"{INT8_TENSORWISE} (INT8 ConvRot) files only.", expected)
+        raise CheckpointError(path, f"quantizes {prefix} as {fmt!r} ({key}), a format KV-Graph cannot read; it reads "
+                                    f"ComfyUI's {INT8_TENSORWISE} (INT8 ConvRot) and float8_e4m3fn / float8_e5m2 "
+                                    "(FP8 scaled) records.", expected)
     params = record.get("params") if isinstance(record.get("params"), dict) else {}
     convrot = bool(record.get("convrot", params.get("convrot", False)))
     group = record.get("convrot_groupsize", params.get("convrot_groupsize", DEFAULT_GROUP_SIZE))
@@ -86,6 +96,10 @@ def read_layers(files: list[Path], header, expected: str | None = None) -> dict[
     int8 weight needs a record and every scale a record. Raises CheckpointError naming the file and the key."""
     tensors = header.tensors
     path = header.path
+    legacy = next((k for k in tensors if k.rsplit(".", 1)[-1] == LEGACY_FP8_MARKER), None)
+    if legacy is not None:
+        raise CheckpointError(path, f"is an older scaled-FP8 file ({legacy}, *.scale_weight), a format KV-Graph cannot "
+                                    "read; ComfyUI's float8_e4m3fn comfy_quant files and the bf16 file load.", expected)
     records = [k for k in tensors if k.endswith(RECORD)]
     blobs = dict(iter_tensors(files, names=records)) if records else {}
     layers: dict[str, LayerQuant] = {}
@@ -95,9 +109,11 @@ def read_layers(files: list[Path], header, expected: str | None = None) -> dict[
         weight, scale = tensors.get(prefix + WEIGHT), tensors.get(prefix + SCALE)
         if weight is None:
             raise CheckpointError(path, f"has {key} but no {prefix + WEIGHT}.", expected)
-        if weight.dtype != "I8" or len(weight.shape) != 2:
+        stored = FLOAT8_FORMATS.get(layer.format, "I8")
+        if weight.dtype != stored or len(weight.shape) != 2:
+            what = "an int8" if stored == "I8" else f"a {stored}"
             raise CheckpointError(path, f"has {prefix + WEIGHT} of {weight.dtype} {list(weight.shape)} where {key} "
-                                        "promises an int8 [out, in] weight.", expected)
+                                        f"promises {what} [out, in] weight.", expected)
         if scale is None:
             raise CheckpointError(path, f"has no {prefix + SCALE} for the int8 weight {prefix + WEIGHT} ({key}): "
                                         "the file is incomplete.", expected)
@@ -114,6 +130,8 @@ def read_layers(files: list[Path], header, expected: str | None = None) -> dict[
         if key.endswith(SCALE) and key[: -len(SCALE)] not in layers:
             raise CheckpointError(path, f"has {key} without {key[: -len(SCALE)] + RECORD}: a scaled format KV-Graph "
                                         f"does not read (only {INT8_TENSORWISE} records with their scales).", expected)
+        if key.endswith(INPUT_SCALE) and key[: -len(INPUT_SCALE)] not in layers:
+            raise CheckpointError(path, f"has {key} without {key[: -len(INPUT_SCALE)] + RECORD}.", expected)
         if info.dtype in ("I8", "U8") and not key.endswith(RECORD) and not (
                 key.endswith(WEIGHT) and key[: -len(WEIGHT)] in layers):
             raise CheckpointError(path, f"has the {info.dtype} tensor {key} without a quantization record "

@@ -16,6 +16,31 @@ from ...graph_runtime.errors import CheckpointError
 from ...graph_runtime.loading.paths import find_in_folders
 
 DIFFUSERS = "diffusers"
+GGUF = ".gguf"
+# ComfyUI-GGUF's loaders list `unet` and `clip` (on current ComfyUI other names for diffusion_models and
+# text_encoders): a folder registered under those names alone is searched too.
+ALSO_SEARCHED = {"diffusion_models": ("unet",), "text_encoders": ("clip",)}
+
+
+def folder_roots(folder: str) -> list[str]:
+    roots = []
+    for name in (folder, *ALSO_SEARCHED.get(folder, ())):
+        try:
+            roots += [r for r in folder_paths.get_folder_paths(name) if r not in roots]
+        except Exception:  # noqa: BLE001 - a folder name this ComfyUI does not register
+            continue
+    return roots
+
+
+def gguf_choices(folder: str) -> list[str]:
+    """The .gguf files under `folder`'s model folders (ComfyUI lists only its own extensions there unless
+    ComfyUI-GGUF is installed), relative to their folder, sorted."""
+    found = set()
+    for root in folder_roots(folder):
+        for dirpath, _, files in os.walk(root, followlinks=True):
+            found.update(os.path.relpath(os.path.join(dirpath, f), root).replace(os.sep, "/")
+                         for f in files if f.lower().endswith(GGUF))
+    return sorted(found)
 
 
 def file_choices(folder: str, default: str, *known: str) -> list[str]:
@@ -26,13 +51,15 @@ def file_choices(folder: str, default: str, *known: str) -> list[str]:
         names = list(folder_paths.get_filename_list(folder))
     except Exception:  # an unknown folder name in an unusual ComfyUI setup: offer the known names only
         names = []
+    if folder in ALSO_SEARCHED:
+        names += gguf_choices(folder)
     first = list(dict.fromkeys((default, *known)))
-    return first + [n for n in names if n not in first]
+    return first + list(dict.fromkeys(n for n in names if n not in first))
 
 
 def full_path(folder: str, name: str, input_name: str) -> str:
     """The file `name` in ComfyUI's `folder` model folders (symlinks inside them followed, as ComfyUI does)."""
-    roots = folder_paths.get_folder_paths(folder)
+    roots = folder_roots(folder)
     path = find_in_folders(roots, name, input_name=input_name, folder=folder)
     if path is None:
         searched = ", ".join(roots) or f"models/{folder}"
@@ -83,3 +110,9 @@ def bundled_tokenizer_dir() -> str | None:
         if os.path.isdir(path):
             return path
     return None
+
+
+def files_in(folder: str) -> list[str]:
+    """Every file under `folder`'s model folders (full paths)."""
+    return [os.path.join(dirpath, f) for root in folder_roots(folder)
+            for dirpath, _, files in os.walk(root, followlinks=True) for f in files]

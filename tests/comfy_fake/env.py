@@ -13,14 +13,17 @@ from . import FakeComfy, load_pack, unload_pack, write_tokenizer
 
 @functools.lru_cache(maxsize=None)
 def tiny_model_dirs() -> tuple[Path, Path]:
-    """(models dir with ComfyUI's single files, bf16 and INT8 ConvRot, + a diffusers folder, folder holding
+    """(models dir with ComfyUI's single files, bf16, INT8 ConvRot and GGUF, + a diffusers folder, folder holding
     qwen25_tokenizer), written once per test process."""
-    from graph_runtime.tiny import write_comfyui_files, write_comfyui_int8_files, write_diffusers_folder
+    from graph_runtime.tiny import (build_tiny_components, write_comfyui_files, write_comfyui_int8_files,
+                                    write_diffusers_folder)
+    from graph_runtime.tiny_gguf import write_comfyui_gguf_files
 
     root = Path(tempfile.mkdtemp(prefix="kvgraph-nodes-"))
     models = root / "models"
     write_comfyui_files(models)
     write_comfyui_int8_files(models)
+    write_comfyui_gguf_files(models, build_tiny_components(0)["transformer"])
     write_diffusers_folder(models / "diffusers" / "qwen-image-2.1-tiny")
     tokenizer_parent = root / "text_encoders"
     write_tokenizer(tokenizer_parent)

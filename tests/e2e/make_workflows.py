@@ -36,6 +36,9 @@ VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
 LORA_FILE = "qwen_image_2.1_lora.safetensors"
 # The ControlNet workflows' file in models/model_patches (`make-tiny --comfyui-models` writes a tiny one under it).
 CONTROLNET_FILE = "qwen_image_2.1_fun_controlnet_union.safetensors"
+# The GGUF example's transformer: a ComfyUI-GGUF Q8_0 file (`make-tiny --comfyui-models` writes a tiny one under
+# this name, so the example runs as shipped on the tiny files).
+GGUF_FILE = "qwen_image_2.1-Q8_0.gguf"
 BF16_ALTERNATIVES = {TRANSFORMER_FILE: "qwen_image_2.1_bf16.safetensors",
                      TURBO_TRANSFORMER_FILE: "qwen_image_2.1_turbo_bf16.safetensors",
                      TEXT_ENCODER_FILE: "qwen3vl_8b_bf16.safetensors"}
@@ -149,6 +152,17 @@ OUTPUTS["MarkdownNote"] = []
 
 
 def files_note(transformer: str) -> str:
+    if transformer == GGUF_FILE:
+        return (
+            "## Model files\n\n"
+            f"The transformer is a ComfyUI-GGUF file (`{GGUF_FILE}` stands for yours: any `qwen_image21` `.gguf` in "
+            "`models/diffusion_models` or `models/unet`, Q8_0, Q4_K_M, ...), with ComfyUI's own text encoder and "
+            f"VAE:\n\n- `text_encoders/{TEXT_ENCODER_FILE}`\n- `vae/{VAE_FILE}`\n\n"
+            "The GGUF weights are dequantized once, at load; `precision` **auto** then quantizes them to INT8 "
+            "ConvRot where the pack's INT8 GEMM runs (bf16 elsewhere), so every step runs at the 8-bit rate "
+            "instead of dequantizing each layer per step (docs/quantized.md). The text encoder's bf16 file works "
+            f"too (`{BF16_ALTERNATIVES[TEXT_ENCODER_FILE]}`)."
+        )
     return (
         "## Model files\n\n"
         "The loaders default to the INT8 ConvRot files ComfyUI's own Qwen-Image-2.1 templates download:\n\n"
@@ -457,6 +471,10 @@ WORKFLOWS = {
     # The VAE's alpha channel kept: an edit asked to remove the background, saved as a transparent PNG.
     "qwen_image_2.1_remove_background": remove_background(graph(
         "remove_background", "Remove the background of image 1, keep the red teapot.", references=1)),
+    # A ComfyUI-GGUF transformer, dequantized at load onto the int8 path; laid out as the text-to-image example.
+    "qwen_image_2.1_gguf": graph(
+        "gguf", "A capybara wearing a wizard hat, reading a spell book by candlelight, oil painting.",
+        transformer=GGUF_FILE, transformer_title="Load transformer (GGUF)"),
     "qwen_image_2.1_edit_five_references": five_references(graph(
         "five_references", "Put the objects from images 2, 3, 4 and 5 on the table in image 1, side by side, "
         "matching its lighting.", references=5)),
@@ -499,6 +517,8 @@ CARDS = {
         "Qwen-Image-2.1 core LoRA", "Core LoRA loader", "Core's Load LoRA on the KV-Graph MODEL"),
     "qwen_image_2.1_remove_background": Card(
         "Qwen-Image-2.1 transparent PNG", "Remove background", "A transparent PNG from the VAE's alpha"),
+    "qwen_image_2.1_gguf": Card(
+        "Qwen-Image-2.1 GGUF file", "GGUF transformer", "A ComfyUI-GGUF file, run at the int8 rate"),
     "qwen_image_2.1_edit_five_references": Card(
         "Qwen-Image-2.1 five references", "Five references", "Put the objects of images 2 to 5 into image 1"),
     "qwen_image_2.1_step_cache": Card(

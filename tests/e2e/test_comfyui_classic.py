@@ -178,3 +178,26 @@ def test_cache_status_node_and_release_route(server):
     assert server.status()["loaded"] == []
     server.run(load_api_workflow(EXAMPLES[0], seed=701))
     assert transformer_status(server)["loads"] == 2  # released, so read from disk once more
+
+
+def test_the_transformer_loader_lists_gguf_files(server):
+    """ComfyUI lists only its own extensions in diffusion_models; the loader's dropdown adds the .gguf files there
+    (the GGUF example's, written by make-tiny), each once."""
+    spec = server.get("/object_info/KVGraphLoadTransformer")["KVGraphLoadTransformer"]["input"]["required"][
+        "transformer_name"]
+    options = spec[0] if isinstance(spec[0], list) else spec[1]["options"]  # the old and the COMBO spelling
+    assert "qwen_image_2.1-Q8_0.gguf" in options and "qwen_image_2.1-Q4_0.gguf" in options
+    assert len(options) == len(set(options))
+
+
+def test_a_gguf_language_tower_runs_in_the_text_to_image_example(server):
+    """The text encoder loader lists make-tiny's GGUF language tower and, picked in the text-to-image example, it
+    encodes with the vision tower of ComfyUI's Qwen3-VL file beside it; the image is made."""
+    spec = server.get("/object_info/KVGraphLoadTextEncoder")["KVGraphLoadTextEncoder"]["input"]["required"][
+        "text_encoder_name"]
+    options = spec[0] if isinstance(spec[0], list) else spec[1]["options"]
+    assert "qwen3vl_8b-Q8_0.gguf" in options
+    prompt = load_api_workflow("qwen_image_2.1_text_to_image", seed=12)
+    node_of(prompt, "KVGraphLoadTextEncoder")["inputs"]["text_encoder_name"] = "qwen3vl_8b-Q8_0.gguf"
+    images = server.output_images(server.run(prompt))
+    assert len(images) == 1 and images[0].is_file()
