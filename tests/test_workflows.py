@@ -405,6 +405,17 @@ def test_each_card_has_a_title_a_person_reads_as_one():
         assert title != name
 
 
+def test_a_headline_wider_than_the_thumbnail_is_refused():
+    """A headline that would run off the thumbnail's right edge (the card shows it cut mid-word) is refused, naming
+    the card; the shipped headlines all fit (each thumbnail is drawn by the test below)."""
+    import workflow_cards
+
+    name = EXAMPLES[0]
+    long = workflow_cards.Card(make_workflows.card(name).title, "Skip layer guidance", "too long a headline")
+    with pytest.raises(ValueError, match="Skip layer guidance.*shorten it"):
+        workflow_cards.draw_thumbnail(long, make_workflows.WORKFLOWS[name][0], make_workflows.INPUTS)
+
+
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_thumbnails_are_what_make_workflows_draws(name):
     """Each thumbnail is the square JPEG the script draws for the example (compared as pixels: a JPEG decoder may

@@ -506,7 +506,7 @@ CARDS = {
     "qwen_image_2.1_edit_custom_sampler": Card(
         "Qwen-Image-2.1 custom sampler", "Custom sampler", "SamplerCustomAdvanced with KV-Graph Sigmas"),
     "qwen_image_2.1_skip_layer_guidance": Card(
-        "Qwen-Image-2.1 skip layers", "Skip layer guidance", "Core's SkipLayerGuidanceDiT with KSampler"),
+        "Qwen-Image-2.1 skip layers", "Skip layers", "Core's SkipLayerGuidanceDiT with KSampler"),
     "qwen_image_2.1_inpaint": Card(
         "Qwen-Image-2.1 inpainting", "Inpainting", "Paint anew where the image is transparent"),
     "qwen_image_2.1_controlnet": Card(
@@ -514,11 +514,11 @@ CARDS = {
     "qwen_image_2.1_controlnet_inpaint": Card(
         "Qwen-Image-2.1 CN inpainting", "CN inpainting", "The Fun ControlNet paints the masked area"),
     "qwen_image_2.1_core_lora": Card(
-        "Qwen-Image-2.1 core LoRA", "Core LoRA loader", "Core's Load LoRA on the KV-Graph MODEL"),
+        "Qwen-Image-2.1 core LoRA", "Core LoRA", "Core's Load LoRA on the KV-Graph MODEL"),
     "qwen_image_2.1_remove_background": Card(
-        "Qwen-Image-2.1 transparent PNG", "Remove background", "A transparent PNG from the VAE's alpha"),
+        "Qwen-Image-2.1 transparent PNG", "No background", "A transparent PNG from the VAE's alpha"),
     "qwen_image_2.1_gguf": Card(
-        "Qwen-Image-2.1 GGUF file", "GGUF transformer", "A ComfyUI-GGUF file, run at the int8 rate"),
+        "Qwen-Image-2.1 GGUF file", "GGUF file", "A ComfyUI-GGUF file, run at the int8 rate"),
     "qwen_image_2.1_edit_five_references": Card(
         "Qwen-Image-2.1 five references", "Five references", "Put the objects of images 2 to 5 into image 1"),
     "qwen_image_2.1_step_cache": Card(

@@ -173,7 +173,13 @@ def draw_thumbnail(card: Card, nodes, inputs: Path):
     image = _background()
     draw = ImageDraw.Draw(image)
     # The top-left corner stays free: the 1.58 template browser puts a "Node graph" badge there.
-    draw.text((MARGIN, 72), card.headline, font=font(58), fill=TEXT, stroke_width=1, stroke_fill=TEXT)
+    headline = font(58)
+    right = draw.textbbox((MARGIN, 72), card.headline, font=headline, stroke_width=1)[2]
+    if right > SIDE - MARGIN:
+        # Drawn anyway it would run off the picture, cut mid-word on the card.
+        raise ValueError(f"card {card.title!r}: headline {card.headline!r} is {right - MARGIN} px wide at size 58, "
+                         f"the thumbnail has room for {SIDE - 2 * MARGIN}: shorten it")
+    draw.text((MARGIN, 72), card.headline, font=headline, fill=TEXT, stroke_width=1, stroke_fill=TEXT)
     description = font(30)
     y = 146
     for line in wrap(draw, card.description, description, SIDE - 2 * MARGIN, 2):

@@ -62,17 +62,14 @@ MIN_SIZE = {
     "CFGGuider": (210, 98),
     "SamplerCustomAdvanced": (250, 106),
     "SetLatentNoiseMask": (200, 50),
-    # Sized as the nodes above with as many rows: one combo with the ControlNet file's long name; six sockets and
-    # three number widgets.
     "KVGraphLoadControlNet": (480, 58),
-    "KVGraphApplyControlNet": (270, 210),
-    # Not measured in a frontend yet: sized as the nodes above with one socket and three (four) widget rows.
-    "KVGraphStepCache": (300, 106),
-    "EasyCache": (300, 130),
+    "KVGraphApplyControlNet": (210, 210),
+    "KVGraphStepCache": (210, 106),
+    "EasyCache": (210, 130),
     "LoraLoaderModelOnly": (340, 82),
-    "JoinImageWithAlpha": (200, 50),
+    "JoinImageWithAlpha": (210, 50),  # its title is what needs the width
     "KVGraphSaveImage": (330, 230),
-    "SkipLayerGuidanceDiT": (270, 178),  # one socket row and six widgets
+    "SkipLayerGuidanceDiT": (210, 178),
 }
 # The encode node's reference sockets grow as they are connected: MIN_SIZE holds its height with as many sockets as it
 # has outputs (3), and each socket beyond those takes one more row.
