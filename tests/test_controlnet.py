@@ -306,3 +306,26 @@ def test_python_block_patches_with_a_controlnet_are_refused_on_the_controlled_st
         assert run.counts.calls == 1 and run.counts.prefills == 0
         fn(x, torch.tensor([0.6]), src, run=run)
         assert run.counts.calls == 2 and run.counts.prefills == 1
+
+
+def test_the_control_stream_runs_the_attention_kernel_the_step_chose(models, generator, monkeypatch):
+    """With the step on FlashAttention-3 (its semantics emulated on the CPU), the control blocks and the base blocks
+    of the controlled prefix pass run it too, as every block of the plain step and prefix pass does: per decode step
+    4 base + 2 control blocks, and in the prefix pass (text only: one segment) 3 base blocks (the last only writes
+    K/V) + 2 control blocks. The result is the reference's within ATOL."""
+    from graph_runtime.decode import attention
+    from tests.test_attention_choice import _fa3_on_cpu
+
+    calls = []
+
+    def recording_fa3(q, k, v, causal=False):
+        calls.append(causal)
+        return _fa3_on_cpu(q, k, v, causal)
+
+    monkeypatch.setattr(attention, "choose",
+                        lambda device, dtype, requested, loader: (attention.Fa3Attention(recording_fa3), None))
+    ours, ref, _, engine = _trajectory(models, generator, 0.8, "eager", steps=2)
+    assert engine.step.variant().startswith("fa3")
+    assert len(calls) == (3 + 2) + 2 * (4 + 2)
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert (a - b).abs().max().item() <= ATOL, f"step {i + 1}"
