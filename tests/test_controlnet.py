@@ -279,3 +279,53 @@ def test_skipped_blocks_with_a_controlnet_are_refused(models, generator):
     with torch.no_grad(), pytest.raises(InputError, match="SkipLayerGuidance together with a ControlNet"):
         engine.prefill(layout, latents, embeds.embeds, torch.full((1,), 0.7), with_target=False,
                        control=ControlledPrefix(net, (0, 2), _tokens(8, 6), 0.8), skip=frozenset({1}))
+
+
+def test_python_block_patches_with_a_controlnet_are_refused_on_the_controlled_steps(models, generator):
+    """A core sampler's call with Python block patches (an eager patched step over the blocks alone) inside the
+    ControlNet's range is refused naming both, before any controlled prefix is made: the patched step has no control
+    stream, so the net would silently not act. Outside the range the patched step runs (eager, counted), and the same
+    run decodes the next unpatched controlled call."""
+    from graph_runtime.core_model import ModelFunction, SamplingRun
+    from graph_runtime.core_model.patches import ARBITRARY, CallPatches
+    from graph_runtime.decode.block_patches import BlockPatches
+    from graph_runtime.errors import InputError
+    from tests.test_core_model import source
+
+    transformer, net = models
+    embeds = generator.encoder.encode("a red cube on a table")
+    engine = DecodeEngine(transformer, backend=RecordingBackend())
+    patches = CallPatches(python=BlockPatches(replace={1: lambda args, extra: extra["original_block"](args)}))
+    x = torch.randn(1, 64, 8, 6, generator=torch.Generator().manual_seed(2))
+    fn, src = ModelFunction(engine), source(embeds)
+    with SamplingRun(engine, "eager", control=_spec(net, sigma_start=0.9, sigma_end=0.3)) as run:
+        fn(x, torch.tensor([1.0]), src, run=run, patches=patches)  # outside the range: the patched eager step
+        assert run.counts.eager[ARBITRARY] == 1
+        with pytest.raises(InputError, match="Python block or attention patches together with a ControlNet"):
+            fn(x, torch.tensor([0.6]), src, run=run, patches=patches)
+        assert run.counts.calls == 1 and run.counts.prefills == 0
+        fn(x, torch.tensor([0.6]), src, run=run)
+        assert run.counts.calls == 2 and run.counts.prefills == 1
+
+
+def test_the_control_stream_runs_the_attention_kernel_the_step_chose(models, generator, monkeypatch):
+    """With the step on FlashAttention-3 (its semantics emulated on the CPU), the control blocks and the base blocks
+    of the controlled prefix pass run it too, as every block of the plain step and prefix pass does: per decode step
+    4 base + 2 control blocks, and in the prefix pass (text only: one segment) 3 base blocks (the last only writes
+    K/V) + 2 control blocks. The result is the reference's within ATOL."""
+    from graph_runtime.decode import attention
+    from tests.test_attention_choice import _fa3_on_cpu
+
+    calls = []
+
+    def recording_fa3(q, k, v, causal=False):
+        calls.append(causal)
+        return _fa3_on_cpu(q, k, v, causal)
+
+    monkeypatch.setattr(attention, "choose",
+                        lambda device, dtype, requested, loader: (attention.Fa3Attention(recording_fa3), None))
+    ours, ref, _, engine = _trajectory(models, generator, 0.8, "eager", steps=2)
+    assert engine.step.variant().startswith("fa3")
+    assert len(calls) == (3 + 2) + 2 * (4 + 2)
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        assert (a - b).abs().max().item() <= ATOL, f"step {i + 1}"

@@ -67,3 +67,44 @@ def test_a_unet_attention_replace_is_refused_before_the_first_step(comfy_env, se
         core_sample(comfy_env, sag, positive, latent, sigmas_node(comfy_env, model, latent), 1, calls.append)
     assert calls == []
     assert pack_module(comfy_env, "graph_runtime.in_flight").runs() == [] and not handle.loaded.busy
+
+
+def test_a_step_cache_wrapper_and_skipped_blocks_together(comfy_env, setup):
+    """EasyCache (a DIFFUSION_MODEL wrapper) with SkipLayerGuidance's replace on the same MODEL: the wrapper gets the
+    options holding the replace, the steps it answers make no transformer call (counted as skipped), and the steps it
+    passes on skip the block through the skipped-block prefix (one prefill, no Python-patched step): the result
+    differs from the same cache without the replace."""
+    import comfy.patcher_extension as ext
+
+    handle, model, positive, _, latent = setup
+    sigmas = sigmas_node(comfy_env, model, latent, steps=4)
+    seen = []
+
+    def with_cache(patcher):
+        last = {}
+
+        def cache(executor, *args, **kwargs):  # what a step cache does: every second call answered from the last one
+            seen.append(("single_block", 1) in args[-1].get("patches_replace", {}).get("dit", {}))
+            if len(seen) % 2 == 0:
+                return args[0] + last["diff"]
+            out = executor(*args, **kwargs)
+            last["diff"] = out - args[0]
+            return out
+
+        clone = patcher.clone()
+        clone.add_wrapper_with_key(ext.WrappersMP.DIFFUSION_MODEL, "test", cache)
+        return clone
+
+    both = with_cache(patched(model, patches_replace={"dit": {("single_block", 1): skip}}))
+    engine = handle.engine
+    runs, before = [], engine.stats.snapshot()
+    cached = core_sample(comfy_env, both, positive, latent, sigmas, seed=3,
+                         during=lambda options: runs.append(options[pack_module(comfy_env, "nodes.comfyui.core_model")
+                                                                    .RUN]))
+    assert seen == [True] * 4 and engine.stats.delta(before)["skipped_steps"] == 2
+    counts = runs[0].counts
+    arbitrary = pack_module(comfy_env, "graph_runtime.core_model.patches").ARBITRARY
+    assert counts.calls == 2 and counts.prefills == 1 and arbitrary not in counts.eager
+    seen.clear()
+    cache_only = core_sample(comfy_env, with_cache(model), positive, latent, sigmas, seed=3)
+    assert seen == [False] * 4 and float((cached - cache_only).abs().max()) > 1e-3

@@ -120,3 +120,26 @@ def test_cores_fun_controlnet_patches_run_as_the_packs_node(comfy_env, setup):
     dit["dit"] = {("single_block", i): QwenImage21FunControlBlockPatch(state) for i in (0, 1)}
     core = core_sample(comfy_env, patched, positive, latent, kv_sigmas(comfy_env, transformer, latent), 7)
     assert (core - ours).abs().max().item() <= ATOL
+
+
+def test_python_block_patches_with_the_controlnet_are_refused_before_the_first_step(comfy_env, setup):
+    """A MODEL with the ControlNet (acting from half-way) and a Python attention patch (run in an eager step over the
+    blocks alone, without the control stream) stops the sampling call before any model call, naming both, rather
+    than after the steps before the net's range; nothing of the run is left and the model samples on."""
+    import copy
+
+    from test_nodes_core_model import pack_module
+
+    transformer, vae, positive, latent, net = setup
+    controlled = apply(comfy_env, transformer.model, net, vae, start_percent=0.5)
+    patched = controlled.clone()
+    patched.model_options = copy.deepcopy(controlled.model_options)
+    options = patched.model_options.setdefault("transformer_options", {})
+    options.setdefault("patches", {})["attn1_patch"] = [lambda q, k, v, extra_options: (q, k, v)]
+    sigmas = kv_sigmas(comfy_env, transformer, latent)
+    calls = []
+    with pytest.raises(Exception, match="Python block or attention patches together with a ControlNet") as caught:
+        core_sample(comfy_env, patched, positive, latent, sigmas, 7, calls.append)
+    assert type(caught.value).__name__ == "InputError" and calls == []
+    assert pack_module(comfy_env, "graph_runtime.in_flight").runs() == [] and not transformer.loaded.busy
+    core_sample(comfy_env, controlled, positive, latent, sigmas, 7)

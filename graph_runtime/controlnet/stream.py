@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..decode.attention import PrefixMask
 from ..decode.step import TargetDecodeBlock
 from ..placement import block_on_device
 from .model import CONTROL_CHANNELS, FunControlNet
@@ -108,8 +109,10 @@ class BlockResiduals:
     def start(self, step, x: torch.Tensor, modulation: torch.Tensor, inputs) -> "_StepRun":
         """Begin one decode step: the stream's target rows from the embedded target rows `x`."""
         net = self.net
+        blocks = _decode_blocks(net, step.kernels)
+        step.use_attention(blocks, x.device, x.dtype)  # the kernel the step's own blocks run (FlashAttention-3 or SDPA)
         stream = net.before_proj(net.control_img_in(self.tokens)) + x
-        return _StepRun(self, _decode_blocks(net, step.kernels), stream, modulation, inputs)
+        return _StepRun(self, blocks, stream, modulation, inputs)
 
 
 class _StepRun:
@@ -157,19 +160,23 @@ class ControlledPrefix:
         strength = torch.full((1,), float(self.strength), dtype=torch.float32, device=x.device)
         base = step.prefix_blocks()
         control = _decode_blocks(net, True)
+        # As the plain prefix pass (`run_prefix_blocks`): the step's kernel, and the mask with its segments (which
+        # FlashAttention-3 runs one segment at a time; a bare dense mask would send it to SDPA).
+        step.use_attention([*base, *control], x.device, x.dtype)
+        mask = PrefixMask(inputs.mask, inputs.segments)
         stream = net.before_proj(torch.zeros_like(x)) + x
         index = {layer: j for j, layer in enumerate(layers)}
         pending, last = None, len(base) - 1
         for i, (block, k_rows, v_rows) in enumerate(zip(base, inputs.k, inputs.v)):
             with block_on_device(block.block):
                 x, pending = block(x, pending, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True,
-                                   inputs.mask, kv_only=i == last)
+                                   mask, kv_only=i == last)
             j = index.get(i)
             if j is None:
                 continue
             # The last base block's output is not kept, so neither is what would be added to it.
             stream, handed = control[j](stream, None, inputs.modulation, inputs.cos, inputs.sin, k[j], v[j], 0, True,
-                                        inputs.mask, kv_only=i == last)
+                                        mask, kv_only=i == last)
             if i == last:
                 continue
             stream = settle(stream, handed)

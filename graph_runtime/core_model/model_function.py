@@ -23,6 +23,10 @@ from .run import SamplingRun
 
 logger = logging.getLogger("kvgraph")
 
+# Python block patches run in an eager step over the blocks alone, without a ControlNet's stream beside them.
+PATCHES_WITH_CONTROL = ("Python block or attention patches together with a ControlNet",
+                        "one of the two on a KV-Graph MODEL")
+
 NO_RUN = ("called outside a sampling run (no sampler set one up), so its prefix is computed for this call alone and "
           "released after it")
 
@@ -67,9 +71,7 @@ class ModelFunction:
             controlled = run.controlled(sigma)
             if patches.eager:
                 if controlled:
-                    # The eager patched step runs the blocks alone, without the ControlNet's stream beside them.
-                    raise InputError("model", "Python block or attention patches together with a ControlNet",
-                                     "one of the two on a KV-Graph MODEL")
+                    raise InputError("model", *PATCHES_WITH_CONTROL)
                 output = self._patched(x, source, run, (height, width), hidden, timestep, patches)
                 run.count(sigma, "eager", ARBITRARY)
             else:

@@ -26,6 +26,7 @@ import comfy.supported_models_base
 
 from ...graph_runtime.comfy_interop.latents import LATENT_CHANNELS, latent_stats, normalized_to_raw, raw_to_normalized
 from ...graph_runtime.core_model import ModelFunction, PrefixSource, SamplingRun
+from ...graph_runtime.core_model.model_function import PATCHES_WITH_CONTROL
 from ...graph_runtime.core_model.step_cache import StepsWithoutCalls
 from ...graph_runtime.core_model.patches import check_supported, read_patches
 from ...graph_runtime.errors import InputError, KVGraphError
@@ -257,6 +258,9 @@ def sampling_run_wrapper(executor, noise, latent_image, sampler, sigmas, *args, 
     if control is not None and core_control is not None:
         raise InputError("model", "a KV-Graph ControlNet and core's Fun ControlNet", "one ControlNet per model")
     control = control or core_control
+    if control is not None and read_patches(without_core_control(options),
+                                            len(model.diffusion_model.transformer_blocks)).eager:
+        raise InputError("model", *PATCHES_WITH_CONTROL)  # at once, not after the steps before the net's range
     if control is not None:
         control.tokens(*latent_image.shape[-2:])  # the VAE encodes before the first model call, not inside a step
     run = SamplingRun(model.engine, on_first_call=lambda: model.loaded.loras_in_use(loras), control=control)

@@ -187,6 +187,7 @@ class TransformerHandle(ModelHandle):
             raise InputError("model", "a KV-Graph transformer with a ControlNet applied already",
                              "one without (one KV-Graph Apply ControlNet per model)")
         return dataclasses.replace(self, control=spec, base=self.base or self)
+
     def with_step_cache(self, settings) -> "TransformerHandle":
         """The same loaded model, sampled with a step cache of `settings` (this handle is left as it is)."""
         return dataclasses.replace(self, step_cache=settings, base=self.base or self)

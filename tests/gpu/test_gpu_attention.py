@@ -114,6 +114,34 @@ def test_fa3_step_matches_sdpa_step_within_bf16_rounding(model, references):
     assert _rel(outs["fa3"], outs["sdpa"]) < STEP_REL
 
 
+def test_a_controlled_fa3_step_matches_sdpa_and_its_control_blocks_run_fa3(model):
+    """A Fun ControlNet's controlled prefix pass and replayed step on an FA3 engine agree with an SDPA engine's
+    within bf16 rounding (relative error < 1e-2), and the control blocks run the engine's kernel (the control stream
+    runs the kernel the step chose, as the base blocks do)."""
+    from graph_runtime.controlnet.stream import ControlledPrefix
+    from graph_runtime.controlnet.tiny import random_tiny_controlnet
+
+    net = random_tiny_controlnet(seed=5, num_blocks=1, config=dict(model.config), scale=2.0).to("cuda", torch.bfloat16)
+    inputs = _inputs(model, references=0)
+    branch = inputs.branches[0]
+    tokens = torch.randn(1, inputs.latents.shape[1], 129, generator=torch.Generator().manual_seed(11))
+    tokens = tokens.to("cuda", torch.bfloat16)
+    outs = {}
+    for choice in ("fa3", "sdpa"):
+        engine = DecodeEngine(model, attention=choice)
+        control = ControlledPrefix(net, (0,), tokens, 0.8)
+        _, prefix = engine.prefill(branch.layout, inputs.hidden_all, branch.embeds, inputs.timestep,
+                                   with_target=False, control=control)
+        engine.decode_step(prefix, inputs.latents, inputs.timestep, "graph")
+        outs[choice] = engine.decode_step(prefix, inputs.latents, inputs.timestep, "graph").output
+        wrappers = [b for blocks in net.__dict__["_decode_blocks"].values() for b in blocks]
+        assert wrappers and {b.attention_backend.name for b in wrappers} == {choice}
+        prefix.release()
+        engine.release()
+    print(f"controlled FA3 vs SDPA: step rel. error {_rel(outs['fa3'], outs['sdpa']):.2e}")
+    assert _rel(outs["fa3"], outs["sdpa"]) < STEP_REL
+
+
 def test_fp8_norm_rope_kernel_writes_e4m3_within_its_rounding():
     """The q/k norm + RoPE + K/V write kernel in its e4m3 form: q and k (normed, rotated) and v, each over its
     per-head scale, equal the bf16 kernel's values to e4m3 rounding (3 mantissa bits: half a step is 2^-4 of the
