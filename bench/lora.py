@@ -22,7 +22,6 @@ import argparse
 import datetime
 import json
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -33,6 +32,7 @@ import torch
 from graph_runtime.lora import LoraChoice, LoraFile, LoraMerge, WeightPatch
 
 from .model import build_transformer
+from .options import standalone_start
 from .paths import OursPath, PathSpec
 from .runner import _prefixes, _select_scenarios
 from .scenarios import build_inputs
@@ -134,13 +134,11 @@ def main(argv=None) -> int:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny 2-block model (a CPU smoke run)")
     args = parser.parse_args(argv)
-    if args.device != "cpu" and not torch.cuda.is_available():
-        print("bench.lora: no CUDA device; run with --device cpu --tiny for a smoke run", file=sys.stderr)
+    start = standalone_start("bench.lora", args.device, argv)
+    if start is None:
         return 2
+    command, dtype = start
     started = time.perf_counter()
-    argv_used = sys.argv[1:] if argv is None else argv
-    command = "python -m bench.lora " + " ".join(shlex.quote(a) for a in argv_used)
-    dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
     transformer = build_transformer(tiny=args.tiny, layers=args.layers, device=args.device, dtype=dtype)
     loras = [random_lora(transformer, args.rank, seed) for seed in (1, 2)]
     merges = merge_times(transformer, loras, args.device)

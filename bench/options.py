@@ -1,4 +1,22 @@
-"""Command-line options of `python -m bench`."""
+"""Command-line options of `python -m bench` and the start its stand-alone benchmarks (`bench.lora`,
+`bench.step_cache`) share."""
+
+import shlex
+import sys
+
+import torch
+
+
+def standalone_start(prog: str, device: str, argv) -> tuple[str, torch.dtype] | None:
+    """The command line to write into the results (`argv`: what `main` was given, None: the process's own) and the
+    weights' dtype (bf16 on a GPU, fp32 for a CPU smoke run); None, said on stderr, where `device` needs CUDA and
+    there is none."""
+    if device != "cpu" and not torch.cuda.is_available():
+        print(f"{prog}: no CUDA device; run with --device cpu --tiny for a smoke run", file=sys.stderr)
+        return None
+    used = sys.argv[1:] if argv is None else argv
+    command = f"python -m {prog} " + " ".join(shlex.quote(a) for a in used)
+    return command, torch.bfloat16 if device != "cpu" else torch.float32
 
 
 def add_bench_arguments(parser) -> None:

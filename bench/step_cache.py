@@ -26,7 +26,6 @@ import argparse
 import datetime
 import json
 import platform
-import shlex
 import statistics
 import sys
 import time
@@ -40,6 +39,7 @@ from graph_runtime.sampling.sampler import SamplingRequest, sample
 from graph_runtime.sampling.step_cache import StepCacheSettings
 
 from .model import build_transformer
+from .options import standalone_start
 from .scenarios import TEXT_TOKENS
 from .timing import wall_s
 
@@ -160,13 +160,11 @@ def main(argv=None) -> int:
     parser.add_argument("--comfyui", default=None, metavar="DIR",
                         help="a ComfyUI checkout: also run core's EasyCache with KSampler on the pack's MODEL")
     args = parser.parse_args(argv)
-    if args.device != "cpu" and not torch.cuda.is_available():
-        print("bench.step_cache: no CUDA device; run with --device cpu --tiny for a smoke run", file=sys.stderr)
+    start = standalone_start("bench.step_cache", args.device, argv)
+    if start is None:
         return 2
+    command, dtype = start
     started = time.perf_counter()
-    argv_used = sys.argv[1:] if argv is None else argv
-    command = "python -m bench.step_cache " + " ".join(shlex.quote(a) for a in argv_used)
-    dtype = torch.bfloat16 if args.device != "cpu" else torch.float32
     transformer = build_transformer(tiny=args.tiny, layers=args.layers, device=args.device, dtype=dtype)
     loaded = LoadedTransformer(transformer)  # one engine (one set of graphs) for both samplers
     embeds = prompt_embeds(transformer, args.device)
