@@ -31,9 +31,16 @@ def write_fp8_scaled_transformer(state_dict, path: str | os.PathLike, input_scal
                             lambda key: ".transformer_blocks." in key, input_scales)
 
 
-def write_fp8_scaled(comfy_state_dict, path: str | os.PathLike, select, input_scales: bool = True):
-    """A state dict in a ComfyUI file's names -> an fp8-scaled file: each 2-D `.weight` whose key `select` takes in
-    FP8 with its scale and record, the rest bf16."""
+def fp8_layer(weight: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{key suffix: tensor} of one FP8 scaled layer."""
+    q, scale = quantize_fp8(weight)
+    return {".weight": q, ".weight_scale": scale, ".comfy_quant": fp8_record()}
+
+
+def write_fp8_scaled(comfy_state_dict, path: str | os.PathLike, select, input_scales: bool = True, layer=fp8_layer):
+    """A state dict in a ComfyUI file's names -> a mixed-precision file: each 2-D `.weight` whose key `select` takes
+    becomes the tensors `layer(weight)` gives ({suffix: tensor}: FP8 with its scale and record by default), the rest
+    bf16."""
     from pathlib import Path
 
     from .tiny import save_safetensors
@@ -42,8 +49,7 @@ def write_fp8_scaled(comfy_state_dict, path: str | os.PathLike, select, input_sc
     for key, value in comfy_state_dict.items():
         if key.endswith(".weight") and select(key) and value.dim() == 2:
             prefix = key[: -len(".weight")]
-            out[key], out[prefix + ".weight_scale"] = quantize_fp8(value)
-            out[prefix + ".comfy_quant"] = fp8_record()
+            out.update({prefix + suffix: t for suffix, t in layer(value).items()})
             if input_scales:
                 out[prefix + ".input_scale"] = torch.ones((), dtype=torch.float32)
         else:

@@ -62,9 +62,10 @@ def _with_record(fp8_file, tmp_path, record: dict, name: str):
     return path, key[: -len(".comfy_quant")]
 
 
-@pytest.mark.parametrize("fmt", ["nvfp4", "mxfp8", "awq_w4a16"])
+@pytest.mark.parametrize("fmt", ["convrot_w4a4", "asym_w4a8_int8", "no_such_format"])
 def test_formats_that_cannot_be_read_are_named(fp8_file, tmp_path, fmt):
-    """A record of a format KV-Graph cannot read names the file, the layer and the format."""
+    """A record of a format KV-Graph cannot read (comfy-kitchen's W4A4 / W4A8 ones, an unknown name) names the file,
+    the layer and the format."""
     path, prefix = _with_record(fp8_file, tmp_path, {"format": fmt}, f"{fmt}.safetensors")
     with pytest.raises(CheckpointError) as excinfo:
         load_transformer(path, dtype=F32)

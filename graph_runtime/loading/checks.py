@@ -11,7 +11,7 @@ from .sources import WeightSource
 # The dtypes a weight of these models can be stored in (cast to the load dtype as they are read).
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 # Quantized layers' int8 weights and their uint8 records, which `quantized.read_layers` checks key by key.
-QUANTIZED_DTYPES = ("I8", "U8")
+QUANTIZED_DTYPES = ("I8", "U8", "F8_E8M0")  # F8_E8M0: MXFP8 block scales
 _SHOW = 3
 
 

@@ -26,7 +26,7 @@ from .comfy_layout import text_encoder_from_comfy_state_dict
 from .config_infer import infer_text_encoder_config
 from .detect import QWEN3VL_TEXT_ENCODER
 from .gguf_files import ARCH_FIELD, GGUFFile
-from .int8_files import install_int8_layers, read_weights, unquantized_shapes
+from .int8_files import install_int8_layers, meta_weights, read_weights
 from .sources import resolve
 
 logger = logging.getLogger(__name__)
@@ -94,9 +94,8 @@ def load_gguf_text_encoder(path: str | os.PathLike, vision_path: str | os.PathLi
     layers = read_layers(source.files, source.header, expected)
     processor = processor_for(source, given) if processor_for else None
 
-    meta = source.header.meta_state_dict()
     vision_shapes = {k: tuple(v.shape) for k, v in text_encoder_from_comfy_state_dict(
-        {k: meta[k] for k in unquantized_shapes(source.header.shapes, layers) if _is_vision(k)}).items()}
+        meta_weights(source.header.shapes, layers, _is_vision)).items()}
     if not vision_shapes:
         raise CheckpointError(vision_path, "has no vision tower (model.visual.* tensors) to pair with the GGUF "
                                            f"language tower {Path(path).name}.", expected)

@@ -24,7 +24,10 @@ from ..errors import CheckpointError
 from ..quantized import (
     DEQUANTIZE, ConvRotInt8Embedding, ConvRotInt8Linear, LayerQuant, dequantize_weight, read_layers,
 )
-from ..quantized.comfy_quant import INPUT_SCALE, RECORD, SCALE, WEIGHT, check_scale
+from ..quantized import block_formats
+from ..quantized.comfy_quant import (
+    FLOAT8_FORMATS, INPUT_SCALE, RECORD, SCALE, WEIGHT, check_scale, sidecar_keys, weight_shape,
+)
 from ..quantized.int8_convrot import per_row_scale
 from ..safetensors_file import iter_tensors, owned
 
@@ -39,13 +42,25 @@ class LoadedWeights:
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)
     int8_layers: dict[str, tuple[torch.Tensor, torch.Tensor, LayerQuant]] = field(default_factory=dict)
     dequantized: int = 0  # quantized layers turned into float weights
-    float8: int = 0  # the file's FP8 layers (always dequantized: there is no FP8 weight path from a file)
+    # {format: the file's layers of it}, for the formats always dequantized at load (FP8, NVFP4, MXFP8, W4A16/AWQ:
+    # there is no path from a file's layer of these to our int8 or FP8 layers)
+    at_load: dict[str, int] = field(default_factory=dict)
 
 
 def unquantized_shapes(shapes: Mapping[str, tuple], layers: Mapping[str, LayerQuant]) -> dict[str, tuple]:
-    """The header without the records and scales: the shapes the model's own state dict must match."""
-    sidecars = {p + suffix for p in layers for suffix in (RECORD, SCALE, INPUT_SCALE)}
-    return {k: v for k, v in shapes.items() if k not in sidecars}
+    """The header without the records and scales, and a packed weight at its float shape: the shapes the model's own
+    state dict must match."""
+    sidecars = {k for layer in layers.values() for k in sidecar_keys(layer, shapes)}
+    out = {k: tuple(v) for k, v in shapes.items() if k not in sidecars}
+    for prefix, layer in layers.items():
+        if prefix + WEIGHT in out:
+            out[prefix + WEIGHT] = weight_shape(layer, out[prefix + WEIGHT])
+    return out
+
+
+def meta_weights(shapes: Mapping[str, tuple], layers: Mapping[str, LayerQuant], keep=lambda key: True):
+    """`unquantized_shapes` as meta tensors, for the key maps and config inference (no data read)."""
+    return {k: torch.empty(v, device="meta") for k, v in unquantized_shapes(shapes, layers).items() if keep(k)}
 
 
 def read_weights(source, layers: Mapping[str, LayerQuant], key_map: KeyMap, dtype: torch.dtype, device,
@@ -60,11 +75,12 @@ def read_weights(source, layers: Mapping[str, LayerQuant], key_map: KeyMap, dtyp
     loaded = LoadedWeights()
     scales = {}
     layers = {p: layer for p, layer in layers.items() if keep(p + WEIGHT)}
-    for name, tensor in iter_tensors(source.files, device=device, names=[p + SCALE for p in layers]):
+    int8 = {p: layer for p, layer in layers.items() if not layer.dequantized_at_load}
+    for name, tensor in iter_tensors(source.files, device=device, names=[p + SCALE for p in int8]):
         check_scale(tensor, source.path, name, expected)
         scales[name[: -len(SCALE)]] = tensor
-    wanted = [k for k in source.header.tensors if not k.endswith((RECORD, SCALE)) and keep(k)
-              and not (k.endswith(INPUT_SCALE) and k[: -len(INPUT_SCALE)] in layers)]
+    sidecars = {k for layer in layers.values() for k in sidecar_keys(layer, source.header.tensors)}
+    wanted = [k for k in source.header.tensors if k not in sidecars and not k.endswith((RECORD, SCALE)) and keep(k)]
     # Not owned as read: each tensor is cast, dequantized or copied out of the file's map below, once.
     for name, tensor in iter_tensors(source.files, device=device, names=wanted, own=False):
         layer = layers.get(name[: -len(WEIGHT)]) if name.endswith(WEIGHT) else None
@@ -72,17 +88,19 @@ def read_weights(source, layers: Mapping[str, LayerQuant], key_map: KeyMap, dtyp
             cast = tensor.is_floating_point() and tensor.dtype != dtype
             loaded.tensors.update(key_map({name: tensor.to(dtype) if cast else owned(tensor)}))
             continue
+        if layer.dequantized_at_load:
+            # dequantized whole under the file's name, then mapped: a map that splits rows (the fused gate_up) must
+            # not split a packed weight from block scales laid out another way
+            at = dequantize_device or tensor.device
+            weight = _dequantize_at_load(source, layer, tensor.to(at), dtype, expected)
+            loaded.tensors.update(key_map({name: weight.to(tensor.device)}))
+            loaded.at_load[layer.format] = loaded.at_load.get(layer.format, 0) + 1
+            loaded.dequantized += 1
+            continue
         scale = per_row_scale(scales.pop(layer.prefix), tensor.shape[0])
         parts, part_scales = key_map({name: tensor}), key_map({name: scale})
-        loaded.float8 += layer.is_float8  # per layer of the file (a fused gate_up is one)
         for key, q in parts.items():
             module_name = key[: -len(WEIGHT)]
-            if layer.is_float8:
-                at = dequantize_device or q.device
-                weight = q.to(at).float() * part_scales[key].to(at)
-                loaded.tensors[key] = weight.to(dtype).to(q.device)
-                loaded.dequantized += 1
-                continue
             if mode != DEQUANTIZE and not layer.full_precision and keep_int8(module_name):
                 loaded.int8_layers[module_name] = (owned(q), part_scales[key], layer)
                 continue
@@ -90,10 +108,36 @@ def read_weights(source, layers: Mapping[str, LayerQuant], key_map: KeyMap, dtyp
             weight = dequantize_weight(q.to(at), part_scales[key].to(at), layer.group_size, layer.convrot, dtype)
             loaded.tensors[key] = weight.to(q.device)
             loaded.dequantized += 1
-    if loaded.float8:
-        logger.info("KV-Graph: %s: %d FP8 layers dequantized to %s at load (the precision then treats them as a float "
-                    "file's weights)", source.path, loaded.float8, str(dtype).removeprefix("torch."))
+    for fmt, count in sorted(loaded.at_load.items()):
+        # the same line ComfyUI users know from FP8 files, for each format the file holds
+        label = "FP8" if fmt in FLOAT8_FORMATS else block_formats.LABELS[fmt]
+        logger.info("KV-Graph: %s: %d %s layers dequantized to %s at load (the precision then treats them as a float "
+                    "file's weights: `auto` makes them int8 where our INT8 GEMM runs, else they stay %s)",
+                    source.path, count, label, str(dtype).removeprefix("torch."), str(dtype).removeprefix("torch."))
     return loaded
+
+
+def _dequantize_at_load(source, layer: LayerQuant, weight: torch.Tensor, dtype: torch.dtype, expected):
+    """One FP8 / block-format layer as a float weight of `dtype`, on the weight's device; its sidecars are read here
+    (a few per layer), and scales that are not finite or all zero raise a CheckpointError naming the key."""
+    if layer.is_float8:
+        names = {"scale": layer.prefix + SCALE}
+    else:
+        names = block_formats.sidecars(layer.format, layer.prefix, source.header.tensors)
+    parts = {}
+    for name, tensor in iter_tensors(source.files, device=weight.device, names=list(names.values())):
+        role = next(r for r, key in names.items() if key == name)
+        # the scales (not AWQ's zero points, which may all be 0); fp8 / e8m0 block scales are checked by the result
+        if role in ("scale", "scale_2") and tensor.is_floating_point() and tensor.element_size() > 1:
+            check_scale(tensor, source.path, name, expected)
+        parts[role] = tensor
+    if layer.is_float8:
+        return (weight.float() * per_row_scale(parts["scale"], weight.shape[0]).float()).to(dtype)
+    out = block_formats.dequantize(layer.format, weight, parts, layer.group_size, dtype)
+    if not bool(torch.isfinite(out).all()):
+        raise CheckpointError(source.path, f"dequantizes {layer.prefix + WEIGHT} ({layer.format}) to NaN or infinite "
+                                           "values: a damaged file.", expected)
+    return out
 
 
 def install_int8_layers(model: torch.nn.Module, int8_layers, path, expected: str,

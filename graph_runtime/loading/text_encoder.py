@@ -16,7 +16,7 @@ from .comfy_layout import text_encoder_from_comfy_state_dict
 from .config_infer import check_config_values, infer_text_encoder_config
 from .detect import QWEN3VL_TEXT_ENCODER
 from .gguf_files import is_gguf
-from .int8_files import install_int8_layers, read_weights, unquantized_shapes
+from .int8_files import install_int8_layers, meta_weights, read_weights
 from .processor import ACCEPTED_TOKENIZER_FOLDERS, load_processor, tokenizer_folder, tokenizer_folder_near
 from .sources import resolve
 
@@ -123,9 +123,8 @@ def load_text_encoder(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat
     config = _folder_config(source) if source.config is not None else None
     require_kind(source, QWEN3VL_TEXT_ENCODER, EXPECTED, BF16_FILE, quantized_ok=True)
     layers = read_layers(source.files, source.header, EXPECTED)
-    meta = source.header.meta_state_dict()
     mapped_shapes = {k: tuple(v.shape) for k, v in text_encoder_from_comfy_state_dict(
-        {k: meta[k] for k in unquantized_shapes(source.header.shapes, layers)}).items()}
+        meta_weights(source.header.shapes, layers)).items()}
     if config is None:
         config = infer_text_encoder_config(mapped_shapes, source.path, EXPECTED)
     else:

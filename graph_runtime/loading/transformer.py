@@ -15,7 +15,7 @@ from .comfy_layout import transformer_comfy_key, transformer_from_comfy_state_di
 from .config_infer import check_config_values, config_values, infer_transformer_config
 from .detect import QWEN21_TRANSFORMER
 from .gguf_files import is_gguf
-from .int8_files import install_int8_layers, read_weights, unquantized_shapes
+from .int8_files import install_int8_layers, meta_weights, read_weights, unquantized_shapes
 from .sources import resolve
 
 BF16_FILE = "qwen_image_2.1_bf16.safetensors"
@@ -68,8 +68,8 @@ def transformer_is_quantized(path: str | os.PathLike) -> bool:
     source = resolve(path, "transformer", EXPECTED)
     if source.info.quantized is None:
         return False
-    # FP8 layers are dequantized at load: only int8 ones make it an INT8 file
-    return any(not layer.is_float8 for layer in read_layers(source.files, source.header, EXPECTED).values())
+    # FP8 and block-format layers are dequantized at load: only int8 ones make it an INT8 file
+    return any(not layer.dequantized_at_load for layer in read_layers(source.files, source.header, EXPECTED).values())
 
 
 def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
@@ -103,9 +103,8 @@ def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat1
     layers = read_layers(source.files, source.header, EXPECTED)
 
     file_shapes = unquantized_shapes(source.header.shapes, layers)
-    meta = source.header.meta_state_dict()
     mapped_shapes = {k: tuple(v.shape) for k, v in
-                     transformer_from_comfy_state_dict({k: meta[k] for k in file_shapes}).items()}
+                     transformer_from_comfy_state_dict(meta_weights(source.header.shapes, layers)).items()}
     # errors about a ComfyUI file name its own keys (prefixed, gate_up fused)
     prefix = source.info.prefix
     file_key = (lambda k: transformer_comfy_key(k, prefix)) if source.info.layout == "comfyui" else (lambda k: k)

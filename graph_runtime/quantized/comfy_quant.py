@@ -18,13 +18,15 @@ import torch
 
 from ..errors import CheckpointError
 from ..safetensors_file import iter_tensors
+from .block_formats import BLOCK_FORMATS, check_layer, group_size, logical_shape, sidecars
 from .int8_convrot import group_size_problem
 
 INT8_TENSORWISE = "int8_tensorwise"
 # FP8 layers (ComfyUI's "fp8 scaled" files): an e4m3 / e5m2 weight times its `.weight_scale`. They are dequantized at
 # load (the precision then quantizes the float weights as it does a bf16 file's).
 FLOAT8_FORMATS = {"float8_e4m3fn": "F8_E4M3", "float8_e5m2": "F8_E5M2"}
-SUPPORTED_FORMATS = (INT8_TENSORWISE, *FLOAT8_FORMATS)
+# comfy-kitchen's W4A16/AWQ, NVFP4 and MXFP8 layers: dequantized at load by comfy-kitchen (block_formats.py).
+SUPPORTED_FORMATS = (INT8_TENSORWISE, *FLOAT8_FORMATS, *BLOCK_FORMATS)
 RECORD, SCALE, WEIGHT = ".comfy_quant", ".weight_scale", ".weight"
 INPUT_SCALE = ".input_scale"  # an FP8 layer's activation scale: not needed once the weight is dequantized
 LEGACY_FP8_MARKER = "scaled_fp8"
@@ -39,7 +41,7 @@ class LayerQuant:
     prefix: str
     format: str
     convrot: bool
-    group_size: int
+    group_size: int  # the ConvRot group (int8), or the AWQ quantization group (awq_w4a16)
     full_precision: bool = False  # "full_precision_matrix_mult": dequantize, do not run the int8 GEMM
 
     @property
@@ -49,6 +51,12 @@ class LayerQuant:
     @property
     def is_float8(self) -> bool:
         return self.format in FLOAT8_FORMATS
+
+    @property
+    def dequantized_at_load(self) -> bool:
+        """FP8 and comfy-kitchen's block formats: there is no path from a file's layer of these to our int8 or FP8
+        layers, so the loaders dequantize them into float weights."""
+        return self.format != INT8_TENSORWISE
 
 
 def describe_format(fmt: str, convrot: bool, group_size: int) -> str:
@@ -78,8 +86,10 @@ def _layer_quant(record: dict, prefix: str, path, expected) -> LayerQuant:
     fmt = record.get("format")
     if fmt not in SUPPORTED_FORMATS:
         raise CheckpointError(path, f"quantizes {prefix} as {fmt!r} ({key}), a format KV-Graph cannot read; it reads "
-                                    f"ComfyUI's {INT8_TENSORWISE} (INT8 ConvRot) and float8_e4m3fn / float8_e5m2 "
-                                    "(FP8 scaled) records.", expected)
+                                    f"ComfyUI's {INT8_TENSORWISE} (INT8 ConvRot), float8_e4m3fn / float8_e5m2 "
+                                    f"(FP8 scaled) and {' / '.join(BLOCK_FORMATS)} records.", expected)
+    if fmt in BLOCK_FORMATS:
+        return LayerQuant(prefix=prefix, format=fmt, convrot=False, group_size=group_size(record))
     params = record.get("params") if isinstance(record.get("params"), dict) else {}
     convrot = bool(record.get("convrot", params.get("convrot", False)))
     group = record.get("convrot_groupsize", params.get("convrot_groupsize", DEFAULT_GROUP_SIZE))
@@ -106,6 +116,10 @@ def read_layers(files: list[Path], header, expected: str | None = None) -> dict[
     for key in sorted(records):
         prefix = key[: -len(RECORD)]
         layer = _layer_quant(parse_record(blobs[key], path, key, expected), prefix, path, expected)
+        if layer.format in BLOCK_FORMATS:
+            check_layer(layer.format, prefix, layer.group_size, tensors, path, expected)
+            layers[prefix] = layer
+            continue
         weight, scale = tensors.get(prefix + WEIGHT), tensors.get(prefix + SCALE)
         if weight is None:
             raise CheckpointError(path, f"has {key} but no {prefix + WEIGHT}.", expected)
@@ -126,7 +140,10 @@ def read_layers(files: list[Path], header, expected: str | None = None) -> dict[
             raise CheckpointError(path, f"has an unsupported ConvRot group size for {prefix} ({key}): {problem}.",
                                   expected)
         layers[prefix] = layer
+    owned_sidecars = {k for layer in layers.values() for k in sidecar_keys(layer, tensors)}
     for key, info in tensors.items():
+        if key in owned_sidecars:
+            continue
         if key.endswith(SCALE) and key[: -len(SCALE)] not in layers:
             raise CheckpointError(path, f"has {key} without {key[: -len(SCALE)] + RECORD}: a scaled format KV-Graph "
                                         f"does not read (only {INT8_TENSORWISE} records with their scales).", expected)
@@ -137,6 +154,19 @@ def read_layers(files: list[Path], header, expected: str | None = None) -> dict[
             raise CheckpointError(path, f"has the {info.dtype} tensor {key} without a quantization record "
                                         f"({key.rsplit('.', 1)[0] + RECORD}).", expected)
     return layers
+
+
+def sidecar_keys(layer: LayerQuant, tensors) -> list[str]:
+    """The file keys that belong to the layer besides its weight: the record, the scales, optional input scales."""
+    keys = [layer.prefix + RECORD, layer.prefix + SCALE, layer.prefix + INPUT_SCALE]
+    if layer.format in BLOCK_FORMATS:
+        keys += sidecars(layer.format, layer.prefix, tensors).values()
+    return [k for k in keys if k in tensors]
+
+
+def weight_shape(layer: LayerQuant, stored: tuple[int, ...]) -> tuple[int, ...]:
+    """The float weight's shape for a layer stored as `stored` (packed 4-bit formats hold two values a byte)."""
+    return logical_shape(layer.format, stored) if layer.format in BLOCK_FORMATS else stored
 
 
 def check_scale(scale: torch.Tensor, path, key: str, expected: str | None = None) -> None:
