@@ -284,6 +284,7 @@ def cmd_make_tiny(args) -> int:
                        write_comfyui_files, write_comfyui_int8_files, write_diffusers_folder)
     from .tiny_gguf import (comfyui_gguf_paths, comfyui_text_encoder_gguf_path, write_comfyui_gguf_files,
                             write_gguf_language_tower)
+    from .tiny_kitchen import comfyui_kitchen_paths, write_comfyui_kitchen_files
 
     if not args.dir and not args.comfyui_models:
         raise SystemExit("make-tiny needs DIR and/or --comfyui-models DIR")
@@ -292,6 +293,7 @@ def cmd_make_tiny(args) -> int:
         check_writable([*comfyui_file_paths(args.comfyui_models).values(),
                         *comfyui_int8_file_paths(args.comfyui_models).values(),
                         *comfyui_gguf_paths(args.comfyui_models).values(),
+                        *comfyui_kitchen_paths(args.comfyui_models).values(),
                         comfyui_text_encoder_gguf_path(args.comfyui_models),
                         comfyui_lora_path(args.comfyui_models), comfyui_controlnet_path(args.comfyui_models)],
                        args.force)
@@ -307,6 +309,9 @@ def cmd_make_tiny(args) -> int:
         for qtype, path in write_comfyui_gguf_files(args.comfyui_models, parts["transformer"],
                                                     force=args.force).items():
             print(f"wrote transformer (GGUF {qtype}): {path}")
+        # and as ComfyUI mixed-precision files: FP8 scaled, W4A16/AWQ, NVFP4, MXFP8 (dequantized at load)
+        for fmt, path in write_comfyui_kitchen_files(args.comfyui_models, parts["transformer"]).items():
+            print(f"wrote transformer ({fmt}): {path}")
         te_gguf = write_gguf_language_tower(parts["text_encoder"].state_dict(),
                                             comfyui_text_encoder_gguf_path(args.comfyui_models), "Q8_0")
         print(f"wrote text encoder language tower (GGUF Q8_0): {te_gguf}")

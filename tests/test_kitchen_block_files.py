@@ -187,3 +187,26 @@ def test_a_block_format_file_becomes_int8_with_auto_where_int8_runs(files):
     model = load_transformer(files["mxfp8"], dtype=torch.bfloat16)
     apply_precision(model, "int8", device="cpu")
     assert sum(isinstance(m, ConvRotInt8Linear) for m in model.modules()) == 14
+
+
+def test_make_tiny_writes_each_format_and_each_loads(tmp_path, capsys):
+    """`make-tiny --comfyui-models` writes the FP8 scaled, W4A16/AWQ, NVFP4 and MXFP8 transformers into
+    diffusion_models/, and each loads to the bf16 file's weights within its format's rounding (FP8: 2^-4 relative
+    plus 2^-10 of the tensor's amax, as tests/test_fp8_scaled_files.py states it; the bf16 file's own rounding,
+    2^-8 relative, allowed on top)."""
+    from graph_runtime.cli import main
+    from graph_runtime.tiny_kitchen import comfyui_kitchen_paths
+
+    models = tmp_path / "models"
+    assert main(["make-tiny", "--comfyui-models", str(models)]) == 0
+    printed = capsys.readouterr().out
+    bf16 = load_transformer(models / "diffusion_models" / "qwen_image_2.1_bf16.safetensors", dtype=F32).state_dict()
+    for fmt, path in comfyui_kitchen_paths(models).items():
+        assert f"wrote transformer ({fmt}): {path}" in printed
+        for key, value in load_transformer(path, dtype=F32).state_dict().items():
+            if not (key.startswith("transformer_blocks.") and key.endswith(".weight") and value.dim() == 2):
+                continue
+            ref = bf16[key]
+            bound = (ref.abs() * 2.0 ** -4 + 2.0 ** -10 * ref.abs().max() if fmt == "float8_e4m3fn"
+                     else rounding_bound(ref, fmt)) + 2.0 ** -8 * ref.abs()
+            assert bool(((value - ref).abs() <= bound).all()), (fmt, key)
