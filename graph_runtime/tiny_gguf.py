@@ -93,3 +93,156 @@ def write_gguf_language_tower(state_dict, path: str | os.PathLike, qtype: str, a
 
     tensors = {name: v for k, v in state_dict.items() if (name := gguf_language_name(k)) is not None}
     return _write(tensors, path, arch, qtype, lambda name, value, qt: _splits_into_blocks(value, qt))
+
+
+# ------------------------------------------------------------------------------------------------------ K-quants
+# The gguf package reads K-quants but cannot write them (llama.cpp's quantizers are C). These build valid blocks for
+# tests and the benchmark: a simple quantizer for Q4_K and Q6_K (the two types a Q4_K_M file uses for its Linears),
+# following the block layouts of gguf's dequantizers, and blocks of random codes and scales for the other types.
+K_QUANTS = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
+QUANTIZERS = ("Q4_K", "Q6_K")
+QK_K = 256
+
+
+def _f16_at_least(values):
+    """float16 values no smaller than `values` (>= 0): a scale rounded down would clip the block's extremes."""
+    import numpy as np
+
+    out = values.astype(np.float16)
+    low = out.astype(np.float32) < values
+    out[low] = np.nextafter(out[low], np.float16(np.inf))
+    return out
+
+
+def quantize_q4_k(rows):
+    """float32 [n, 256*k] -> Q4_K bytes [n, 144*k]. Per 32-value sub-block s: values d*sc[s]*q - dmin*m[s], q in 0..15,
+    6-bit sc and m. The mins are rounded up and the scales chosen after them, so each sub-block's 16 levels cover its
+    min(x, 0) .. max(x): every weight is within half a step of its level (step <= (range + dmin) / 15 + d)."""
+    import numpy as np
+
+    x = np.asarray(rows, np.float32).reshape(-1, 8, 32)
+    low = np.minimum(x.min(-1), 0)
+    dmin = _f16_at_least((-low).max(-1) / 63)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        m = np.where(dmin[:, None] > 0, np.ceil(-low / dmin.astype(np.float32)[:, None]), 0).clip(0, 63)
+        floor = -dmin.astype(np.float32)[:, None] * m
+        span = x.max(-1) - floor
+        d = _f16_at_least(span.max(-1) / (15 * 63))
+        sc = np.where(d[:, None] > 0, np.ceil(span / (15 * d.astype(np.float32)[:, None])), 0).clip(0, 63)
+        step = d.astype(np.float32)[:, None] * sc
+        q = np.where(step[..., None] > 0, np.round((x - floor[..., None]) / step[..., None]), 0).clip(0, 15)
+    sc, m, q = sc.astype(np.uint8), m.astype(np.uint8), q.astype(np.uint8)
+    scales = np.empty((x.shape[0], 12), np.uint8)
+    scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
+    scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
+    scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    pairs = q.reshape(-1, 4, 2, 32)  # sub-blocks 2j (low nibbles) and 2j+1 (high nibbles) share 32 bytes
+    qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
+    blocks = np.concatenate([d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8), scales, qs], 1)
+    return blocks.reshape(np.asarray(rows).shape[0], -1)
+
+
+def quantize_q6_k(rows):
+    """float32 [n, 256*k] -> Q6_K bytes [n, 210*k]. Per 16-value sub-block s: values d*sc[s]*(q - 32), q in 0..63,
+    int8 sc rounded up so the levels cover the sub-block's amax: every weight within half a step (step <= amax/31 +
+    d)."""
+    import numpy as np
+
+    x = np.asarray(rows, np.float32).reshape(-1, 16, 16)
+    amax = np.abs(x).max(-1)
+    d = _f16_at_least(amax.max(-1) / (31 * 127))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sc = np.where(d[:, None] > 0, np.ceil(amax / (31 * d.astype(np.float32)[:, None])), 0).clip(0, 127)
+        step = d.astype(np.float32)[:, None] * sc
+        q = np.where(step[..., None] > 0, np.round(x / step[..., None]), 0).clip(-32, 31) + 32
+    q = q.astype(np.uint8).reshape(-1, 2, 2, 2, 32)  # [half, high-nibble?, shift pair, 32]: see gguf's Q6_K
+    # element e = h*128 + nib*64 + p (p < 64) takes ql[h*64 + p] >> 4*nib; = h*128 + s*32 + r takes qh[h*32+r] >> 2s
+    flat = q.reshape(-1, 2, 128)
+    ql = np.empty((flat.shape[0], 2, 64), np.uint8)
+    ql[:] = (flat[:, :, :64] & 0x0F) | ((flat[:, :, 64:] & 0x0F) << 4)
+    hi = (flat >> 4).reshape(-1, 2, 4, 32)
+    qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
+    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.astype(np.int8).view(np.uint8),
+                             d.reshape(-1, 1).view(np.uint8)], 1)
+    return blocks.reshape(np.asarray(rows).shape[0], -1)
+
+
+# Where a type's float16 super-block scales sit in its block (the other bytes are codes and small scales: any value
+# is valid), for random blocks with finite, moderate values.
+_F16_OFFSETS = {"Q2_K": (80, 82), "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ2_XXS": (0,),
+                "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "IQ1_S": (0,), "IQ4_NL": (0,),
+                "IQ4_XS": (0,)}
+RANDOM_TYPES = tuple(_F16_OFFSETS) + ("IQ1_M",)
+
+
+def random_blocks(qtype: str, n_blocks: int, seed: int = 0, scale: float = 2.0 ** -10):
+    """`n_blocks` valid blocks of `qtype` (uint8 [n_blocks, type size]): random codes, the float16 scales set to
+    `scale` times a random factor in [1, 2) (IQ1_M packs its scale in the top nibbles of its four 16-bit scales)."""
+    import gguf
+    import numpy as np
+
+    size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][1]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, (n_blocks, size), dtype=np.uint8)
+    d = (scale * (1 + rng.random(n_blocks))).astype(np.float16)
+    if qtype == "IQ1_M":
+        bits = d.view(np.uint16)
+        words = blocks[:, size - 8:].copy().view(np.uint16)
+        for i in range(4):
+            words[:, i] = (words[:, i] & 0x0FFF) | (((bits >> (4 * i)) & 0xF) << 12)
+        blocks[:, size - 8:] = words.view(np.uint8)
+        return blocks
+    for offset in _F16_OFFSETS[qtype]:
+        blocks[:, offset:offset + 2] = d.reshape(-1, 1).view(np.uint8)
+    return blocks
+
+
+def k_quant_bytes(values, qtype: str, seed: int = 0):
+    """A float tensor's bytes in `qtype` as rows of 256 values: quantized for Q4_K / Q6_K, random blocks otherwise.
+    [numel / 256, type size] uint8."""
+    import gguf
+    import numpy as np
+
+    flat = np.asarray(values, np.float32).reshape(-1, QK_K)
+    if qtype == "Q4_K":
+        return quantize_q4_k(flat)
+    if qtype == "Q6_K":
+        return quantize_q6_k(flat)
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
+    return random_blocks(qtype, flat.size // block, seed).reshape(flat.shape[0], -1)
+
+
+def write_k_quant_transformer(state_dict, path: str | os.PathLike, types, arch: str = GGUF_ARCH) -> Path:
+    """A diffusers-named transformer state dict as a ComfyUI-GGUF file whose block Linears are K-quants or IQ types:
+    `types(name, tensor)` gives each block weight's type (or None for F32). Each such weight is stored as rows of 256
+    values with its shape in `comfy.gguf.orig_shape.<name>` (ComfyUI-GGUF's way for tensors reshaped to quantize
+    them). The rest is F32."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from .loading.comfy_layout import COMFY_DIFFUSION_PREFIX, transformer_to_comfy_state_dict
+    from .loading.gguf_files import ORIG_SHAPE_FIELD
+
+    tensors = {k.removeprefix(COMFY_DIFFUSION_PREFIX): v for k, v in transformer_to_comfy_state_dict(state_dict).items()}
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    part = path.with_name(path.name + ".part")
+    writer = gguf.GGUFWriter(path=None, arch=arch)
+    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
+    for seed, (name, value) in enumerate(tensors.items()):
+        values = value.detach().to(torch.float32).numpy()
+        qtype = types(name, value) if name.startswith("transformer_blocks.") and value.numel() % QK_K == 0 else None
+        if qtype is None:
+            writer.add_tensor(name, values, raw_dtype=gguf.GGMLQuantizationType.F32)
+            continue
+        if value.dim() != 2 or value.shape[-1] % QK_K:
+            writer.add_array(ORIG_SHAPE_FIELD + name, list(value.shape))
+        writer.add_tensor(name, np.ascontiguousarray(k_quant_bytes(values, qtype, seed)),
+                          raw_dtype=gguf.GGMLQuantizationType[qtype])
+    writer.write_header_to_file(path=part)
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(part, path)
+    return path

@@ -6,8 +6,10 @@ shape is its GGUF dims reversed (GGUF lists the fastest-varying dimension first)
 `comfy.gguf.orig_shape.<name>` INT32 array gives the original shape (tensors reshaped to quantize them). Small
 tensors (norms, biases) are usually F32 or F16, the Linear weights Q8_0, Q4_K, ...
 
-Every type `gguf.quants.dequantize` knows is read: each tensor is dequantized on its own, with numpy, straight from the
-file's memory map, so the peak stays one tensor above the loaded model. The file is checked before any weight is
+Every type `gguf.quants.dequantize` knows is read, each tensor on its own, so the peak stays one tensor above the loaded
+model: the float, legacy (Q8_0 ... Q5_1) and K-quant types by gguf_torch.py's torch port on the device the loader
+names (the GPU where there is one: its raw bytes are copied there, and only the result is made), the IQ and other types
+by gguf's numpy dequantizers on the CPU, straight from the file's memory map. The file is checked before any weight is
 read: a truncated file, a tensor type the package does not know, or the wrong architecture fail with a CheckpointError
 naming the file and the tensor.
 """
@@ -23,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, DependencyError, shorten
+from . import gguf_torch
 from .detect import COMFY_DIFFUSION_PREFIX
 
 GGUF_SUFFIX = ".gguf"
@@ -165,10 +168,20 @@ class GGUFFile:
                                              f"{gguf_version()} cannot dequantize.", self.expected) from None
         return values.reshape(t.shape)
 
-    def read(self, key: str, dtype: torch.dtype) -> torch.Tensor:
-        """One tensor dequantized and cast to `dtype`, in memory of its own (not the file's map)."""
+    def read(self, key: str, dtype: torch.dtype, at=None) -> torch.Tensor:
+        """One tensor dequantized and cast to `dtype`, in memory of its own (not the file's map). `at` (a device,
+        default the CPU): where a type with a torch port (gguf_torch.py: the float, legacy and K-quant types) is
+        dequantized: its raw bytes go there and only the result is made; the others are dequantized by gguf on the
+        CPU."""
+        t = self.tensors[key]
+        at = torch.device("cpu" if at is None else at)
+        if t.type_name in gguf_torch.PORTS:
+            with warnings.catch_warnings():  # the read-only map: only read from, then copied or dequantized
+                warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+                raw = torch.from_numpy(np.asarray(t.raw.data).reshape(-1).view(np.uint8))
+            return gguf_torch.dequantize(raw.to(at), t.type_name, t.shape).to(dtype)
         values = self.dequantized(key)
         with warnings.catch_warnings():  # a float tensor straight from the read-only map: copied by the cast below
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             tensor = torch.from_numpy(values)
-        return tensor.to(dtype, copy=True)
+        return tensor.to(at).to(dtype, copy=True)

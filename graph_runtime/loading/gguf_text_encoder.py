@@ -111,7 +111,7 @@ def load_gguf_text_encoder(path: str | os.PathLike, vision_path: str | os.PathLi
     install_int8_layers(model, loaded.int8_layers, source.path, expected, output_dtype=dtype)
     start = time.perf_counter()
     for key, name in names.items():
-        loaded.tensors[key] = file.read(name, dtype).to(device)
+        loaded.tensors[key] = file.read(name, dtype, dequantize_device or device).to(device)
     assign_weights(model, loaded.tensors)
     del loaded
     if tied:

@@ -69,12 +69,14 @@ def _block_of(key: str) -> int:
     return int(key.split(".")[1]) if key.startswith("transformer_blocks.") else -1
 
 
-def load_gguf_transformer(path: str | os.PathLike, dtype: torch.dtype, device, expected: str, int8_on=None):
+def load_gguf_transformer(path: str | os.PathLike, dtype: torch.dtype, device, expected: str, int8_on=None,
+                          dequantize_device=None):
     """`diffusers.QwenImage21Transformer2DModel` in `dtype` on `device`, from a GGUF file (see the module docstring).
 
     `int8_on` (a device): the blocks' Linears become INT8 ConvRot as `apply_precision(model, "int8", int8_on)` makes
     them, each block as soon as its weights are read, so the float weights of one block at most are held at a time
-    (the peak stays near the int8 model's size instead of the float model's)."""
+    (the peak stays near the int8 model's size instead of the float model's). `dequantize_device`: where each tensor
+    is dequantized (default `int8_on`, else `device`; a GPU does it in a fraction of the CPU's time)."""
     from diffusers import QwenImage21Transformer2DModel
 
     file = open_gguf_transformer(path, expected)
@@ -95,18 +97,19 @@ def load_gguf_transformer(path: str | os.PathLike, dtype: torch.dtype, device, e
         from ..fp8.convert import install, int8_factory, linear_names, module_at
 
         quantize, names = int8_factory(int8_on), linear_names("int8")
+    at = dequantize_device or int8_on or device
     by_block: dict[int, list[str]] = {}
     for key in file.tensors:
         by_block.setdefault(_block_of(key), []).append(key)
     for index in sorted(by_block):
         tensors = {}
         for key in by_block[index]:
-            tensors.update(transformer_from_comfy_state_dict({key: file.read(key, dtype).to(device)}))
+            tensors.update(transformer_from_comfy_state_dict({key: file.read(key, dtype, at).to(device)}))
         assign_weights(model, tensors)
         del tensors
         if int8_on is not None and index >= 0:
             block = model.transformer_blocks[index]
             install(model, {(index, name): quantize(module_at(block, name)) for name in names})
-    logger.info("KV-Graph: read GGUF %s (%s), dequantized to %s in %.1f s", path, file.describe_types(),
+    logger.info("KV-Graph: read GGUF %s (%s), dequantized on %s to %s in %.1f s", path, file.describe_types(), at,
                 str(dtype).removeprefix("torch."), time.perf_counter() - start)
     return finish(model, path, expected, device)

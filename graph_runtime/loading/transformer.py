@@ -95,7 +95,7 @@ def load_transformer(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat1
     if is_gguf(path):  # dequantized at load into `dtype` weights (gguf_transformer.py)
         from .gguf_transformer import load_gguf_transformer
 
-        return load_gguf_transformer(path, dtype, device, EXPECTED, gguf_int8_on)
+        return load_gguf_transformer(path, dtype, device, EXPECTED, gguf_int8_on, dequantize_device)
     source = resolve(path, "transformer", EXPECTED)
     if source.config is not None:
         _check_folder_config(source)
