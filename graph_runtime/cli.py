@@ -153,12 +153,18 @@ def load_models(args, device: str, precision=None):
         print(f"model: diffusers folder {args.model} ({args.dtype or dtype}, {device})")
         return load_pipeline_folder(args.model, dtype=dtype, device=device)
     if args.transformer:
+        from .loading.gguf_transformer import int8_while_read
+
         print(f"model: single files ({dtype}, {device})")
+        # a GGUF file converted to int8 turns int8 block by block as it is read (the peak stays near the int8
+        # model's size), as the loader node does
+        early = precision is not None and int8_while_read(args.transformer, precision)
         text_encoder, processor = load_text_encoder(args.text_encoder, dtype=dtype, device=device,
                                                     tokenizer_dir=args.tokenizer)
         return QwenImageModels(
             transformer=load_transformer(args.transformer, dtype=dtype, device=device,
-                                         quantized="dequantize" if precision and precision.converts else "int8"),
+                                         quantized="dequantize" if precision and precision.converts else "int8",
+                                         gguf_int8_on=device if early else None),
             vae=load_vae(args.vae, dtype=dtype, device=device),
             text_encoder=text_encoder, processor=processor, scheduler_config=None,
             sources={"transformer": args.transformer, "vae": args.vae, "text_encoder": args.text_encoder},
@@ -215,10 +221,15 @@ def resolve_cli_precision(args, device: str):
     return resolve_precision(args.precision, device, dtype=_model_dtype(args, device), int8_file=int8_file)
 
 
-def apply_cli_precision(transformer, resolved) -> None:
-    """Convert the loaded transformer to the resolved precision (nothing for bf16); prints what was done."""
+def apply_cli_precision(transformer, resolved, converted_while_read: bool = False) -> None:
+    """Convert the loaded transformer to the resolved precision (nothing for bf16, nor for a GGUF file the load made
+    int8 as it read it); prints what was done."""
     from .fp8 import apply_precision
 
+    if converted_while_read:
+        print(f"precision: {resolved.precision} ({resolved.reason}): the GGUF file's block Linears made INT8 block "
+              "by block while it was read")
+        return
     if not resolved.converts:
         print(f"precision: {resolved.describe(transformer)}")
         return
@@ -248,7 +259,9 @@ def cmd_generate(args) -> int:
     start = time.perf_counter()
     precision = resolve_cli_precision(args, checked.device)
     models = load_models(args, checked.device, precision)
-    apply_cli_precision(models.transformer, precision)
+    from .loading.gguf_transformer import int8_while_read
+
+    apply_cli_precision(models.transformer, precision, int8_while_read(args.transformer, precision))
     load_s = time.perf_counter() - start
     from .parallel.plan import check_heads
 

@@ -22,6 +22,7 @@ from ..graph_runtime.loading import (
 from ..graph_runtime.errors import CheckpointError
 from ..graph_runtime.loading.gguf_files import is_gguf
 from ..graph_runtime.loading.gguf_text_encoder import pick_vision_file
+from ..graph_runtime.loading.gguf_transformer import int8_while_read
 from ..graph_runtime.loading.transformer import transformer_is_quantized
 from ..graph_runtime.loading.variant import transformer_variant
 from ..graph_runtime.parallel import GPUS_HELP, check_gpus
@@ -137,14 +138,14 @@ def transformer_handle(path: str, dtype_name: str, scheduler_config: dict | None
     # (`int8` on an INT8 file converts nothing: the file's own int8 weights run).
     quantized = "dequantize" if resolved.converts else int8_weights
     # a GGUF file turns int8 block by block while it is read (a peak near the int8 model's size, not the bf16 one's)
-    int8_while_read = is_gguf(path) and resolved.converts and resolved.precision == "int8"
+    early = int8_while_read(path, resolved)
 
     def load():
         start_kernel_preload()  # started at ComfyUI's start-up already, unless the pack was loaded otherwise
         module = load_transformer(path, dtype=DTYPES[dtype_name], device=mm.unet_offload_device(),
                                   quantized=quantized, dequantize_device=mm.get_torch_device(),
-                                  gguf_int8_on=mm.get_torch_device() if int8_while_read else None)
-        if resolved.converts and not int8_while_read:
+                                  gguf_int8_on=mm.get_torch_device() if early else None)
+        if resolved.converts and not early:
             apply_precision(module, resolved.precision, device=mm.get_torch_device())
         logger.info("KV-Graph: transformer precision: %s", resolved.describe(module))
         info = {"variant": transformer_variant(path), **weights_info(module, quantized),

@@ -21,7 +21,7 @@ from .assemble import assign_weights, build_empty, check_against_model, finish
 from .comfy_layout import transformer_comfy_key, transformer_from_comfy_state_dict
 from .config_infer import infer_transformer_config
 from .detect import DESCRIPTIONS, QWEN21_TRANSFORMER, inspect_gguf_shapes
-from .gguf_files import ARCH_FIELD, GGUFFile
+from .gguf_files import ARCH_FIELD, GGUFFile, is_gguf
 
 logger = logging.getLogger(__name__)
 GGUF_ARCH = "qwen_image21"
@@ -62,6 +62,13 @@ def check_host_memory(file: GGUFFile, dtype: torch.dtype, device, int8: bool = F
         raise KVGraphError(f"KV-Graph: loading {file.path} dequantized to {str(dtype).removeprefix('torch.')} needs "
                            f"{need / 2**30:.2f} GiB of host memory, and {available / 2**30:.2f} GiB is available. "
                            "Nothing was allocated: free host memory, or load it in a smaller dtype.")
+
+
+def int8_while_read(path, resolved) -> bool:
+    """Whether a transformer load should make the blocks INT8 ConvRot as it reads a GGUF file (`resolved`: a
+    ResolvedPrecision): a GGUF file converted to int8, so the peak stays near the int8 model's size rather than
+    the whole dequantized model's. Both the loader node and the command line decide it here."""
+    return path is not None and is_gguf(path) and resolved.converts and resolved.precision == "int8"
 
 
 def _block_of(key: str) -> int:
