@@ -106,65 +106,80 @@ QK_K = 256
 
 def _f16_at_least(values):
     """float16 values no smaller than `values` (>= 0): a scale rounded down would clip the block's extremes."""
-    import numpy as np
+    import torch
 
-    out = values.astype(np.float16)
-    low = out.astype(np.float32) < values
-    out[low] = np.nextafter(out[low], np.float16(np.inf))
-    return out
+    out = values.to(torch.float16)
+    return torch.where(out.float() < values, torch.nextafter(out, torch.full_like(out, float("inf"))), out)
+
+
+def _bytes(*parts):
+    """Per-block fields (uint8 / float16 / int8 tensors, [n, ...]) side by side as uint8 [n, block size]."""
+    import torch
+
+    return torch.cat([p.contiguous().view(torch.uint8).reshape(p.shape[0], -1) for p in parts], 1)
+
+
+def quantize_q8_0(rows):
+    """float [n, 32*k] -> Q8_0 bytes [n, 34*k] (gguf's layout: float16 d = amax / 127, then 32 int8 codes), on the
+    tensor's device."""
+    import torch
+
+    x = rows.float().reshape(-1, 32)
+    d = (x.abs().amax(-1) / 127).to(torch.float16)
+    inv = torch.where(d > 0, 1 / d.float().clamp(min=1e-30), torch.zeros_like(d, dtype=torch.float32))
+    q = torch.round(x * inv[:, None]).clamp(-127, 127).to(torch.int8)
+    return _bytes(d.reshape(-1, 1), q).reshape(rows.shape[0], -1)
 
 
 def quantize_q4_k(rows):
-    """float32 [n, 256*k] -> Q4_K bytes [n, 144*k]. Per 32-value sub-block s: values d*sc[s]*q - dmin*m[s], q in 0..15,
-    6-bit sc and m. The mins are rounded up and the scales chosen after them, so each sub-block's 16 levels cover its
-    min(x, 0) .. max(x): every weight is within half a step of its level (step <= (range + dmin) / 15 + d)."""
-    import numpy as np
+    """float [n, 256*k] -> Q4_K bytes [n, 144*k], on the tensor's device. Per 32-value sub-block s: values
+    d*sc[s]*q - dmin*m[s], q in 0..15, 6-bit sc and m. The mins are rounded up and the scales chosen after them, so
+    each sub-block's 16 levels cover its min(x, 0) .. max(x): every weight is within half a step of its level
+    (step <= (range + dmin) / 15 + d)."""
+    import torch
 
-    x = np.asarray(rows, np.float32).reshape(-1, 8, 32)
-    low = np.minimum(x.min(-1), 0)
-    dmin = _f16_at_least((-low).max(-1) / 63)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        m = np.where(dmin[:, None] > 0, np.ceil(-low / dmin.astype(np.float32)[:, None]), 0).clip(0, 63)
-        floor = -dmin.astype(np.float32)[:, None] * m
-        span = x.max(-1) - floor
-        d = _f16_at_least(span.max(-1) / (15 * 63))
-        sc = np.where(d[:, None] > 0, np.ceil(span / (15 * d.astype(np.float32)[:, None])), 0).clip(0, 63)
-        step = d.astype(np.float32)[:, None] * sc
-        q = np.where(step[..., None] > 0, np.round((x - floor[..., None]) / step[..., None]), 0).clip(0, 15)
-    sc, m, q = sc.astype(np.uint8), m.astype(np.uint8), q.astype(np.uint8)
-    scales = np.empty((x.shape[0], 12), np.uint8)
-    scales[:, 0:4] = sc[:, :4] | ((sc[:, 4:] >> 4) << 6)
-    scales[:, 4:8] = m[:, :4] | ((m[:, 4:] >> 4) << 6)
-    scales[:, 8:12] = (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)
+    x = torch.as_tensor(rows).float().reshape(-1, 8, 32)
+    low = x.amin(-1).clamp(max=0)
+    dmin = _f16_at_least((-low).amax(-1) / 63)
+    dmin32 = dmin.float()[:, None]
+    m = torch.where(dmin32 > 0, torch.ceil(-low / dmin32.clamp(min=1e-30)), 0).clamp(0, 63)
+    floor = -dmin32 * m
+    span = x.amax(-1) - floor
+    d = _f16_at_least(span.amax(-1) / (15 * 63))
+    d32 = d.float()[:, None]
+    sc = torch.where(d32 > 0, torch.ceil(span / (15 * d32.clamp(min=1e-30))), 0).clamp(0, 63)
+    step = (d32 * sc)[..., None]
+    q = torch.where(step > 0, torch.round((x - floor[..., None]) / step.clamp(min=1e-30)), 0).clamp(0, 15)
+    sc, m, q = sc.to(torch.uint8), m.to(torch.uint8), q.to(torch.uint8)
+    scales = torch.cat([sc[:, :4] | ((sc[:, 4:] >> 4) << 6), m[:, :4] | ((m[:, 4:] >> 4) << 6),
+                        (sc[:, 4:] & 0x0F) | ((m[:, 4:] & 0x0F) << 4)], 1)
     pairs = q.reshape(-1, 4, 2, 32)  # sub-blocks 2j (low nibbles) and 2j+1 (high nibbles) share 32 bytes
     qs = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).reshape(-1, 128)
-    blocks = np.concatenate([d.reshape(-1, 1).view(np.uint8), dmin.reshape(-1, 1).view(np.uint8), scales, qs], 1)
-    return blocks.reshape(np.asarray(rows).shape[0], -1)
+    return _bytes(d.reshape(-1, 1), dmin.reshape(-1, 1), scales, qs).reshape(len(rows), -1)
 
 
 def quantize_q6_k(rows):
-    """float32 [n, 256*k] -> Q6_K bytes [n, 210*k]. Per 16-value sub-block s: values d*sc[s]*(q - 32), q in 0..63,
-    int8 sc rounded up so the levels cover the sub-block's amax: every weight within half a step (step <= amax/31 +
-    d)."""
-    import numpy as np
+    """float [n, 256*k] -> Q6_K bytes [n, 210*k], on the tensor's device. Per 16-value sub-block s: values
+    d*sc[s]*(q - 32), q in 0..63, int8 sc rounded up so the levels cover the sub-block's amax: every weight within
+    half a step (step <= amax/31 + d)."""
+    import torch
 
-    x = np.asarray(rows, np.float32).reshape(-1, 16, 16)
-    amax = np.abs(x).max(-1)
-    d = _f16_at_least(amax.max(-1) / (31 * 127))
-    with np.errstate(divide="ignore", invalid="ignore"):
-        sc = np.where(d[:, None] > 0, np.ceil(amax / (31 * d.astype(np.float32)[:, None])), 0).clip(0, 127)
-        step = d.astype(np.float32)[:, None] * sc
-        q = np.where(step[..., None] > 0, np.round(x / step[..., None]), 0).clip(-32, 31) + 32
-    q = q.astype(np.uint8).reshape(-1, 2, 2, 2, 32)  # [half, high-nibble?, shift pair, 32]: see gguf's Q6_K
-    # element e = h*128 + nib*64 + p (p < 64) takes ql[h*64 + p] >> 4*nib; = h*128 + s*32 + r takes qh[h*32+r] >> 2s
+    x = torch.as_tensor(rows).float().reshape(-1, 16, 16)
+    amax = x.abs().amax(-1)
+    d = _f16_at_least(amax.amax(-1) / (31 * 127))
+    d32 = d.float()[:, None]
+    sc = torch.where(d32 > 0, torch.ceil(amax / (31 * d32.clamp(min=1e-30))), 0).clamp(0, 127)
+    step = (d32 * sc)[..., None]
+    q = (torch.where(step > 0, torch.round(x / step.clamp(min=1e-30)), 0).clamp(-32, 31) + 32).to(torch.uint8)
+    # element e = h*128 + nib*64 + p (p < 64) is ql[h*64 + p] >> 4*nib; e = h*128 + s*32 + r is qh[h*32 + r] >> 2*s
     flat = q.reshape(-1, 2, 128)
-    ql = np.empty((flat.shape[0], 2, 64), np.uint8)
-    ql[:] = (flat[:, :, :64] & 0x0F) | ((flat[:, :, 64:] & 0x0F) << 4)
+    ql = (flat[:, :, :64] & 0x0F) | ((flat[:, :, 64:] & 0x0F) << 4)
     hi = (flat >> 4).reshape(-1, 2, 4, 32)
     qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)
-    blocks = np.concatenate([ql.reshape(-1, 128), qh.reshape(-1, 64), sc.astype(np.int8).view(np.uint8),
-                             d.reshape(-1, 1).view(np.uint8)], 1)
-    return blocks.reshape(np.asarray(rows).shape[0], -1)
+    return _bytes(ql.reshape(-1, 128), qh.reshape(-1, 64), sc.to(torch.int8), d.reshape(-1, 1)).reshape(len(rows), -1)
+
+
+QUANTIZE = {"Q8_0": quantize_q8_0, "Q4_K": quantize_q4_k, "Q6_K": quantize_q6_k}
 
 
 # Where a type's float16 super-block scales sit in its block (the other bytes are codes and small scales: any value
@@ -199,17 +214,15 @@ def random_blocks(qtype: str, n_blocks: int, seed: int = 0, scale: float = 2.0 *
 
 def k_quant_bytes(values, qtype: str, seed: int = 0):
     """A float tensor's bytes in `qtype` as rows of 256 values: quantized for Q4_K / Q6_K, random blocks otherwise.
-    [numel / 256, type size] uint8."""
+    [numel / 256, type size] uint8 (numpy)."""
     import gguf
-    import numpy as np
+    import torch
 
-    flat = np.asarray(values, np.float32).reshape(-1, QK_K)
-    if qtype == "Q4_K":
-        return quantize_q4_k(flat)
-    if qtype == "Q6_K":
-        return quantize_q6_k(flat)
+    flat = torch.as_tensor(values).float().reshape(-1, QK_K)
+    if qtype in QUANTIZE:
+        return QUANTIZE[qtype](flat).cpu().numpy()
     block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[qtype]][0]
-    return random_blocks(qtype, flat.size // block, seed).reshape(flat.shape[0], -1)
+    return random_blocks(qtype, flat.numel() // block, seed).reshape(flat.shape[0], -1)
 
 
 def write_k_quant_transformer(state_dict, path: str | os.PathLike, types, arch: str = GGUF_ARCH) -> Path:

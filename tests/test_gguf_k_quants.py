@@ -19,7 +19,8 @@ from graph_runtime.loading import gguf_torch, load_transformer, transformer_from
 from graph_runtime.loading.gguf_files import GGUFFile
 from graph_runtime.tiny import build_tiny_components
 from graph_runtime.tiny_gguf import (
-    K_QUANTS, QK_K, RANDOM_TYPES, quantize_q4_k, quantize_q6_k, random_blocks, write_k_quant_transformer,
+    K_QUANTS, QK_K, RANDOM_TYPES, quantize_q4_k, quantize_q6_k, quantize_q8_0, random_blocks,
+    write_k_quant_transformer,
 )
 
 F32 = torch.float32
@@ -120,11 +121,27 @@ def test_the_quantizers_stay_within_their_rounding(original, files, qtype):
 
 def test_quantizers_handle_an_all_zero_super_block():
     """A super-block of zeros (a pruned row) quantizes to zero scales and dequantizes to zeros, not NaN."""
-    rows = np.zeros((2, 256), np.float32)
-    rows[1] = np.linspace(-1, 1, 256)
-    for qtype, quantize in (("Q4_K", quantize_q4_k), ("Q6_K", quantize_q6_k)):
-        values = dequantize(quantize(rows), gguf.GGMLQuantizationType[qtype])
-        assert np.array_equal(values[0], rows[0]) and np.isfinite(values).all(), qtype
+    rows = torch.zeros(2, 256)
+    rows[1] = torch.linspace(-1, 1, 256)
+    for qtype, quantize in (("Q4_K", quantize_q4_k), ("Q6_K", quantize_q6_k), ("Q8_0", quantize_q8_0)):
+        values = dequantize(quantize(rows).numpy(), gguf.GGMLQuantizationType[qtype])
+        assert np.array_equal(values[0], rows[0].numpy()) and np.isfinite(values).all(), qtype
+
+
+def test_the_q8_0_quantizer_writes_ggufs_layout():
+    """The torch Q8_0 quantizer (the benchmark's, on the GPU) gives blocks gguf reads back within half a step
+    (amax / 254) plus float16's rounding of the scale times the largest code (127 * 2^-11 of the step), and
+    equal to gguf's own quantizer's bytes but for round-half cases (at most one code apart)."""
+    values = torch.randn(16, 512)
+    ours = quantize_q8_0(values).numpy()
+    back = dequantize(ours, gguf.GGMLQuantizationType.Q8_0)
+    amax = values.reshape(-1, 32).abs().amax(-1, keepdim=True)
+    step = amax / 127
+    bound = (step / 2 + 127 * step * 2.0 ** -11).expand(-1, 32).reshape(values.shape) * 1.001
+    assert bool(((torch.from_numpy(back) - values).abs() <= bound).all())
+    theirs = gguf.quants.quantize(values.numpy(), gguf.GGMLQuantizationType.Q8_0)
+    codes = lambda b: b.reshape(-1, 34)[:, 2:].view(np.int8).astype(int)  # noqa: E731
+    assert np.abs(codes(ours) - codes(theirs)).max() <= 1
 
 
 def test_k_quants_are_dequantized_by_the_torch_port(files, monkeypatch):
