@@ -225,11 +225,18 @@ def k_quant_bytes(values, qtype: str, seed: int = 0):
     return random_blocks(qtype, flat.numel() // block, seed).reshape(flat.shape[0], -1)
 
 
+def q4_k_m(name: str, value) -> str:
+    """The type llama.cpp's Q4_K_M gives a block Linear: Q6_K for the value projection and the MLP's down
+    projection (`attn.to_v`, `img_mlp.out`), Q4_K for the rest."""
+    return "Q6_K" if name.endswith(("attn.to_v.weight", "img_mlp.out.weight")) else "Q4_K"
+
+
 def write_k_quant_transformer(state_dict, path: str | os.PathLike, types, arch: str = GGUF_ARCH) -> Path:
-    """A diffusers-named transformer state dict as a ComfyUI-GGUF file whose block Linears are K-quants or IQ types:
-    `types(name, tensor)` gives each block weight's type (or None for F32). Each such weight is stored as rows of 256
-    values with its shape in `comfy.gguf.orig_shape.<name>` (ComfyUI-GGUF's way for tensors reshaped to quantize
-    them). The rest is F32."""
+    """A diffusers-named transformer state dict as a ComfyUI-GGUF file whose block Linears are `types(name, tensor)`
+    (Q8_0, a K-quant or an IQ type; None: F32), quantized on the tensors' device (the GPU for the benchmark's
+    full-size files). A weight whose rows do not split into blocks of 256 is stored as rows of 256 values with its
+    shape in `comfy.gguf.orig_shape.<name>` (ComfyUI-GGUF's way for tensors reshaped to quantize them). The rest is
+    F32."""
     import gguf
     import numpy as np
     import torch
@@ -244,15 +251,17 @@ def write_k_quant_transformer(state_dict, path: str | os.PathLike, types, arch: 
     writer = gguf.GGUFWriter(path=None, arch=arch)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
     for seed, (name, value) in enumerate(tensors.items()):
-        values = value.detach().to(torch.float32).numpy()
         qtype = types(name, value) if name.startswith("transformer_blocks.") and value.numel() % QK_K == 0 else None
         if qtype is None:
-            writer.add_tensor(name, values, raw_dtype=gguf.GGMLQuantizationType.F32)
+            writer.add_tensor(name, value.detach().to(torch.float32).cpu().numpy(),
+                              raw_dtype=gguf.GGMLQuantizationType.F32)
             continue
-        if value.dim() != 2 or value.shape[-1] % QK_K:
+        data = k_quant_bytes(value.detach(), qtype, seed)
+        if value.dim() == 2 and value.shape[-1] % QK_K == 0:
+            data = data.reshape(value.shape[0], -1)  # rows kept: the shape is the stored one
+        else:
             writer.add_array(ORIG_SHAPE_FIELD + name, list(value.shape))
-        writer.add_tensor(name, np.ascontiguousarray(k_quant_bytes(values, qtype, seed)),
-                          raw_dtype=gguf.GGMLQuantizationType[qtype])
+        writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=gguf.GGMLQuantizationType[qtype])
     writer.write_header_to_file(path=part)
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

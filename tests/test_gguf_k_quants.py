@@ -19,7 +19,7 @@ from graph_runtime.loading import gguf_torch, load_transformer, transformer_from
 from graph_runtime.loading.gguf_files import GGUFFile
 from graph_runtime.tiny import build_tiny_components
 from graph_runtime.tiny_gguf import (
-    K_QUANTS, QK_K, RANDOM_TYPES, quantize_q4_k, quantize_q6_k, quantize_q8_0, random_blocks,
+    K_QUANTS, QK_K, RANDOM_TYPES, q4_k_m, quantize_q4_k, quantize_q6_k, quantize_q8_0, random_blocks,
     write_k_quant_transformer,
 )
 
@@ -31,11 +31,6 @@ IQ = [t for t in RANDOM_TYPES if t.startswith("IQ")]
 @pytest.fixture(scope="module")
 def original():
     return build_tiny_components(0)["transformer"]
-
-
-def q4_k_m(name, value):
-    """Q4_K_M's split: Q6_K for the value projections and the MLP's down projection, Q4_K for the rest."""
-    return "Q6_K" if name.endswith(("attn.to_v.weight", "img_mlp.out.weight")) else "Q4_K"
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +74,20 @@ def test_each_type_loads_ggufs_dequantization_of_its_bytes(original, files, qtyp
     stored = GGUFFile(files[qtype], "").type_counts()
     wanted = {"Q4_K", "Q6_K"} if qtype == "Q4_K_M" else {qtype}
     assert wanted <= set(stored)  # the block Linears really are of that type
+
+
+def test_rows_that_split_into_blocks_keep_their_shape(tmp_path):
+    """A weight whose rows split into blocks of 256 is stored as its own rows (no original-shape field): a 4 x 512
+    Q4_K weight reads back as [4, 512], within Q4_K's rounding of the values written."""
+    from graph_runtime.loading.gguf_files import ORIG_SHAPE_FIELD
+
+    state = dict(build_tiny_components(0)["transformer"].state_dict())
+    key = "transformer_blocks.0.attn.to_q.weight"
+    state[key] = torch.randn(4, 512)
+    file = GGUFFile(write_k_quant_transformer(state, tmp_path / "rows.gguf", lambda n, v: "Q4_K"), "")
+    assert file.tensors[key].shape == (4, 512) and file.reader.get_field(ORIG_SHAPE_FIELD + key) is None
+    values = torch.from_numpy(np.array(file.dequantized(key)))
+    assert bool(((values - state[key]).abs() <= bound(state[key], "Q4_K")).all())
 
 
 def bound(reference: torch.Tensor, qtype: str) -> torch.Tensor:
