@@ -47,3 +47,40 @@ def test_auto_runs_a_gguf_file_int8(tmp_path, qtype, while_read):
         weight = expected[name + ".weight"].to(device)
         q, scale = quantize_weight(weight, int8_group(weight.shape[-1]))
         assert torch.equal(layer.weight, q) and torch.equal(layer.weight_scale, scale.to(layer.weight_scale.dtype)), name
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"])
+def test_the_torch_port_on_the_gpu_equals_ggufs_dequantizer(qtype):
+    """On CUDA the torch port gives exactly gguf's numpy float32 values (the same elementwise operations; eager
+    kernels do not fuse a multiply and an add into an FMA), so a GGUF load dequantized on the GPU holds the same
+    weights as one dequantized on the CPU."""
+    import gguf
+    import numpy as np
+    from gguf.quants import dequantize
+
+    from graph_runtime.loading import gguf_torch
+    from graph_runtime.tiny_gguf import random_blocks
+
+    qt = gguf.GGMLQuantizationType[qtype]
+    if qtype.endswith("_K"):
+        blocks = random_blocks(qtype, 512, seed=3)
+    else:
+        blocks = gguf.quants.quantize(np.random.default_rng(3).standard_normal((64, 512)).astype(np.float32), qt)
+    expected = dequantize(blocks.reshape(1, -1), qt)
+    ours = gguf_torch.dequantize(torch.from_numpy(np.ascontiguousarray(blocks)).cuda(), qtype, expected.shape)
+    assert np.array_equal(ours.cpu().numpy(), expected)
+
+
+def test_a_k_quant_file_dequantized_on_the_gpu_loads_the_cpus_weights(tmp_path):
+    """A Q4_K_M file loaded with dequantization on the GPU holds, bit for bit, the weights of the same load
+    dequantized on the CPU (fp32, no int8: the dequantization alone)."""
+    from graph_runtime.tiny_gguf import q4_k_m, write_k_quant_transformer
+
+    from diffusers import QwenImage21Transformer2DModel
+
+    torch.manual_seed(0)
+    original = QwenImage21Transformer2DModel(**WIDE)
+    path = write_k_quant_transformer(original.state_dict(), tmp_path / "wide-Q4_K_M.gguf", q4_k_m)
+    on_gpu = load_transformer(path, dtype=torch.float32, device="cpu", dequantize_device="cuda").state_dict()
+    on_cpu = load_transformer(path, dtype=torch.float32, device="cpu").state_dict()
+    assert on_gpu.keys() == on_cpu.keys() and all(torch.equal(on_gpu[k], on_cpu[k]) for k in on_cpu)
