@@ -201,3 +201,19 @@ def test_a_gguf_language_tower_runs_in_the_text_to_image_example(server):
     node_of(prompt, "KVGraphLoadTextEncoder")["inputs"]["text_encoder_name"] = "qwen3vl_8b-Q8_0.gguf"
     images = server.output_images(server.run(prompt))
     assert len(images) == 1 and images[0].is_file()
+
+
+@pytest.mark.parametrize("name", ["qwen_image_2.1_fp8_scaled.safetensors", "qwen_image_2.1_awq_w4a16.safetensors",
+                                  "qwen_image_2.1_nvfp4.safetensors", "qwen_image_2.1_mxfp8.safetensors"])
+def test_a_mixed_precision_file_runs_in_the_text_to_image_example(server, name):
+    """make-tiny's FP8 scaled, W4A16/AWQ, NVFP4 and MXFP8 transformers (ComfyUI comfy_quant files) are listed by the
+    transformer loader and, picked in the text-to-image example, load dequantized by the comfy-kitchen of this
+    ComfyUI's Python and make the image."""
+    spec = server.get("/object_info/KVGraphLoadTransformer")["KVGraphLoadTransformer"]["input"]["required"][
+        "transformer_name"]
+    options = spec[0] if isinstance(spec[0], list) else spec[1]["options"]
+    assert name in options
+    prompt = load_api_workflow("qwen_image_2.1_text_to_image", seed=13)
+    node_of(prompt, "KVGraphLoadTransformer")["inputs"]["transformer_name"] = name
+    images = server.output_images(server.run(prompt))
+    assert len(images) == 1 and images[0].is_file()
