@@ -38,9 +38,8 @@ def files(original, tmp_path_factory):
     return {f: write_kitchen_transformer(original.state_dict(), root / f"tiny_{f}.safetensors", f) for f in BLOCKS}
 
 
-def kitchen_weights(path, fmt) -> dict[str, torch.Tensor]:
-    """comfy-kitchen's dequantization of each block-format layer of the file (fp32), in diffusers' names."""
-    stored = load_file(path)
+def dequantized_layers(stored, fmt) -> dict[str, torch.Tensor]:
+    """comfy-kitchen's dequantization of each block-format layer of a file's tensors (fp32), in the file's names."""
     out = {}
     for key in stored:
         if key.endswith(".comfy_quant"):
@@ -49,7 +48,12 @@ def kitchen_weights(path, fmt) -> dict[str, torch.Tensor]:
             group = block_formats.group_size(json.loads(bytes(stored[key].tolist())))
             out[prefix + ".weight"] = block_formats.dequantize(
                 fmt, stored[prefix + ".weight"], {r: stored[k] for r, k in roles.items()}, group, F32)
-    return transformer_from_comfy_state_dict(out)
+    return out
+
+
+def kitchen_weights(path, fmt) -> dict[str, torch.Tensor]:
+    """dequantized_layers of the transformer file, in diffusers' names."""
+    return transformer_from_comfy_state_dict(dequantized_layers(load_file(path), fmt))
 
 
 def rounding_bound(reference: torch.Tensor, fmt: str, stored=None) -> torch.Tensor:
@@ -210,3 +214,23 @@ def test_make_tiny_writes_each_format_and_each_loads(tmp_path, capsys):
             bound = (ref.abs() * 2.0 ** -4 + 2.0 ** -10 * ref.abs().max() if fmt == "float8_e4m3fn"
                      else rounding_bound(ref, fmt)) + 2.0 ** -8 * ref.abs()
             assert bool(((value - ref).abs() <= bound).all()), (fmt, key)
+
+
+@pytest.mark.parametrize("fmt", ["nvfp4", "awq_w4a16"])
+def test_a_text_encoder_with_block_format_language_layers_loads_dequantized(tmp_path, tiny_folder, fmt):
+    """The text encoder loader reads the same records: every quantized language Linear equals comfy-kitchen's
+    dequantization of its tensors (fp32, exact), and the encoder runs to finite hidden states."""
+    from graph_runtime.loading import load_text_encoder, text_encoder_from_comfy_state_dict
+    from graph_runtime.loading import text_encoder_to_comfy_state_dict
+    from graph_runtime.tiny_fp8 import write_fp8_scaled
+    from graph_runtime.tiny_kitchen import LAYERS
+
+    encoder = build_tiny_components(0)["text_encoder"]
+    path = write_fp8_scaled(text_encoder_to_comfy_state_dict(encoder.state_dict()), tmp_path / f"te_{fmt}.safetensors",
+                            lambda key: key.startswith("model.language_model.layers."), layer=LAYERS[fmt])
+    model, processor = load_text_encoder(path, dtype=F32, tokenizer_dir=tiny_folder)
+    state = model.state_dict()
+    expected = text_encoder_from_comfy_state_dict(dequantized_layers(load_file(path), fmt))
+    assert expected and all(torch.equal(state[k], v) for k, v in expected.items())
+    ids = processor.tokenizer("a red kite", return_tensors="pt").input_ids
+    assert torch.isfinite(model.model.language_model(input_ids=ids).last_hidden_state).all()
