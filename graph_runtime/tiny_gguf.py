@@ -35,28 +35,40 @@ def comfyui_text_encoder_gguf_path(models_dir: str | os.PathLike) -> Path:
     return Path(models_dir) / TEXT_ENCODER_GGUF
 
 
-def _write(tensors, path: str | os.PathLike, arch: str, qtype: str, quantized) -> Path:
-    """Write {GGUF name: float tensor} to `path`, each in `qtype` where `quantized(name, tensor, type)` says so, else
-    F32; the file appears under its name only once complete."""
+def _written(path: str | os.PathLike, arch: str, fill) -> Path:
+    """A GGUF file of `arch` at `path`, its tensors added by `fill(writer)`; it appears under its name only once
+    complete."""
     import gguf
-    import torch
-    from gguf.quants import quantize
 
-    qt = gguf.GGMLQuantizationType[qtype]
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     part = path.with_name(path.name + ".part")
     writer = gguf.GGUFWriter(path=None, arch=arch)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for name, value in tensors.items():
-        t = qt if quantized(name, value, qt) else gguf.GGMLQuantizationType.F32
-        writer.add_tensor(name, quantize(value.detach().to(torch.float32).numpy(), t), raw_dtype=t)
+    fill(writer)
     writer.write_header_to_file(path=part)
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     os.replace(part, path)
     return path
+
+
+def _write(tensors, path: str | os.PathLike, arch: str, qtype: str, quantized) -> Path:
+    """Write {GGUF name: float tensor} to `path`, each in `qtype` where `quantized(name, tensor, type)` says so, else
+    F32."""
+    import gguf
+    import torch
+    from gguf.quants import quantize
+
+    qt = gguf.GGMLQuantizationType[qtype]
+
+    def fill(writer):
+        for name, value in tensors.items():
+            t = qt if quantized(name, value, qt) else gguf.GGMLQuantizationType.F32
+            writer.add_tensor(name, quantize(value.detach().to(torch.float32).numpy(), t), raw_dtype=t)
+
+    return _written(path, arch, fill)
 
 
 def _splits_into_blocks(value, qtype) -> bool:
@@ -245,26 +257,19 @@ def write_k_quant_transformer(state_dict, path: str | os.PathLike, types, arch: 
     from .loading.gguf_files import ORIG_SHAPE_FIELD
 
     tensors = {k.removeprefix(COMFY_DIFFUSION_PREFIX): v for k, v in transformer_to_comfy_state_dict(state_dict).items()}
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    part = path.with_name(path.name + ".part")
-    writer = gguf.GGUFWriter(path=None, arch=arch)
-    writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    for seed, (name, value) in enumerate(tensors.items()):
-        qtype = types(name, value) if name.startswith("transformer_blocks.") and value.numel() % QK_K == 0 else None
-        if qtype is None:
-            writer.add_tensor(name, value.detach().to(torch.float32).cpu().numpy(),
-                              raw_dtype=gguf.GGMLQuantizationType.F32)
-            continue
-        data = k_quant_bytes(value.detach(), qtype, seed)
-        if value.dim() == 2 and value.shape[-1] % QK_K == 0:
-            data = data.reshape(value.shape[0], -1)  # rows kept: the shape is the stored one
-        else:
-            writer.add_array(ORIG_SHAPE_FIELD + name, list(value.shape))
-        writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=gguf.GGMLQuantizationType[qtype])
-    writer.write_header_to_file(path=part)
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.replace(part, path)
-    return path
+
+    def fill(writer):
+        for seed, (name, value) in enumerate(tensors.items()):
+            qtype = types(name, value) if name.startswith("transformer_blocks.") and value.numel() % QK_K == 0 else None
+            if qtype is None:
+                writer.add_tensor(name, value.detach().to(torch.float32).cpu().numpy(),
+                                  raw_dtype=gguf.GGMLQuantizationType.F32)
+                continue
+            data = k_quant_bytes(value.detach(), qtype, seed)
+            if value.dim() == 2 and value.shape[-1] % QK_K == 0:
+                data = data.reshape(value.shape[0], -1)  # rows kept: the shape is the stored one
+            else:
+                writer.add_array(ORIG_SHAPE_FIELD + name, list(value.shape))
+            writer.add_tensor(name, np.ascontiguousarray(data), raw_dtype=gguf.GGMLQuantizationType[qtype])
+
+    return _written(path, arch, fill)
