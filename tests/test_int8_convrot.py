@@ -377,7 +377,7 @@ def _set_record(record):
 
 @pytest.mark.parametrize("case, edit, words", [
     ("missing_scale", lambda t: t.pop(TO_Q + ".weight_scale"), ["no", TO_Q + ".weight_scale"]),
-    ("unknown_format", _set_record({"format": "nvfp4"}), ["'nvfp4'", TO_Q + ".comfy_quant"]),
+    ("unknown_format", _set_record({"format": "convrot_w4a4"}), ["'convrot_w4a4'", TO_Q + ".comfy_quant"]),
     ("group_32", _set_record({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 32}),
      ["group size 32", "power of 4", TO_Q + ".comfy_quant"]),
     ("group_not_dividing", _set_record({"format": "int8_tensorwise", "convrot": True, "convrot_groupsize": 64}),
