@@ -2,8 +2,9 @@
 numpy dequantizers run on the CPU only: minutes for a 7 B model's K-quants).
 
 Each function follows the block layout of the matching `gguf.quants` dequantizer, with the same float32 operations
-in the same order, so its result equals gguf's bit for bit (the tests check every type against it). Types without a
-port here (the IQ and ternary types) are dequantized by gguf on the CPU.
+in the same order, so its result equals gguf's bit for bit (the tests check every type against it). The float types
+are only cast, and the types without a port here (the IQ and ternary types, MXFP4) are dequantized by gguf on the
+CPU (gguf_files.py).
 """
 
 from __future__ import annotations
@@ -138,18 +139,8 @@ PORTS = {
     "Q5_1": (32, 24, q5_1), "Q2_K": (QK_K, 84, q2_k), "Q3_K": (QK_K, 110, q3_k), "Q4_K": (QK_K, 144, q4_k),
     "Q5_K": (QK_K, 176, q5_k), "Q6_K": (QK_K, 210, q6_k),
 }
-FLOATS = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-
-
-def has_port(type_name: str) -> bool:
-    return type_name in PORTS or type_name in FLOATS
-
-
 def dequantize(raw: torch.Tensor, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
-    """The tensor's values (float32, or its float dtype for F32/F16/BF16) from its raw bytes (a uint8 tensor on any
-    device), in `shape`."""
+    """A tensor of a type in PORTS as float32 values from its raw bytes (a uint8 tensor on any device), in `shape`."""
     raw = raw.reshape(-1)
-    if type_name in FLOATS:
-        return raw.view(FLOATS[type_name]).reshape(shape)
-    block, size, port = PORTS[type_name]
+    _, size, port = PORTS[type_name]
     return port(raw.reshape(-1, size)).reshape(shape)

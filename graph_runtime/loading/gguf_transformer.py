@@ -53,8 +53,9 @@ def load_bytes(file: GGUFFile, dtype: torch.dtype, int8: bool = False) -> tuple[
 
 
 def check_host_memory(file: GGUFFile, dtype: torch.dtype, device, int8: bool = False) -> None:
-    """Refuse, before anything is allocated, a load whose weights cannot fit in the host memory available (every
-    tensor is dequantized on the host first; with `device` a GPU only one tensor at a time stays there)."""
+    """Refuse, before anything is allocated, a load whose weights cannot fit in the host memory available (priced as
+    if every tensor were dequantized on the host, as the types without a torch port are; with `device` a GPU only one
+    tensor at a time stays there)."""
     weights, peak = load_bytes(file, dtype, int8)
     need = peak + (weights if torch.device(device).type == "cpu" else 0)
     available = host_available_bytes()
