@@ -4,9 +4,9 @@ The bench model's random bf16 weights (`model.py`) are written into a temporary 
 and as ComfyUI-GGUF files (Q8_0, and Q4_K_M-like: Q6_K for `attn.to_v` / `img_mlp.out`, Q4_K for the other block
 Linears; quantized on the GPU by graph_runtime/tiny_gguf.py), then, in one process:
 
-- load: each file from nothing to the INT8 fast path on the GPU, as the loader node does it (the bf16 file read then
-  `apply_precision(int8)`; a GGUF file dequantized on the GPU tensor by tensor and made int8 block by block while it
-  is read), the best of two; a GGUF file also dequantized on the CPU (the torch port on the host's cores), to show
+- load: each file from nothing to the INT8 fast path on the GPU (the bf16 file read onto the GPU, then
+  `apply_precision(int8)` there; a GGUF file dequantized on the GPU tensor by tensor and made int8 block by block
+  while it is read, as the loader node does), the best of two; a GGUF file also dequantized on the CPU (the torch port on the host's cores), to show
   what the GPU saves. Per load: the peak host memory (anonymous RSS above the start, sampled every 5 ms; the file's
   page cache is not counted) and the peak GPU memory (allocated, above the start), each over the final model's size;
 - step: the 1024x1024 decode step (graph replay, int8) of each loaded model, ms, and each GGUF's over the bf16
