@@ -16,12 +16,15 @@ Linears; quantized on the GPU by graph_runtime/tiny_gguf.py), then, in one proce
   step's forward of every branch, ms, and ours over it.
 
 Results go to `bench/results/gguf-<time>.md` and `.json` with the command. `--tiny --device cpu` is a smoke run of
-this script (eager steps; no GPU figures).
+this script (eager steps; no GPU figures). `--keep DIR` keeps the written files, for
+`python -m bench.gguf_quality DIR/transformer-Q4_K_M.gguf --original DIR/transformer_bf16.safetensors --device cuda`
+(the per-block error of the loaded weights against the file's own and the original ones).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
 import gc
 import json
@@ -216,6 +219,8 @@ def main(argv=None) -> int:
     parser.add_argument("--loads", type=int, default=2, help="loads per file (the best is reported)")
     parser.add_argument("--no-cpu-dequant", action="store_true", help="skip the Q4_K_M load dequantized on the CPU")
     parser.add_argument("--tmp", default=None, help="folder for the written files (default: the system's temp)")
+    parser.add_argument("--keep", metavar="DIR", default=None,
+                        help="write the files into DIR and keep them (for bench.gguf_quality FILE --original ...)")
     parser.add_argument("--out-dir", default="bench/results")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny 2-block model (a CPU smoke run)")
@@ -227,7 +232,9 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     types = [t for t in args.types.split(",") if t]
     scenario = _select_scenarios("tiny-t2i" if args.tiny else args.scenario, args.tiny)[0]
-    with tempfile.TemporaryDirectory(dir=args.tmp) as folder:
+    keep = contextlib.nullcontext(args.keep) if args.keep else None
+    with keep or tempfile.TemporaryDirectory(dir=args.tmp) as folder:
+        Path(folder).mkdir(parents=True, exist_ok=True)
         from graph_runtime.tiny import save_safetensors
 
         model = build_transformer(tiny=args.tiny, layers=args.layers, device=args.device, dtype=dtype)
