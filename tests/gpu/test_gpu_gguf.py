@@ -84,3 +84,18 @@ def test_a_k_quant_file_dequantized_on_the_gpu_loads_the_cpus_weights(tmp_path):
     on_gpu = load_transformer(path, dtype=torch.float32, device="cpu", dequantize_device="cuda").state_dict()
     on_cpu = load_transformer(path, dtype=torch.float32, device="cpu").state_dict()
     assert on_gpu.keys() == on_cpu.keys() and all(torch.equal(on_gpu[k], on_cpu[k]) for k in on_cpu)
+
+
+@pytest.mark.parametrize("fmt", ["awq_w4a16", "nvfp4", "mxfp8"])
+def test_a_block_format_file_dequantized_on_the_gpu_matches_the_cpu(tmp_path, fmt):
+    """A W4A16 / NVFP4 / MXFP8 file dequantized on the GPU (comfy-kitchen's CUDA or eager code there) holds the
+    weights of the same load dequantized on the CPU, within 2^-20 relative of each weight's layer amax (each value is
+    a product of the stored codes and scales rounded once in fp32; the order of the products may differ)."""
+    from graph_runtime.tiny import build_tiny_components
+    from graph_runtime.tiny_kitchen import write_kitchen_transformer
+
+    path = write_kitchen_transformer(build_tiny_components(0)["transformer"].state_dict(), tmp_path / f"{fmt}.st", fmt)
+    on_gpu = load_transformer(path, dtype=torch.float32, device="cpu", dequantize_device="cuda").state_dict()
+    on_cpu = load_transformer(path, dtype=torch.float32, device="cpu").state_dict()
+    for key, value in on_cpu.items():
+        assert bool(((on_gpu[key] - value).abs() <= 2.0 ** -20 * value.abs().max()).all()), key
