@@ -81,7 +81,8 @@ def write_gguf_transformer(state_dict, path: str | os.PathLike, qtype: str, arch
     """Write a diffusers-named transformer state dict as a ComfyUI-GGUF file of type `qtype` (one of GGUF_TYPES)."""
     from .loading.comfy_layout import COMFY_DIFFUSION_PREFIX, transformer_to_comfy_state_dict
 
-    tensors = {k.removeprefix(COMFY_DIFFUSION_PREFIX): v for k, v in transformer_to_comfy_state_dict(state_dict).items()}
+    comfy = transformer_to_comfy_state_dict(state_dict)
+    tensors = {k.removeprefix(COMFY_DIFFUSION_PREFIX): v for k, v in comfy.items()}
     return _write(tensors, path, arch, qtype,
                   lambda name, value, qt: name.startswith("transformer_blocks.") and _splits_into_blocks(value, qt))
 
@@ -256,7 +257,8 @@ def write_k_quant_transformer(state_dict, path: str | os.PathLike, types, arch: 
     from .loading.comfy_layout import COMFY_DIFFUSION_PREFIX, transformer_to_comfy_state_dict
     from .loading.gguf_files import ORIG_SHAPE_FIELD
 
-    tensors = {k.removeprefix(COMFY_DIFFUSION_PREFIX): v for k, v in transformer_to_comfy_state_dict(state_dict).items()}
+    comfy = transformer_to_comfy_state_dict(state_dict)
+    tensors = {k.removeprefix(COMFY_DIFFUSION_PREFIX): v for k, v in comfy.items()}
 
     def fill(writer):
         for seed, (name, value) in enumerate(tensors.items()):

@@ -57,7 +57,8 @@ def mxfp8_layer(weight: torch.Tensor) -> dict[str, torch.Tensor]:
 
 
 LAYERS = {"float8_e4m3fn": fp8_layer, "awq_w4a16": awq_layer, "nvfp4": nvfp4_layer, "mxfp8": mxfp8_layer}
-FILE_NAMES = {"float8_e4m3fn": "qwen_image_2.1_fp8_scaled.safetensors", "awq_w4a16": "qwen_image_2.1_awq_w4a16.safetensors",
+FILE_NAMES = {"float8_e4m3fn": "qwen_image_2.1_fp8_scaled.safetensors",
+              "awq_w4a16": "qwen_image_2.1_awq_w4a16.safetensors",
               "nvfp4": "qwen_image_2.1_nvfp4.safetensors", "mxfp8": "qwen_image_2.1_mxfp8.safetensors"}
 
 
@@ -76,4 +77,5 @@ def comfyui_kitchen_paths(models_dir: str | os.PathLike) -> dict[str, Path]:
 def write_comfyui_kitchen_files(models_dir: str | os.PathLike, transformer) -> dict[str, Path]:
     """The tiny transformer (a module) in each format, in models_dir/diffusion_models."""
     state_dict = transformer.state_dict()
-    return {fmt: write_kitchen_transformer(state_dict, path, fmt) for fmt, path in comfyui_kitchen_paths(models_dir).items()}
+    paths = comfyui_kitchen_paths(models_dir)
+    return {fmt: write_kitchen_transformer(state_dict, path, fmt) for fmt, path in paths.items()}

@@ -3,11 +3,11 @@ dequantized at load with comfy-kitchen's own layouts (the loaders then treat the
 
 Each layer `P` carries `P.weight` plus the sidecars its format names (the tensors ComfyUI's `comfy/ops.py` pops):
 
-| format | `P.weight` | sidecars | dequantized |
-| --- | --- | --- | --- |
-| `awq_w4a16` | int8 `[N, K/2]`, two uint4 per byte | `weight_scale`, `weight_zero` (or `weight_zeros`) `[K/G, N]` | `(q - 8) * scale + zero`, group G from the record (default 64) |
-| `nvfp4` | uint8 `[N, K/2]`, two e2m1 per byte | `weight_scale` e4m3 block scales (16 weights, cuBLAS' swizzled layout), `weight_scale_2` fp32 | `e2m1 * block scale * weight_scale_2` |
-| `mxfp8` | e4m3 `[N, K]` | `weight_scale` e8m0 block scales (32 weights, swizzled) | `e4m3 * 2^e` |
+- `awq_w4a16`: `P.weight` int8 `[N, K/2]` (two uint4 a byte), `P.weight_scale` and `P.weight_zero` (or
+  `P.weight_zeros`) `[K/G, N]`; `(q - 8) * scale + zero`, the group G from the record (default 64);
+- `nvfp4`: `P.weight` uint8 `[N, K/2]` (two e2m1 a byte), `P.weight_scale` e4m3 block scales (16 weights, cuBLAS'
+  swizzled layout), `P.weight_scale_2` fp32; `e2m1 * block scale * weight_scale_2`;
+- `mxfp8`: `P.weight` e4m3 `[N, K]`, `P.weight_scale` e8m0 block scales (32 weights, swizzled); `e4m3 * 2^e`.
 
 `input_scale` (an activation scale) is not needed once the weight is float; an NVFP4 `pre_quant_scale` (AWQ-style
 smoothing: ComfyUI multiplies the input by it) is folded into the weight's columns. Every check here runs on the

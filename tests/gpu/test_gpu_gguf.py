@@ -94,8 +94,8 @@ def test_a_block_format_file_dequantized_on_the_gpu_matches_the_cpu(tmp_path, fm
     from graph_runtime.tiny import build_tiny_components
     from graph_runtime.tiny_kitchen import write_kitchen_transformer
 
-    path = write_kitchen_transformer(build_tiny_components(0)["transformer"].state_dict(), tmp_path / f"{fmt}.safetensors",
-                                     fmt)
+    original = build_tiny_components(0)["transformer"].state_dict()
+    path = write_kitchen_transformer(original, tmp_path / f"{fmt}.safetensors", fmt)
     on_gpu = load_transformer(path, dtype=torch.float32, device="cpu", dequantize_device="cuda").state_dict()
     on_cpu = load_transformer(path, dtype=torch.float32, device="cpu").state_dict()
     for key, value in on_cpu.items():
