@@ -7,8 +7,9 @@ Linears; quantized on the GPU by graph_runtime/tiny_gguf.py), then, in one proce
 - load: each file from nothing to the INT8 fast path on the GPU (the bf16 file read onto the GPU, then
   `apply_precision(int8)` there; a GGUF file dequantized on the GPU tensor by tensor and made int8 block by block
   while it is read, as the loader node does), the best of two; the Q4_K_M file also dequantized on the CPU (the
-  torch port on the host's cores), to show what the GPU saves. Per load: the peak host memory (anonymous RSS above the start, sampled every 5 ms; the file's
-  page cache is not counted) and the peak GPU memory (allocated, above the start), each over the final model's size;
+  torch port on the host's cores), to show what the GPU saves. Per load: the peak host memory (anonymous RSS above
+  the start, sampled every 5 ms; the file's page cache is not counted) and the peak GPU memory (allocated, above the
+  start), each over the final model's size;
 - step: the 1024x1024 decode step (graph replay, int8) of each loaded model, ms, and each GGUF's over the bf16
   file's (alternated: bf16, GGUFs, bf16 again; the bf16 figure is the median of its rounds);
 - reference: the GGUF way of ComfyUI-GGUF: block Linears that keep the file's quantized bytes on the GPU and
