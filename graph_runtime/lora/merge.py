@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError, NonFiniteError
+from ..stream_slots import weights_on_host
 from .file import LoraFile
 from .weights import weight_slot
 
@@ -132,7 +133,9 @@ class LoraMerge:
         # Deltas and host copies are made as normal tensors (ComfyUI runs nodes under inference mode; each weight is
         # written in its own mode, see weights.writable), and in true fp32 (TF32 would round the products to
         # 10-bit mantissas).
-        with torch.inference_mode(False), torch.no_grad(), _ieee_fp32_matmul():
+        # A streamed block's weights are merged into its host copy, which every step copies into its device slot
+        # (a write into the slot would be overwritten by the next upload).
+        with torch.inference_mode(False), torch.no_grad(), _ieee_fp32_matmul(), weights_on_host(model):
             for name, slot in self._slots.items():
                 if name not in patches:
                     slot.restore()
