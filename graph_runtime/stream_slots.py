@@ -260,6 +260,11 @@ class StreamPass:
             self._compute.wait_stream(self.streamer.copy_stream)
 
 
+    def abort(self) -> None:
+        """The pass ended early (an exception): join the copy stream as `finish` does."""
+        self.finish()
+
+
 class _NoPass:
     """The pass of a model with no streamed blocks: every call is a no-op."""
 
@@ -275,8 +280,39 @@ class _NoPass:
     def finish(self) -> None:
         pass
 
+    def abort(self) -> None:
+        pass
+
 
 NO_PASS = _NoPass()
+
+
+class _ResidencyPass(_NoPass):
+    """The pass of blocks streamed the eager way (`placement.StreamedBlock`): each block's weights are put on the
+    device before it runs and dropped after."""
+
+    def __init__(self, blocks):
+        self._hooks = [_residency(block) for block in blocks]
+        self._inside = None
+
+    def before(self, index: int) -> None:
+        hook = self._hooks[index]
+        if hook is not None:
+            hook.enter()
+            self._inside = hook
+
+    def after(self, index: int) -> None:
+        hook, self._inside = self._inside, None
+        if hook is not None:
+            hook.exit()
+
+    def abort(self) -> None:
+        self.after(-1)
+
+
+def _residency(block) -> BlockResidency | None:
+    hooks = block._forward_pre_hooks  # noqa: SLF001
+    return next((h for h in hooks.values() if isinstance(h, BlockResidency)), None) if hooks else None
 
 
 def streamer_of(blocks) -> SlotStreamer | None:
@@ -295,7 +331,11 @@ def stream_pass(blocks, skip=frozenset()):
     """A started `StreamPass` over the model's diffusers `blocks` (those of `skip` do not run), or a no-op pass for a
     model without streamed blocks. Call it first in a step, before img_in."""
     streamer = streamer_of(blocks)
-    return NO_PASS if streamer is None else streamer.new_pass(skip).start()
+    if streamer is not None:
+        return streamer.new_pass(skip).start()
+    if len(blocks) and _residency(blocks[-1]) is not None:
+        return _ResidencyPass(blocks)
+    return NO_PASS
 
 
 def weights_on_host(model: torch.nn.Module):

@@ -92,8 +92,18 @@ def _buffers(slots: int, streamed: int) -> int:
 
 
 def _block_sizes(transformer) -> tuple[int, list[int]]:
-    total = module_bytes(transformer)
-    return total, [module_bytes(block) for block in transformer.transformer_blocks]
+    """(the whole transformer's bytes, each block's). Counted block by block: streamed blocks that share a device
+    slot view the same memory, which a count of distinct storages over the whole model would merge."""
+    blocks = transformer.transformer_blocks
+    sizes = [module_bytes(block) for block in blocks]
+    inside = {id(t) for block in blocks for t in (*block.parameters(), *block.buffers())}
+    seen, outside = set(), 0
+    for t in (*transformer.parameters(), *transformer.buffers()):
+        key = t.data_ptr() if t.device.type != "meta" else id(t)
+        if id(t) not in inside and key not in seen:
+            seen.add(key)
+            outside += t.numel() * t.element_size()
+    return outside + sum(sizes), sizes
 
 
 def plan_stream(transformer: torch.nn.Module, budget: float, slots: int = DEFAULT_SLOTS) -> StreamPlan | None:

@@ -52,6 +52,11 @@ def static_reason(transformer: torch.nn.Module, params=None) -> str | None:
         return WEIGHTS_OFF_GPU
     if _parallel(transformer):
         return PARALLEL
+    return block_hooks_reason(transformer)
+
+
+def block_hooks_reason(transformer: torch.nn.Module) -> str | None:
+    """Hooks on the blocks that a captured step would not run: anyone's but a capturable slot streamer's."""
     # A slot streamer's pre-hooks (stream_slots.py) are not hooks of others: they fill a slot at fixed addresses,
     # and a captured step runs its own uploads. Its copies must be capturable, though.
     streamer = streamer_of(transformer.transformer_blocks)

@@ -124,14 +124,18 @@ def run_prefix_blocks(blocks, inputs: PrefixInputs) -> None:
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if short else contextlib.nullcontext():
         kept = [i for i in range(len(blocks)) if i not in inputs.skip]
         pending, last = None, kept[-1] if kept else -1
-        for i, (block, k_rows, v_rows) in enumerate(zip(blocks, inputs.k, inputs.v)):
-            if i in inputs.skip:
-                continue  # a skipped block is the identity: the residual stream (and its pending add) passes on
-            # Only the K/V rows are kept: the last block stops once it has written them.
-            stream.before(i)
-            x, pending = block(x, pending, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True,
-                               mask, kv_only=i == last)
-            stream.after(i)
+        try:
+            for i, (block, k_rows, v_rows) in enumerate(zip(blocks, inputs.k, inputs.v)):
+                if i in inputs.skip:
+                    continue  # a skipped block is the identity: the residual stream (and its pending add) passes on
+                # Only the K/V rows are kept: the last block stops once it has written them.
+                stream.before(i)
+                x, pending = block(x, pending, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True,
+                                   mask, kv_only=i == last)
+                stream.after(i)
+        except BaseException:
+            stream.abort()
+            raise
         stream.finish()
 
 
@@ -412,15 +416,19 @@ class DecodeStep(torch.nn.Module):
         residuals = inputs.extra.get("block_residuals")
         residuals = residuals.start(self, x, modulation, inputs) if residuals is not None else None
         # The stream pass runs outside the wrappers, which may be compiled.
-        for i, block in enumerate(self.blocks):
-            if i in inputs.skip:
-                continue
-            stream.before(i)
-            x, pending = block(x, pending, modulation, inputs.cos, inputs.sin, inputs.k[i], inputs.v[i],
-                               inputs.prefix_len, inputs.static_kv, inputs.attn_mask)
-            stream.after(i)
-            if residuals is not None:
-                x, pending = residuals.after_block(i, x, pending)
+        try:
+            for i, block in enumerate(self.blocks):
+                if i in inputs.skip:
+                    continue
+                stream.before(i)
+                x, pending = block(x, pending, modulation, inputs.cos, inputs.sin, inputs.k[i], inputs.v[i],
+                                   inputs.prefix_len, inputs.static_kv, inputs.attn_mask)
+                stream.after(i)
+                if residuals is not None:
+                    x, pending = residuals.after_block(i, x, pending)
+        except BaseException:
+            stream.abort()
+            raise
         norm_out = model.norm_out
         scale = norm_out.linear(norm_out.silu(temb).to(x.dtype))[:batch]
         fuse = self.kernels and type(norm_out.norm) is torch.nn.LayerNorm and not norm_out.norm.elementwise_affine
