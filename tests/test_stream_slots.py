@@ -208,3 +208,33 @@ def test_the_eager_way_is_judged_unfit_for_graphs_and_the_slot_way_is_not(model)
     assert why.block_hooks_reason(slotted) is None
     slotted.transformer_blocks[0].register_forward_pre_hook(lambda mod, args: None)
     assert why.block_hooks_reason(slotted) == why.BLOCK_HOOKS  # anyone else's hook still counts
+
+
+def test_an_int8_lora_merge_requantizes_into_the_host_copy(tiny_parts, tmp_path):
+    """INT8 ConvRot blocks streamed through slots: a LoRA merge re-quantizes (`requantize_`) into each streamed
+    block's host copy, so the int8 weights and fp32 scales the next upload brings are exactly the whole model's
+    after the same merge, and the steps equal the whole model's."""
+    from graph_runtime.loading import load_transformer
+    from graph_runtime.quantized.int8_convrot import ConvRotInt8Linear
+    from graph_runtime.tiny import write_comfyui_int8_files
+
+    path = write_comfyui_int8_files(tmp_path / "int8", parts=tiny_parts)["transformer"]
+    whole = load_transformer(path, dtype=torch.float32, quantized="int8").requires_grad_(False)
+    streamed = load_transformer(path, dtype=torch.float32, quantized="int8").requires_grad_(False)
+    lora = _lora(tmp_path, whole)
+    LoraMerge(whole).apply([LoraChoice(lora, 0.8)])
+    BlockStreamer(streamed, "cpu", plan_with(streamed, 0, 2)).start()
+    LoraMerge(streamed).apply([LoraChoice(lora, 0.8)])
+    streamer = streamer_of(streamed.transformer_blocks)
+    for index in streamer.order:
+        streamer.fill(index)  # what the next upload brings into the slot
+        mine = dict(streamed.transformer_blocks[index].named_modules())
+        for name, module in whole.transformer_blocks[index].named_modules():
+            if isinstance(module, ConvRotInt8Linear):
+                assert torch.equal(mine[name].weight, module.weight), (index, name)
+                assert torch.equal(mine[name].weight_scale, module.weight_scale), (index, name)
+    inputs = _inputs(whole)
+    expected, _ = _generate(DecodeEngine(whole), *inputs)
+    got, _ = _generate(DecodeEngine(streamed), *inputs)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
