@@ -2,24 +2,30 @@
 
 When the device has room for only part of the transformer, `BlockStreamer` keeps everything but the transformer
 blocks (embeddings, modulation, output layers: small) and as many whole blocks as the byte budget allows on the device,
-and every other block in host memory: one page-locked copy per block where pinning works (`placement.PinnedWeights`),
-so its upload runs at the link's full rate. A streamed block's weights are copied to the device just before the
-block runs and dropped right after (the tensors point back at the host copy; nothing is copied back, since nothing
-writes weights on the device), so any budget down to none of the blocks computes the same step, one block's weights
-on the device at a time beyond the resident ones.
+and every other block in host memory: one page-locked copy per block where pinning works, so its upload runs at the
+link's full rate. `plan_stream` decides how many blocks stay resident for a budget (`plan_with` takes a count decided
+elsewhere); `StreamPlan` says what that puts on the device.
 
-How a block learns that it runs: standard torch forward hooks (a pre-hook loads, a post-hook that also runs on an
-exception drops). Every caller of the diffusers block's own forward (diffusers' transformer forward, the joint prefill
-pass) fires them with no change. The decode step and the prefix pass do not call the block: their wrappers
-(decode/step.py) read its submodules and weights directly, with fused kernels, so their loops enter
-`placement.block_on_device(block)` around each wrapper call, which runs the same hook pair (`StreamedBlock`, in
-placement.py with the pinned copies it moves, so the decode step needs nothing else of this module). Hooks keep the
-streamer's state on the streamer (the handles remove it all) rather than on the diffusers blocks, and the loops stay
-outside any compiled region.
+The streamed blocks take turns in `plan.slots` fixed device buffers (two by default, three optionally;
+stream_slots.py): every parameter and buffer of a streamed block is a view into its slot, so the weights' addresses
+never change. Each step copies every streamed block into its slot on a copy stream, the first ones before the step's
+first kernel, each later one as soon as the block before it in the same slot has run, ordered by events; the step's
+kernels wait only for the block they are about to run. The copies and events are captured with the decode step, so
+a streamed model replays a CUDA graph like a whole one (its graph key names the streamed blocks and the slots), at
+about max(its compute, the streamed bytes / the host-to-device bandwidth). The prefix pass and eager steps run the
+same schedule uncaptured; anything else that runs a block (diffusers' own forward, patched or ControlNet loops) fills
+its slot first through the block's pre-hook or `placement.block_on_device`. A step that cannot be captured still
+streams correctly, eagerly, with its reason counted and logged once: no CUDA, or page-locking refused (then the
+slots are filled from pageable memory, synchronously).
 
-A streamed model never replays or captures a decode graph: some of its weights are off the device whenever the
-engine judges it, so `decode/eligibility.py` answers WEIGHTS_OFF_GPU and every step runs eagerly, counted and logged
-once. Once `stop()`, the hooks are gone and the weights are back where a whole load expects to find them.
+`plan.slots == 0` is the eager way this replaced, kept to compare against (`python -m bench.streaming`): a fresh
+device copy of each streamed block before it runs and dropped after (placement.StreamedBlock, forward hooks), every
+step eager (decode/eligibility.py answers BLOCK_HOOKS or WEIGHTS_OFF_GPU).
+
+Writes to weights go to the host copies (a LoRA merge, lora/merge.py, through `stream_slots.weights_on_host`): a slot
+is overwritten every step. `stop()` removes the hooks, frees the slots and gives every streamed block tensors of its
+own again: on a given device (a whole load follows) or on the host (an unload); the owner (loaded.py) releases the
+graphs captured over the slots first.
 """
 
 from __future__ import annotations
