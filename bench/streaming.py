@@ -27,20 +27,18 @@ import datetime
 import gc
 import json
 import platform
-import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from graph_runtime.decode import DecodeEngine, TokenLayout
+from graph_runtime.decode import TokenLayout
 from graph_runtime.free_memory import emulate_card
 from graph_runtime.loaded import LoadedTransformer
 from graph_runtime.streaming import DEFAULT_SLOTS, plan_stream, plan_with
 
 from .model import build_transformer
-from .options import standalone_start
+from .options import standalone_start, write_results
 from .paths import CONVROT_GROUP
 from .scenarios import TEXT_TOKENS
 from .timing import device_ms
@@ -60,7 +58,6 @@ def h2d_gbps(device, mib: int, iters: int = 10) -> float:
     host = torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True)
     target = torch.empty_like(host, device=device)
     ms = device_ms(lambda: target.copy_(host, non_blocking=True), device, iters=iters)
-    del host, target
     return (mib << 20) / (ms / 1e3) / GB
 
 
@@ -229,13 +226,8 @@ def main(argv=None) -> int:
             "torch": torch.__version__, "layers": transformer.config.num_layers,
             "precision": args.precision if cuda else str(dtype)[6:], "size": args.size, "copy_mib": args.copy_mib,
             "h2d_gbps": gbps or 0.0, "reserve_gb": args.reserve_gb, "wall_s": round(time.perf_counter() - started, 1)}
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    md, js = out / f"streaming-{stamp}.md", out / f"streaming-{stamp}.json"
-    md.write_text(markdown(meta, whole, rows))
-    js.write_text(json.dumps({"meta": meta, "whole": whole, "rows": rows}, indent=1) + "\n")
-    print(f"bench.streaming: wrote {md} and {js}", flush=True)
+    write_results("bench.streaming", args.out_dir, "streaming", markdown(meta, whole, rows),
+                  {"meta": meta, "whole": whole, "rows": rows})
     return 0
 
 
