@@ -133,6 +133,32 @@ def test_streamed_fp32_steps_replay_and_equal_the_whole_models(caplog, slots):
     engine.release()
 
 
+def test_unpinned_host_copies_stream_eagerly_with_the_reason_counted(caplog):
+    """Where the host copies are not page-locked (pinning refused; here not asked for), the slots are filled
+    synchronously and every step decodes eagerly, counted under the unpinned reason and logged once; the latents
+    equal the whole model's eager ones (same kernels on equally aligned weights: fp32 round-off at most, 1e-5 on
+    values of magnitude ~1-5, as tests/gpu/test_gpu_decode.py)."""
+    from graph_runtime.decode import DecodeEngine
+    from graph_runtime.stream_slots import UNPINNED
+    from graph_runtime.streaming import BlockStreamer
+
+    torch.manual_seed(0)
+    model = random_tiny_transformer({**TINY_TRANSFORMER, "num_layers": LAYERS}).to("cuda").requires_grad_(False)
+    embeds = _embeds(TINY_TRANSFORMER["context_in_dim"], torch.float32)
+    whole = sample(DecodeEngine(model), _request(embeds, 1, "eager"))
+    with caplog.at_level(logging.INFO, logger="kvgraph"):
+        streamer = BlockStreamer(model, "cuda", plan_with(model, RESIDENT, 2), pin=False).start()
+        assert not streamer.pinned and streamer.graph_reason == UNPINNED
+        engine = DecodeEngine(model)
+        results = [sample(engine, _request(embeds, seed)) for seed in (1, 2)]
+    for result in results:
+        assert set(result.paths) == {"eager"} and result.stats["eager_steps"] == {UNPINNED: len(result.paths)}
+    said = [r for r in caplog.records if r.getMessage() == f"KV-Graph: decoding eagerly: {UNPINNED}."]
+    assert len(said) == 1, [r.getMessage() for r in said]
+    assert float((results[0].latents - whole.latents).abs().max()) <= 1e-5
+    streamer.stop()
+
+
 def _wide(kind):
     from graph_runtime.quantized import int8_modules, quantize_linears_
 
