@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 
 import torch
 
@@ -123,6 +124,10 @@ class SlotStreamer:
                         "memory (%s); their steps run eagerly.", self.pin_failure or "pinning not asked for")
         self.handles = [blocks[index].register_forward_pre_hook(SlotBlock(self, index)) for index in self.order]
         self._on_host = 0
+        # One pass (or replay of a captured one) at a time: the slots are shared by every run of the model, so two
+        # prompts sampled at once on other threads take turns for their steps (a whole model's weights, read-only,
+        # need no such turn). Taken before the graphs' lock wherever both are held.
+        self.lock = threading.RLock()
 
     # -- what the rest of the runtime reads -----------------------------------------------------------------------
 
@@ -160,19 +165,20 @@ class SlotStreamer:
     @contextlib.contextmanager
     def weights_on_host(self):
         """Inside, every streamed block's tensors view its host copy (writes land where every step copies from);
-        after, they view their slots again at the same addresses. Nested uses are fine."""
-        if self._on_host == 0:
-            self._synchronize()  # no queued upload still reads a host copy that is about to change
-            for index in self.order:
-                self._layouts[index].point_at(self._hosts[index])
-        self._on_host += 1
-        try:
-            yield
-        finally:
-            self._on_host -= 1
+        after, they view their slots again at the same addresses. Nested uses are fine; no pass runs meanwhile."""
+        with self.lock:
             if self._on_host == 0:
+                self._synchronize()  # no queued upload still reads a host copy that is about to change
                 for index in self.order:
-                    self._layouts[index].point_at(self.slots[self.slot_of(index)])
+                    self._layouts[index].point_at(self._hosts[index])
+            self._on_host += 1
+            try:
+                yield
+            finally:
+                self._on_host -= 1
+                if self._on_host == 0:
+                    for index in self.order:
+                        self._layouts[index].point_at(self.slots[self.slot_of(index)])
 
     def _synchronize(self) -> None:
         if self.device.type == "cuda":
@@ -211,9 +217,21 @@ class StreamPass:
             last[slot] = index
         self._ready: dict[int, torch.cuda.Event] = {}
         self._compute = None
+        self._held = False
 
     def start(self) -> "StreamPass":
-        """Queue the first block of each slot. Call before any other work of the step, so the uploads overlap it."""
+        """Queue the first block of each slot. Call before any other work of the step, so the uploads overlap it;
+        `finish()` or `abort()` must follow (the pass holds the streamer's lock until then)."""
+        self.streamer.lock.acquire()
+        self._held = True
+        try:
+            self._start()
+        except BaseException:
+            self.abort()
+            raise
+        return self
+
+    def _start(self) -> None:
         if self.cuda:
             self._compute = torch.cuda.current_stream(self.streamer.device)
             self.streamer.copy_stream.wait_stream(self._compute)
@@ -222,7 +240,6 @@ class StreamPass:
             firsts.setdefault(self.streamer.slot_of(index), index)
         for index in sorted(firsts.values()):
             self._issue(index, None)
-        return self
 
     def _issue(self, index: int, free: torch.cuda.Event | None) -> None:
         if not self.cuda:
@@ -255,13 +272,25 @@ class StreamPass:
         self._issue(following, free)
 
     def finish(self) -> None:
-        """Join the copy stream back into the compute stream (a capture must end with every forked stream joined)."""
-        if self.cuda:
-            self._compute.wait_stream(self.streamer.copy_stream)
+        """Join the copy stream back into the compute stream (a capture must end with every forked stream joined)
+        and let the next pass start."""
+        try:
+            if self.cuda and self._compute is not None:
+                self._compute.wait_stream(self.streamer.copy_stream)
+        finally:
+            if self._held:
+                self._held = False
+                self.streamer.lock.release()
 
 
     def abort(self) -> None:
-        """The pass ended early (an exception): join the copy stream as `finish` does."""
+        """The pass ended early (an exception): as `finish`."""
+        self.finish()
+
+    def __enter__(self) -> "StreamPass":
+        return self
+
+    def __exit__(self, *exc) -> None:
         self.finish()
 
 
@@ -282,6 +311,12 @@ class _NoPass:
 
     def abort(self) -> None:
         pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.abort()
 
 
 NO_PASS = _NoPass()
@@ -329,13 +364,21 @@ def streamer_of(blocks) -> SlotStreamer | None:
 
 def stream_pass(blocks, skip=frozenset()):
     """A started `StreamPass` over the model's diffusers `blocks` (those of `skip` do not run), or a no-op pass for a
-    model without streamed blocks. Call it first in a step, before img_in."""
+    model without streamed blocks. Call it first in a step, before img_in, and use it as a context manager around the
+    rest of the step: leaving it finishes the pass (also on an exception)."""
     streamer = streamer_of(blocks)
     if streamer is not None:
         return streamer.new_pass(skip).start()
     if len(blocks) and _residency(blocks[-1]) is not None:
         return _ResidencyPass(blocks)
     return NO_PASS
+
+
+def exclusive(blocks):
+    """Context manager for running a captured graph of the model's diffusers `blocks`: a streamed model's slots are
+    held for it (the streamer's lock); any other model's run needs nothing."""
+    streamer = streamer_of(blocks)
+    return contextlib.nullcontext() if streamer is None else streamer.lock
 
 
 def weights_on_host(model: torch.nn.Module):

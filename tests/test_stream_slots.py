@@ -238,3 +238,42 @@ def test_an_int8_lora_merge_requantizes_into_the_host_copy(tiny_parts, tmp_path)
     got, _ = _generate(DecodeEngine(streamed), *inputs)
     for a, b in zip(expected, got):
         assert torch.equal(a, b)
+
+
+def test_a_pass_holds_the_slots_until_it_ends_even_on_an_exception(model):
+    """While a pass runs, no other thread may start one (nor replay over the slots, nor move the weights for a
+    merge): the streamer's lock is held from `start` to the pass's end, and a step that raises midway releases it, so
+    the model stays usable."""
+    import threading
+
+    from graph_runtime.stream_slots import stream_pass
+
+    m = copy.deepcopy(model)
+    BlockStreamer(m, "cpu", plan_with(m, 1, 2)).start()
+    streamer = streamer_of(m.transformer_blocks)
+
+    def free_elsewhere() -> bool:
+        got = []
+
+        def attempt():
+            got.append(streamer.lock.acquire(blocking=False))
+            if got[0]:
+                streamer.lock.release()
+
+        thread = threading.Thread(target=attempt)
+        thread.start()
+        thread.join()
+        return got[0]
+
+    with stream_pass(m.transformer_blocks):
+        assert not free_elsewhere()
+    assert free_elsewhere()
+    inputs = _inputs(m)
+    handle = m.transformer_blocks[3].attn.to_q.register_forward_pre_hook(lambda mod, args: 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        _generate(DecodeEngine(m), *inputs)
+    assert free_elsewhere()
+    handle.remove()
+    expected, _ = _generate(DecodeEngine(model), *inputs)
+    got, _ = _generate(DecodeEngine(m), *inputs)
+    assert all(torch.equal(a, b) for a, b in zip(expected, got))

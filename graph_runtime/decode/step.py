@@ -46,7 +46,7 @@ from ..kernels.int8_quant import norm_modulate_int8, residual_norm_modulate_int8
 from ..kernels.norm_modulate import norm_modulate, residual_norm_modulate
 from ..kernels.qk_norm_rope import qk_norm_rope_write, rotate_pairs
 from ..kernels.silu_mul import silu_mul
-from ..stream_slots import stream_pass, streamer_of
+from ..stream_slots import exclusive, stream_pass, streamer_of
 from .attention import SDPA_ATTENTION, AttentionChoice, PrefixMask, sdpa
 
 
@@ -117,14 +117,13 @@ SHORT_PREFIX_TOKENS = 1024
 
 def run_prefix_blocks(blocks, inputs: PrefixInputs) -> None:
     """The pass itself, over `TargetDecodeBlock`s: prefix rows are decoded like target rows with a zero timestep."""
-    stream = stream_pass([b.block for b in blocks], inputs.skip)
-    x = inputs.hidden
-    mask = PrefixMask(inputs.mask, inputs.segments)
-    short = x.is_cuda and x.shape[1] <= SHORT_PREFIX_TOKENS
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if short else contextlib.nullcontext():
-        kept = [i for i in range(len(blocks)) if i not in inputs.skip]
-        pending, last = None, kept[-1] if kept else -1
-        try:
+    with stream_pass([b.block for b in blocks], inputs.skip) as stream:
+        x = inputs.hidden
+        mask = PrefixMask(inputs.mask, inputs.segments)
+        short = x.is_cuda and x.shape[1] <= SHORT_PREFIX_TOKENS
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if short else contextlib.nullcontext():
+            kept = [i for i in range(len(blocks)) if i not in inputs.skip]
+            pending, last = None, kept[-1] if kept else -1
             for i, (block, k_rows, v_rows) in enumerate(zip(blocks, inputs.k, inputs.v)):
                 if i in inputs.skip:
                     continue  # a skipped block is the identity: the residual stream (and its pending add) passes on
@@ -133,10 +132,6 @@ def run_prefix_blocks(blocks, inputs: PrefixInputs) -> None:
                 x, pending = block(x, pending, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True,
                                    mask, kv_only=i == last)
                 stream.after(i)
-        except BaseException:
-            stream.abort()
-            raise
-        stream.finish()
 
 
 class TargetDecodeBlock(torch.nn.Module):
@@ -393,15 +388,23 @@ class DecodeStep(torch.nn.Module):
         precision = precision_of(self.model)
         return name + ("+kernels" if self.kernels else "") + ("" if precision == "bf16" else f"+{precision}")
 
+    def exclusive(self):
+        """Context manager around replaying a captured graph of this step: a streamed model's slots are held for it
+        (stream_slots.py); nothing for a whole model."""
+        return exclusive(self.model.transformer_blocks)
+
     def streaming_key(self) -> tuple:
         """What graph keys carry about streamed blocks (which stream, through how many slots); empty when whole."""
         streamer = streamer_of(self.model.transformer_blocks)
         return () if streamer is None else streamer.graph_key()
 
     def forward(self, inputs: DecodeInputs) -> torch.Tensor:
-        model = self.model
         # First, so the first streamed blocks' uploads run behind img_in, the modulation and the resident blocks.
-        stream = stream_pass(model.transformer_blocks, inputs.skip)
+        with stream_pass(self.model.transformer_blocks, inputs.skip) as stream:
+            return self._forward(inputs, stream)
+
+    def _forward(self, inputs: DecodeInputs, stream) -> torch.Tensor:
+        model = self.model
         x = model.img_in(inputs.hidden)
         self.use_attention(self.blocks, x.device, x.dtype)
         batch = x.shape[0]
@@ -416,23 +419,17 @@ class DecodeStep(torch.nn.Module):
         residuals = inputs.extra.get("block_residuals")
         residuals = residuals.start(self, x, modulation, inputs) if residuals is not None else None
         # The stream pass runs outside the wrappers, which may be compiled.
-        try:
-            for i, block in enumerate(self.blocks):
-                if i in inputs.skip:
-                    continue
-                stream.before(i)
-                x, pending = block(x, pending, modulation, inputs.cos, inputs.sin, inputs.k[i], inputs.v[i],
-                                   inputs.prefix_len, inputs.static_kv, inputs.attn_mask)
-                stream.after(i)
-                if residuals is not None:
-                    x, pending = residuals.after_block(i, x, pending)
-        except BaseException:
-            stream.abort()
-            raise
+        for i, block in enumerate(self.blocks):
+            if i in inputs.skip:
+                continue
+            stream.before(i)
+            x, pending = block(x, pending, modulation, inputs.cos, inputs.sin, inputs.k[i], inputs.v[i],
+                               inputs.prefix_len, inputs.static_kv, inputs.attn_mask)
+            stream.after(i)
+            if residuals is not None:
+                x, pending = residuals.after_block(i, x, pending)
         norm_out = model.norm_out
         scale = norm_out.linear(norm_out.silu(temb).to(x.dtype))[:batch]
         fuse = self.kernels and type(norm_out.norm) is torch.nn.LayerNorm and not norm_out.norm.elementwise_affine
         _, x = TargetDecodeBlock.add_pending_and_norm(x, pending, norm_out.norm, scale[:, None], fuse)
-        stream.finish()
         return model.proj_out(x)
-
