@@ -381,6 +381,14 @@ def exclusive(blocks):
     return contextlib.nullcontext() if streamer is None else streamer.lock
 
 
+def merge_device(model: torch.nn.Module) -> torch.device | None:
+    """Where a LoRA merge computes the weights of a streamed model's host copies: the streamer's CUDA device (the
+    sum and any re-quantization run there, the result is copied back), or None (where the weights are)."""
+    blocks = getattr(model, "transformer_blocks", None)
+    streamer = streamer_of(blocks) if blocks is not None else None
+    return streamer.device if streamer is not None and streamer.device.type == "cuda" else None
+
+
 def weights_on_host(model: torch.nn.Module):
     """Context manager: a streamed model's blocks view their host copies inside (writes to weights persist), any
     other model is left alone."""

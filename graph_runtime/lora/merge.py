@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError, NonFiniteError
-from ..stream_slots import weights_on_host
+from ..stream_slots import merge_device, weights_on_host
 from .file import LoraFile
 from .weights import weight_slot
 
@@ -140,11 +140,12 @@ class LoraMerge:
                 if name not in patches:
                     slot.restore()
             checks = {}
+            compute = merge_device(model)
             for name, items in patches.items():
                 slot = self._slots.get(name)
                 if slot is None:
                     slot = self._slots[name] = weight_slot(model, name)  # keeps the original before changing it
-                device = slot.device
+                device = slot.device if compute is None or slot.device.type != "cpu" else compute
                 delta = items[0][1].delta(device, items[0][0])
                 for strength, patch in items[1:]:
                     delta.add_(patch.delta(device, strength))

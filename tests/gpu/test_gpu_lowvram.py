@@ -159,6 +159,41 @@ def test_unpinned_host_copies_stream_eagerly_with_the_reason_counted(caplog):
     streamer.stop()
 
 
+def test_a_lora_merged_after_capture_is_what_the_streamed_replays_compute(tmp_path):
+    """Tiny fp32 model, both blocks streamed through two slots: a prompt captures the streamed step; a LoRA merged
+    afterwards goes into the host copies (computed on the GPU, copied back), and the next prompt replays the same
+    graph (no capture) with latents bit-equal to the whole model's with the same LoRA (the same fp32 sums on the
+    same device); merging none restores the first latents exactly."""
+    from graph_runtime.lora.file import read_lora
+    from graph_runtime.lora.merge import LoraChoice
+    from graph_runtime.lora.tiny import write_tiny_lora
+
+    torch.manual_seed(0)
+    whole_model = random_tiny_transformer(TINY_TRANSFORMER).to("cuda").requires_grad_(False)
+    streamed_model = random_tiny_transformer(TINY_TRANSFORMER).to("cuda").requires_grad_(False)
+    streamed_model.load_state_dict(whole_model.state_dict())
+    lora = read_lora(write_tiny_lora(tmp_path / "lora.safetensors", dtype=torch.float32), whole_model)
+    embeds = _embeds(TINY_TRANSFORMER["context_in_dim"], torch.float32)
+    whole = LoadedTransformer(whole_model)
+    whole.lora_state().apply([LoraChoice(lora, 0.8)])
+    expected = sample(whole.engine, _request(embeds, 1))
+
+    loaded = LoadedTransformer(streamed_model)
+    loaded.load_streamed("cuda", plan_with(streamed_model, 0, 2))
+    plain = sample(loaded.engine, _request(embeds, 1))
+    _assert_replayed(plain, captures=1)
+    assert loaded.lora_state().apply([LoraChoice(lora, 0.8)]) is True
+    merged = sample(loaded.engine, _request(embeds, 1))
+    _assert_replayed(merged, captures=0)
+    assert not torch.equal(merged.latents, plain.latents)
+    assert torch.equal(merged.latents, expected.latents)
+    loaded.lora_state().apply([])
+    restored = sample(loaded.engine, _request(embeds, 1))
+    _assert_replayed(restored, captures=0)
+    assert torch.equal(restored.latents, plain.latents)
+    loaded.stop_streaming()
+
+
 def _wide(kind):
     from graph_runtime.quantized import int8_modules, quantize_linears_
 
