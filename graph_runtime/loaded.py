@@ -8,7 +8,8 @@ handle (and the core MODEL built on it). It owns
 - the multi-GPU runtime and its workers (parallel/runtime.py), when the model is sampled on several devices;
 - the sampling runs using it now, and a release of its graphs asked for meanwhile: a run in flight keeps the entries
   it replays, so such a release is deferred until its last run ends;
-- its block streamer while it is loaded only partly on its device (streaming.py; ComfyUI's lowvram loads).
+- its block streamer while it is loaded only partly on its device (streaming.py; ComfyUI's lowvram loads), with the
+  device slots its streamed blocks take turns in (stream_slots.py).
 
 Nothing is attached to the transformer itself, and there is no process-wide list of engines: to enumerate the
 loaded models, ask whoever holds them (the nodes' model cache).
@@ -26,7 +27,7 @@ import torch
 from .decode import DecodeEngine
 from .lora.merge import LoraMerge, canonical
 from .report import mib
-from .streaming import BlockStreamer, StreamPlan, plan_stream
+from .streaming import DEFAULT_SLOTS, BlockStreamer, StreamPlan, plan_stream
 
 logger = logging.getLogger("kvgraph")
 
@@ -158,9 +159,10 @@ class LoadedTransformer:
 
     # -- partial loads -----------------------------------------------------------------------------------------------
 
-    def plan_within(self, budget: float) -> StreamPlan | None:
-        """How the transformer runs with at most `budget` bytes on its device, or None when it fits whole."""
-        return plan_stream(self.transformer, budget)
+    def plan_within(self, budget: float, slots: int = DEFAULT_SLOTS) -> StreamPlan | None:
+        """How the transformer runs with at most `budget` bytes on its device (its streamed blocks taking turns in
+        `slots` device slots), or None when it fits whole."""
+        return plan_stream(self.transformer, budget, slots)
 
     @property
     def streaming(self) -> StreamPlan | None:
