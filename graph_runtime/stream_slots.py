@@ -187,16 +187,17 @@ class SlotStreamer:
     def stop(self, device=None) -> None:
         """Remove the hooks and free the slots. Every streamed block gets tensors of its own: on `device` when
         given (new device tensors), else its host copy (what an unload expects)."""
-        self._synchronize()
-        for handle in self.handles:
-            handle.remove()
-        self.handles = []
-        for index in self.order:
-            self._layouts[index].point_at(self._hosts[index])
-            if device is not None:
-                self.blocks[index].to(device)
-        self._targets, self.slots = {}, []
-        self._hosts, self._owners = {}, []
+        with self.lock:  # after any pass in progress
+            self._synchronize()
+            for handle in self.handles:
+                handle.remove()
+            self.handles = []
+            for index in self.order:
+                self._layouts[index].point_at(self._hosts[index])
+                if device is not None:
+                    self.blocks[index].to(device)
+            self._targets, self.slots = {}, []
+            self._hosts, self._owners = {}, []
 
 
 class StreamPass:
@@ -281,7 +282,6 @@ class StreamPass:
             if self._held:
                 self._held = False
                 self.streamer.lock.release()
-
 
     def abort(self) -> None:
         """The pass ended early (an exception): as `finish`."""
