@@ -1,8 +1,11 @@
 """Command-line options of `python -m bench` and the start its stand-alone benchmarks (`bench.lora`,
 `bench.step_cache`) share."""
 
+import datetime
+import json
 import shlex
 import sys
+from pathlib import Path
 
 import torch
 
@@ -17,6 +20,17 @@ def standalone_start(prog: str, device: str, argv) -> tuple[str, torch.dtype] | 
     used = sys.argv[1:] if argv is None else argv
     command = f"python -m {prog} " + " ".join(shlex.quote(a) for a in used)
     return command, torch.bfloat16 if device != "cpu" else torch.float32
+
+
+def write_results(prog: str, out_dir, kind: str, markdown: str, payload: dict) -> None:
+    """`<kind>-<UTC stamp>.md` and `.json` into `out_dir`, said on stdout as `<prog>: wrote ...`."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    md, js = out / f"{kind}-{stamp}.md", out / f"{kind}-{stamp}.json"
+    md.write_text(markdown)
+    js.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"{prog}: wrote {md} and {js}", flush=True)
 
 
 def add_bench_arguments(parser) -> None:

@@ -2,6 +2,9 @@
 (graph_runtime/memory/sizes.py) checks against, what a graph capture checks before it allocates (decode/capture.py),
 and the default bound of the ComfyUI nodes' model cache (graph_runtime/eviction.py).
 
+`KVGRAPH_EMULATE_CARD_GB` caps a CUDA device's figure to a smaller card's size (`emulate_card` also caps PyTorch's
+allocator there), so the plans of an 8-24 GB card run on a larger one.
+
 psutil's figures where it is installed (ComfyUI requires it and reads the same ones), else /proc/meminfo; either is
 capped by the limits of the memory cgroups the process runs in (v2 or v1, found through /proc/self), which is what
 gets a process killed inside a container or a systemd scope.
@@ -143,10 +146,47 @@ def host_available_bytes() -> int | None:
     return available
 
 
+# Caps every CUDA device's memory to a card of this many GB (e.g. 8, 12, 16, 24), so the plans of a small card run
+# and are measured on a large one.
+EMULATE_CARD_ENV = "KVGRAPH_EMULATE_CARD_GB"
+
+
+def emulated_card_bytes() -> int | None:
+    """The card size `KVGRAPH_EMULATE_CARD_GB` asks to emulate, in bytes (GB = 10^9, as cards are sold), or None
+    when unset or empty."""
+    text = os.environ.get(EMULATE_CARD_ENV, "").strip()
+    if not text:
+        return None
+    try:
+        gb = float(text)
+    except ValueError:
+        gb = -1.0
+    if not gb > 0:
+        raise ValueError(f"{EMULATE_CARD_ENV}={text!r} is invalid: expected a card size in GB, e.g. 8, 12, 16 or 24")
+    return int(gb * 1e9)
+
+
+def emulate_card(device, card_bytes: int | None = None) -> int | None:
+    """Make `device` behave like a card of `card_bytes` (default `emulated_card_bytes()`): PyTorch's allocator
+    refuses to reserve beyond it (the per-process memory fraction), as a real card of that size would run out.
+    Returns the card's bytes, or None when there is nothing to emulate. `device_free_bytes` honours the cap
+    without this; the allocator's limit makes an allocation past it fail too."""
+    card = emulated_card_bytes() if card_bytes is None else int(card_bytes)
+    device = torch.device(device)
+    if card is None or device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.mem_get_info(index)[1]
+    if card > total:
+        raise ValueError(f"cannot emulate a {card / 1e9:g} GB card on {device}, which has {total / 1e9:.1f} GB")
+    torch.cuda.set_per_process_memory_fraction(card / total, index)
+    return card
+
+
 def device_free_bytes(device, exclude: int = 0) -> int | None:
     """Memory a new allocation on `device` can get: what the driver has free (capped by the process's memory
-    fraction) plus what PyTorch's allocator holds unused, less `exclude` (e.g. graph pools, which only their graphs
-    reuse). None off CUDA."""
+    fraction, and by the emulated card's size when `KVGRAPH_EMULATE_CARD_GB` is set) plus what PyTorch's allocator
+    holds unused, less `exclude` (e.g. graph pools, which only their graphs reuse). None off CUDA."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
@@ -156,4 +196,17 @@ def device_free_bytes(device, exclude: int = 0) -> int | None:
     fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
     if fraction is not None:
         free = min(free, max(0, int(fraction(index) * total) - reserved))
+    card = emulated_card_bytes()
+    if card is not None:
+        # On a card of that size, what this process has not reserved is all that is free (other processes and the
+        # CUDA context of the large card are not counted).
+        free = min(free, max(0, card - reserved))
     return max(0, free + reserved - torch.cuda.memory_allocated(index) - exclude)
+
+
+def emulated_card_room(device) -> int | None:
+    """What `device` has free on the emulated card (`device_free_bytes`), or None when no card is emulated: a
+    caller that is handed its own figure (ComfyUI's, for a partial load) takes the smaller."""
+    if emulated_card_bytes() is None:
+        return None
+    return device_free_bytes(device)

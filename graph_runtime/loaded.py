@@ -8,7 +8,8 @@ handle (and the core MODEL built on it). It owns
 - the multi-GPU runtime and its workers (parallel/runtime.py), when the model is sampled on several devices;
 - the sampling runs using it now, and a release of its graphs asked for meanwhile: a run in flight keeps the entries
   it replays, so such a release is deferred until its last run ends;
-- its block streamer while it is loaded only partly on its device (streaming.py; ComfyUI's lowvram loads).
+- its block streamer while it is loaded only partly on its device (streaming.py; ComfyUI's lowvram loads), with the
+  device slots its streamed blocks take turns in (stream_slots.py).
 
 Nothing is attached to the transformer itself, and there is no process-wide list of engines: to enumerate the
 loaded models, ask whoever holds them (the nodes' model cache).
@@ -26,7 +27,7 @@ import torch
 from .decode import DecodeEngine
 from .lora.merge import LoraMerge, canonical
 from .report import mib
-from .streaming import BlockStreamer, StreamPlan, plan_stream
+from .streaming import DEFAULT_SLOTS, BlockStreamer, StreamPlan, plan_stream
 
 logger = logging.getLogger("kvgraph")
 
@@ -158,9 +159,10 @@ class LoadedTransformer:
 
     # -- partial loads -----------------------------------------------------------------------------------------------
 
-    def plan_within(self, budget: float) -> StreamPlan | None:
-        """How the transformer runs with at most `budget` bytes on its device, or None when it fits whole."""
-        return plan_stream(self.transformer, budget)
+    def plan_within(self, budget: float, slots: int = DEFAULT_SLOTS) -> StreamPlan | None:
+        """How the transformer runs with at most `budget` bytes on its device (its streamed blocks taking turns in
+        `slots` device slots), or None when it fits whole."""
+        return plan_stream(self.transformer, budget, slots)
 
     @property
     def streaming(self) -> StreamPlan | None:
@@ -173,29 +175,32 @@ class LoadedTransformer:
         return self._streamer
 
     def load_streamed(self, device, plan: StreamPlan) -> bool:
-        """Put the transformer on `device` under `plan` (a streamer with the same resident blocks on the same device
-        is kept as it is). Returns True the first time this model runs with this many resident blocks, so the
-        caller says so once. Its captured graphs go: nothing replays while it streams, and their buffers take
-        memory the streamed load has not got."""
+        """Put the transformer on `device` under `plan` (a streamer with the same resident blocks and slots on the
+        same device is kept as it is). Returns True the first time this model runs with this many resident blocks,
+        so the caller says so once. Its captured graphs go: a whole load's read weights at addresses the streamed
+        load does not keep, and a streamed step's graph is keyed on its plan and captured again."""
         with self._lock:
             current = self._streamer
             if current is not None and current.device == torch.device(device) and \
-                    current.plan.resident_blocks == plan.resident_blocks:
+                    current.plan.resident_blocks == plan.resident_blocks and current.plan.slots == plan.slots:
                 return False
             self.release_graphs(reason="loaded partly: its blocks stream from the host")
             if current is not None:
                 current.stop()
                 self._streamer = None
             self._streamer = BlockStreamer(self.transformer, device, plan).start()
-            key = (plan.resident_blocks, plan.blocks)
+            key = (plan.resident_blocks, plan.blocks, plan.slots)
             first = key not in self._plans_seen
             self._plans_seen.add(key)
             return first
 
-    def stop_streaming(self) -> None:
-        """Back from a partial load: the streamed blocks' weights stay on the host, where a whole load or an unload
-        expects them."""
+    def stop_streaming(self, device=None) -> None:
+        """Back from a partial load: the graphs captured over the streamer's slots are released, the slots freed,
+        and every streamed block gets tensors of its own: on `device` when given (a whole load), else on the host,
+        where an unload expects them."""
         with self._lock:
             streamer, self._streamer = self._streamer, None
+            if streamer is not None:
+                self.release_graphs(reason="streaming stopped: its graphs read the freed device slots")
         if streamer is not None:
-            streamer.stop()
+            streamer.stop(device)

@@ -19,9 +19,9 @@ hold references stay consistent.
 Where pinning is impossible or pointless (no CUDA, a CPU target, tensor subclasses, page-locking refused), the
 module moves with ordinary `module.to()` calls instead; the reason is logged once and kept in `fallback_reason`.
 
-A transformer block of a partial load (streaming.py) keeps its own host copy the same way: `StreamedBlock` loads it
-before the block runs and drops it after, and `block_on_device` does that for code that runs the block's parts
-without calling the block.
+A transformer block of a partial load (streaming.py) streamed the eager way keeps its own host copy the same way:
+`StreamedBlock` loads it before the block runs and drops it after, and `block_on_device` does that for code that runs
+the block's parts without calling the block (for blocks in device slots, stream_slots.py, it fills the block's slot).
 """
 
 from __future__ import annotations
@@ -246,7 +246,19 @@ class PinnedWeights:
             self._adopt(self.pinned)
 
 
-class StreamedBlock:
+class BlockResidency:
+    """A forward pre-hook that puts a block's weights on the device for its run: `enter()` before, `exit()` after.
+    `block_on_device` finds it among the block's hooks (the eager `StreamedBlock` below, the slot streamer's
+    `stream_slots.SlotBlock`)."""
+
+    def enter(self) -> None:
+        raise NotImplementedError
+
+    def exit(self) -> None:
+        raise NotImplementedError
+
+
+class StreamedBlock(BlockResidency):
     """One block of a partial load (streaming.py) whose weights live on the host and visit the device while it runs.
     The instance is the block's forward pre-hook (`block_on_device` finds it there); `after` is its forward hook."""
 
@@ -298,12 +310,12 @@ def block_on_device(block: torch.nn.Module):
     """Context manager around running `block` (a diffusers transformer block) by means other than its own forward:
     a streamed block's weights are on the device inside it; any other block is left alone."""
     hooks = block._forward_pre_hooks  # noqa: SLF001 - where torch keeps them; empty on a block that is not streamed
-    streamed = next((h for h in hooks.values() if isinstance(h, StreamedBlock)), None) if hooks else None
+    streamed = next((h for h in hooks.values() if isinstance(h, BlockResidency)), None) if hooks else None
     return contextlib.nullcontext() if streamed is None else _entered(streamed)
 
 
 @contextlib.contextmanager
-def _entered(streamed: StreamedBlock):
+def _entered(streamed: BlockResidency):
     streamed.enter()
     try:
         yield

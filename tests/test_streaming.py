@@ -19,7 +19,7 @@ from graph_runtime.decode.prefill import run_prefill
 from graph_runtime.loaded import LoadedTransformer
 from graph_runtime.memory import module_bytes
 from graph_runtime.placement import block_on_device
-from graph_runtime.streaming import BlockStreamer, plan_stream
+from graph_runtime.streaming import BlockStreamer, plan_stream, plan_with
 from graph_runtime.tiny import TINY_TRANSFORMER, random_tiny_transformer
 
 ATOL = 1e-6
@@ -38,20 +38,40 @@ def _sizes(model):
 
 
 def test_plan_keeps_what_fits_and_always_the_rest_of_the_model(model):
-    """The plan keeps everything outside the blocks plus as many leading blocks as the budget holds; a budget of the
-    whole model (or more) is no plan (a whole load); a budget below even the non-block part keeps that part anyway
-    and says so in `resident`."""
+    """The plan keeps everything outside the blocks plus as many leading blocks as the budget holds beside the
+    slots the streamed blocks take turns in (two by default; the eager way: one block's copy); a budget of the whole
+    model (or more) is no plan (a whole load); a budget below even the non-block part keeps that part anyway and
+    says so in `resident`."""
     outside, blocks = _sizes(model)
     total = module_bytes(model)
     assert plan_stream(model, total) is None and plan_stream(model, 1e32) is None
-    plan = plan_stream(model, outside + 2 * blocks[0] + blocks[0] // 2)
-    assert (plan.resident_blocks, plan.streamed_blocks, plan.blocks) == (2, LAYERS - 2, LAYERS)
+    budget = outside + 4 * blocks[0] + blocks[0] // 2
+    plan = plan_stream(model, budget)
+    assert (plan.resident_blocks, plan.streamed_blocks, plan.blocks, plan.slots) == (2, LAYERS - 2, LAYERS, 2)
     assert plan.resident == outside + 2 * blocks[0] and plan.total == total and plan.largest_block == blocks[0]
-    assert plan.resident <= plan.budget
+    assert plan.device_bytes == outside + 4 * blocks[0] <= plan.budget
+    eager = plan_stream(model, budget, slots=0)
+    assert (eager.resident_blocks, eager.buffer_bytes) == (3, blocks[0])
+    assert plan_stream(model, budget, slots=3).resident_blocks == 1
     tiny = plan_stream(model, 0.1)
     assert tiny.resident_blocks == 0 and tiny.resident == outside > tiny.budget
     text = plan.describe()
-    assert f"{LAYERS - 2} of {LAYERS} blocks stream from the host every step" in text and "eagerly" in text
+    assert f"{LAYERS - 2} of {LAYERS} blocks stream from the host every step through 2 device slots" in text
+    assert "eagerly" in eager.describe()
+    with pytest.raises(ValueError, match="stream slots 5 is invalid"):
+        plan_stream(model, budget, slots=5)
+
+
+def test_a_plan_for_a_given_number_of_resident_blocks(model):
+    """`plan_with` takes the resident-block count a planner decided: every block resident is no plan, a count out of
+    range is refused naming it, and one streamed block needs one slot only."""
+    outside, blocks = _sizes(model)
+    assert plan_with(model, LAYERS) is None
+    plan = plan_with(model, LAYERS - 1, slots=3)
+    assert plan.streamed_blocks == 1 and plan.buffer_bytes == blocks[-1]
+    assert plan.budget == plan.device_bytes == outside + LAYERS * blocks[0]
+    with pytest.raises(ValueError, match="resident_blocks 7 is out of range"):
+        plan_with(model, 7)
 
 
 def _layout_and_inputs(model, seed=0):
@@ -85,7 +105,7 @@ def test_streamed_steps_equal_the_whole_models(model, with_target):
     inputs = _layout_and_inputs(model)
     expected = _generate(DecodeEngine(whole), *inputs, with_target=with_target)
     outside, blocks = _sizes(streamed)
-    streamer = BlockStreamer(streamed, "cpu", plan_stream(streamed, outside + 2 * blocks[0])).start()
+    streamer = BlockStreamer(streamed, "cpu", plan_with(streamed, 2, slots=0)).start()
     assert streamer.active and not streamer.pinned  # CPU: an ordinary host copy
     # Every streamed block's first Linear, each time it runs: True when it reads the device copy, not the host's.
     visits = {i: [] for i in range(2, LAYERS)}
@@ -108,7 +128,7 @@ def test_a_streamed_block_has_its_weights_on_the_device_only_while_it_runs(model
     copy; after it, again exactly at their host copy, also when the block raised. A resident block is never moved."""
     m = copy.deepcopy(model)
     outside, blocks = _sizes(m)
-    streamer = BlockStreamer(m, "cpu", plan_stream(m, outside + blocks[0])).start()
+    streamer = BlockStreamer(m, "cpu", plan_with(m, 1, slots=0)).start()
     resident, streamed = m.transformer_blocks[0], m.transformer_blocks[1]
     host = streamed.attn.to_q.weight.data_ptr()
     seen = []
@@ -139,12 +159,13 @@ def test_the_owner_keeps_one_streamer_per_plan_and_says_when_a_plan_is_new(model
     m = copy.deepcopy(model)
     loaded = LoadedTransformer(m)
     outside, blocks = _sizes(m)
-    plan = loaded.plan_within(outside + 2 * blocks[0])
+    plan = loaded.plan_within(outside + 4 * blocks[0])
+    assert plan.resident_blocks == 2
     assert loaded.load_streamed("cpu", plan) is True
     streamer = loaded.streamer
-    assert loaded.load_streamed("cpu", loaded.plan_within(outside + 2 * blocks[0] + 100)) is False
+    assert loaded.load_streamed("cpu", loaded.plan_within(outside + 4 * blocks[0] + 100)) is False
     assert loaded.streamer is streamer and loaded.streaming == plan
-    assert loaded.load_streamed("cpu", loaded.plan_within(outside + blocks[0])) is True
+    assert loaded.load_streamed("cpu", loaded.plan_within(outside + 3 * blocks[0])) is True
     assert loaded.streamer is not streamer and not streamer.active
     assert loaded.load_streamed("cpu", plan) is False  # a plan seen before: already said once
     loaded.stop_streaming()

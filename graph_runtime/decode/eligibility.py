@@ -14,9 +14,12 @@ from dataclasses import dataclass
 
 import torch
 
+from ..stream_slots import SlotBlock, streamer_of
+
 # Reason strings double as statistics keys, so they are stable, short and human-readable.
 NO_CUDA = "no CUDA"
 MODE_EAGER = "decode mode is eager"
+# A partial load's blocks in device slots (stream_slots.py) are on the device at fixed addresses: not this.
 WEIGHTS_OFF_GPU = "weights are not all on the CUDA device (offloaded or lowvram)"
 OFFLOAD_HOOKS = "offload or streaming hooks can move weights after capture"
 BLOCK_HOOKS = "forward hooks on the transformer blocks"
@@ -49,8 +52,21 @@ def static_reason(transformer: torch.nn.Module, params=None) -> str | None:
         return WEIGHTS_OFF_GPU
     if _parallel(transformer):
         return PARALLEL
+    return block_hooks_reason(transformer)
+
+
+def block_hooks_reason(transformer: torch.nn.Module) -> str | None:
+    """Hooks on the blocks that a captured step would not run: anyone's but a capturable slot streamer's."""
+    # A slot streamer's pre-hooks (stream_slots.py) are not hooks of others: they fill a slot at fixed addresses,
+    # and a captured step runs its own uploads. Its copies must be capturable, though.
+    streamer = streamer_of(transformer.transformer_blocks)
+    if streamer is not None and streamer.graph_reason is not None:
+        return streamer.graph_reason
     for block in transformer.transformer_blocks:
-        if block._forward_hooks or block._forward_pre_hooks or block.attn._forward_pre_hooks:
+        pre = block._forward_pre_hooks
+        if pre and streamer is not None:
+            pre = [h for h in pre.values() if not isinstance(h, SlotBlock)]
+        if block._forward_hooks or pre or block.attn._forward_pre_hooks:
             return BLOCK_HOOKS
     return None
 

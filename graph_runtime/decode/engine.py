@@ -171,7 +171,8 @@ class DecodeEngine:
         if not self.captures_prefix_pass(inputs.hidden.shape[1]):
             reason = why.LONG_PREFIX
         else:
-            reason = self.graphs.replay_prefix(entry, inputs, self.guard.fingerprint(), self.step.run_prefix)
+            with self.step.exclusive():  # before the graphs' lock, as every streamed pass takes it
+                reason = self.graphs.replay_prefix(entry, inputs, self.guard.fingerprint(), self.step.run_prefix)
             if reason is None:
                 return
         if self.graphs.count_eager(reason, prefill=True):
@@ -194,9 +195,10 @@ class DecodeEngine:
         verdict = self._judge(prefix.k[0].dtype, prefix.key_valid)
         if not verdict.ok:
             return self._eager(prefix, hidden, timestep, verdict.reason, mode)
-        output, path, reason = self.graphs.replay(self.step, prefix, hidden, timestep, verdict.fingerprint,
-                                                  lambda: self._entry_spec(prefix.layout, prefix.batch,
-                                                                           prefix.residuals))
+        with self.step.exclusive():  # a streamed model's slots, held before the graphs' lock
+            output, path, reason = self.graphs.replay(self.step, prefix, hidden, timestep, verdict.fingerprint,
+                                                      lambda: self._entry_spec(prefix.layout, prefix.batch,
+                                                                               prefix.residuals))
         if reason is not None:
             return self._eager(prefix, hidden, timestep, reason, mode)
         return DecodeOutcome(output, path, None)

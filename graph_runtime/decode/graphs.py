@@ -47,6 +47,8 @@ class GraphKey:
     parallel: tuple = ()
     residuals: tuple = ()  # a ControlNet's part (which net, where its weights are): its stream is captured work
     skip: tuple = ()  # blocks the step leaves out (sorted): a skip-layer guidance pass is its own graph
+    # Streamed blocks (first streamed block, how many, slots): a streamed step's graph holds their uploads.
+    streaming: tuple = ()
 
     def describe(self) -> dict:
         prefix_len, target_tokens, shapes, _ = self.layout
@@ -62,6 +64,7 @@ class GraphKey:
             **({"parallel": dict(self.parallel)} if self.parallel else {}),
             **({"residuals": f"{self.residuals[0]} #{self.residuals[1]}"} if self.residuals else {}),
             **({"skipped_blocks": list(self.skip)} if self.skip else {}),
+            **({"streamed_blocks": self.streaming[1], "stream_slots": self.streaming[2]} if self.streaming else {}),
         }
 
 
@@ -70,7 +73,8 @@ def make_key(step: DecodeStep, branch: str, batch: int, layout, dtype, device, r
     out."""
     return GraphKey(branch=branch, batch=batch, layout=layout.signature, dtype=str(dtype).removeprefix("torch."),
                     device=str(device), backend=step.variant(device), parallel=step.parallel_key(),
-                    residuals=() if residuals is None else residuals.graph_key(), skip=tuple(sorted(skip)))
+                    residuals=() if residuals is None else residuals.graph_key(), skip=tuple(sorted(skip)),
+                    streaming=step.streaming_key())
 
 
 @dataclass

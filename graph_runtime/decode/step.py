@@ -17,7 +17,8 @@ layers and weight swaps are seen), with the per-step host work hoisted out:
 - Each block hands its MLP residual to the next block instead of adding it, so the add shares a pass with the next
   LayerNorm (or the final norm): one read and write of the residual stream per block fewer.
 - A streamed model (a partial load, graph_runtime/streaming.py) has some blocks' weights on the host: the loops
-  below hold each block's weights on the device for its call (`block_on_device`, a no-op for a resident block).
+  below run a `stream_slots.StreamPass` (a no-op without streamed blocks), started before any other work so the
+  first uploads overlap it, whose copy-stream uploads and events are captured with the step.
 - Attention runs the kernel `attention.py` chose for the step's device when the step first ran there
   (FlashAttention-3 on Hopper where installed, SDPA elsewhere): one seam, `TargetDecodeBlock.attention`.
 - FP8 blocks (`graph_runtime/fp8`, Linears converted with `apply_precision`): where a norm or the SwiGLU product
@@ -45,7 +46,7 @@ from ..kernels.int8_quant import norm_modulate_int8, residual_norm_modulate_int8
 from ..kernels.norm_modulate import norm_modulate, residual_norm_modulate
 from ..kernels.qk_norm_rope import qk_norm_rope_write, rotate_pairs
 from ..kernels.silu_mul import silu_mul
-from ..placement import block_on_device
+from ..stream_slots import exclusive, stream_pass, streamer_of
 from .attention import SDPA_ATTENTION, AttentionChoice, PrefixMask, sdpa
 
 
@@ -116,19 +117,21 @@ SHORT_PREFIX_TOKENS = 1024
 
 def run_prefix_blocks(blocks, inputs: PrefixInputs) -> None:
     """The pass itself, over `TargetDecodeBlock`s: prefix rows are decoded like target rows with a zero timestep."""
-    x = inputs.hidden
-    mask = PrefixMask(inputs.mask, inputs.segments)
-    short = x.is_cuda and x.shape[1] <= SHORT_PREFIX_TOKENS
-    with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if short else contextlib.nullcontext():
-        kept = [i for i in range(len(blocks)) if i not in inputs.skip]
-        pending, last = None, kept[-1] if kept else -1
-        for i, (block, k_rows, v_rows) in enumerate(zip(blocks, inputs.k, inputs.v)):
-            if i in inputs.skip:
-                continue  # a skipped block is the identity: the residual stream (and its pending add) passes on
-            # Only the K/V rows are kept: the last block stops once it has written them.
-            with block_on_device(block.block):
+    with stream_pass([b.block for b in blocks], inputs.skip) as stream:
+        x = inputs.hidden
+        mask = PrefixMask(inputs.mask, inputs.segments)
+        short = x.is_cuda and x.shape[1] <= SHORT_PREFIX_TOKENS
+        with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]) if short else contextlib.nullcontext():
+            kept = [i for i in range(len(blocks)) if i not in inputs.skip]
+            pending, last = None, kept[-1] if kept else -1
+            for i, (block, k_rows, v_rows) in enumerate(zip(blocks, inputs.k, inputs.v)):
+                if i in inputs.skip:
+                    continue  # a skipped block is the identity: the residual stream (and its pending add) passes on
+                # Only the K/V rows are kept: the last block stops once it has written them.
+                stream.before(i)
                 x, pending = block(x, pending, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True,
                                    mask, kv_only=i == last)
+                stream.after(i)
 
 
 class TargetDecodeBlock(torch.nn.Module):
@@ -385,7 +388,22 @@ class DecodeStep(torch.nn.Module):
         precision = precision_of(self.model)
         return name + ("+kernels" if self.kernels else "") + ("" if precision == "bf16" else f"+{precision}")
 
+    def exclusive(self):
+        """Context manager around replaying a captured graph of this step: a streamed model's slots are held for it
+        (stream_slots.py); nothing for a whole model."""
+        return exclusive(self.model.transformer_blocks)
+
+    def streaming_key(self) -> tuple:
+        """What graph keys carry about streamed blocks (which stream, through how many slots); empty when whole."""
+        streamer = streamer_of(self.model.transformer_blocks)
+        return () if streamer is None else streamer.graph_key()
+
     def forward(self, inputs: DecodeInputs) -> torch.Tensor:
+        # First, so the first streamed blocks' uploads run behind img_in, the modulation and the resident blocks.
+        with stream_pass(self.model.transformer_blocks, inputs.skip) as stream:
+            return self._forward(inputs, stream)
+
+    def _forward(self, inputs: DecodeInputs, stream) -> torch.Tensor:
         model = self.model
         x = model.img_in(inputs.hidden)
         self.use_attention(self.blocks, x.device, x.dtype)
@@ -400,13 +418,14 @@ class DecodeStep(torch.nn.Module):
         # their base block, here and nowhere else.
         residuals = inputs.extra.get("block_residuals")
         residuals = residuals.start(self, x, modulation, inputs) if residuals is not None else None
-        # The diffusers blocks, for a streamed model's residency (outside the wrappers, which may be compiled).
-        for i, (block, inner) in enumerate(zip(self.blocks, model.transformer_blocks)):
+        # The stream pass runs outside the wrappers, which may be compiled.
+        for i, block in enumerate(self.blocks):
             if i in inputs.skip:
                 continue
-            with block_on_device(inner):
-                x, pending = block(x, pending, modulation, inputs.cos, inputs.sin, inputs.k[i], inputs.v[i],
-                                   inputs.prefix_len, inputs.static_kv, inputs.attn_mask)
+            stream.before(i)
+            x, pending = block(x, pending, modulation, inputs.cos, inputs.sin, inputs.k[i], inputs.v[i],
+                               inputs.prefix_len, inputs.static_kv, inputs.attn_mask)
+            stream.after(i)
             if residuals is not None:
                 x, pending = residuals.after_block(i, x, pending)
         norm_out = model.norm_out
@@ -414,4 +433,3 @@ class DecodeStep(torch.nn.Module):
         fuse = self.kernels and type(norm_out.norm) is torch.nn.LayerNorm and not norm_out.norm.elementwise_affine
         _, x = TargetDecodeBlock.add_pending_and_norm(x, pending, norm_out.norm, scale[:, None], fuse)
         return model.proj_out(x)
-

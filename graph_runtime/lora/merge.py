@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CheckpointError, NonFiniteError
+from ..stream_slots import merge_device, weights_on_host
 from .file import LoraFile
 from .weights import weight_slot
 
@@ -132,16 +133,19 @@ class LoraMerge:
         # Deltas and host copies are made as normal tensors (ComfyUI runs nodes under inference mode; each weight is
         # written in its own mode, see weights.writable), and in true fp32 (TF32 would round the products to
         # 10-bit mantissas).
-        with torch.inference_mode(False), torch.no_grad(), _ieee_fp32_matmul():
+        # A streamed block's weights are merged into its host copy, which every step copies into its device slot
+        # (a write into the slot would be overwritten by the next upload).
+        with torch.inference_mode(False), torch.no_grad(), _ieee_fp32_matmul(), weights_on_host(model):
             for name, slot in self._slots.items():
                 if name not in patches:
                     slot.restore()
             checks = {}
+            compute = merge_device(model)
             for name, items in patches.items():
                 slot = self._slots.get(name)
                 if slot is None:
                     slot = self._slots[name] = weight_slot(model, name)  # keeps the original before changing it
-                device = slot.device
+                device = slot.device if compute is None or slot.device.type != "cpu" else compute
                 delta = items[0][1].delta(device, items[0][0])
                 for strength, patch in items[1:]:
                     delta.add_(patch.delta(device, strength))

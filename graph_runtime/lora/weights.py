@@ -77,10 +77,11 @@ class PlainWeight:
         """`weight = original + delta`, with `delta` fp32 on the weight's device (consumed). Returns whether the
         merged weight is finite in its dtype (a 0-d bool on the device: read it once for all weights)."""
         param = self.param
-        # A pristine weight is its own original: no host-to-device copy.
-        original = param if self.pristine else self.original.to(param.device, non_blocking=True)
+        # A pristine weight is its own original: no host-to-device copy. `delta` may be on another device than the
+        # weight (a streamed block's host copy is merged on the GPU, then copied back).
+        original = param if self.pristine else self.original
         with writable(param):
-            param.copy_(delta.add_(original))
+            param.copy_(delta.add_(original.to(delta.device, non_blocking=True)))
         self.pristine = False
         return finite(param)
 
@@ -116,7 +117,7 @@ class QuantizedWeight:
         """Returns whether the merged weight (before quantization, which would hide an overflow in its scales) is
         finite, as a 0-d bool on the device."""
         self.restore()  # start from the file's quantized weight, not an earlier merge's re-quantization
-        weight = self.module.dequantized_weight(torch.float32).add_(delta)
+        weight = self.module.dequantized_weight(torch.float32).to(delta.device).add_(delta)
         ok = finite(weight)
         with writable(self.module.weight):
             self.module.requantize_(weight)

@@ -182,11 +182,12 @@ class ConvRotInt8Linear(_KeepsScaleFp32, torch.nn.Linear):
     @torch.no_grad()
     def requantize_(self, weight: torch.Tensor) -> None:
         """Quantize the float `weight` `[out, in]` with comfy-kitchen into this layer's existing `weight` and
-        `weight_scale` storages (`copy_`: same addresses, so captured CUDA graphs stay valid)."""
+        `weight_scale` storages (`copy_`: same addresses, so captured CUDA graphs stay valid). The quantization runs
+        where `weight` is (a streamed block's host copy is re-quantized on the GPU, its LoRA merge's device)."""
         if tuple(weight.shape) != tuple(self.weight.shape):
             raise ValueError(f"requantize_: weight of shape {list(weight.shape)} for a layer of shape "
                              f"{list(self.weight.shape)}")
-        q, scale = quantize_weight(weight.to(self.weight.device), self.group_size, self.convrot)
+        q, scale = quantize_weight(weight, self.group_size, self.convrot)
         self.weight.copy_(q)
         self.weight_scale.copy_(scale)
 

@@ -10,8 +10,10 @@ ComfyUI asks for a partial load through the same call as a whole one (0.8.0 and 
 `LoadedModel.model_load` calls `partially_load(device, extra_memory)`, where `extra_memory` is what the model may add
 on the device beyond what it holds now: 1e32 when it may load whole (`force_full_load`, or nothing smaller to
 say), the free memory left after the request's own needs otherwise (`--lowvram`, or not enough room), and 0.1 under
-`--novram`. Where that is less than the whole transformer, its owner streams blocks from the host
-(graph_runtime/streaming.py) and its steps run eagerly; the text encoder and the VAE still load whole.
+`--novram`. Where that is less than the whole transformer, its owner streams blocks from the host through fixed
+device slots (graph_runtime/streaming.py, stream_slots.py), and its steps still replay captured graphs; the text
+encoder and the VAE still load whole. Under `KVGRAPH_EMULATE_CARD_GB` (graph_runtime/free_memory.py) the figure is
+capped to what that card would have free.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import torch
 
 import comfy.model_patcher
 
+from ...graph_runtime.free_memory import emulated_card_room
 from ...graph_runtime.placement import PinnedWeights
 
 logger = logging.getLogger("kvgraph")
@@ -91,7 +94,9 @@ class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
             return 0
         owner = self.stream_owner()
         if owner is not None and self.placement is None:
-            plan = owner.plan_within(self.loaded_size() + extra_memory)
+            room = emulated_card_room(device_to)
+            extra = extra_memory if room is None else min(extra_memory, room)
+            plan = owner.plan_within(self.loaded_size() + extra)
             if plan is not None:
                 return self._load_streamed(owner, device_to, plan)
             self._end_streaming(owner)  # it fits whole now: ComfyUI's own move puts the streamed blocks there
@@ -139,7 +144,7 @@ class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
         model = self.model
         model.device = torch.device(device_to)
         model.model_loaded_weight_memory = plan.resident
-        model.model_offload_buffer_memory = plan.largest_block
+        model.model_offload_buffer_memory = owner.streamer.buffer_bytes
         model.model_lowvram = True
         model.current_weight_patches_uuid = self.patches_uuid
         if first:
