@@ -71,10 +71,22 @@ def plan_stream(transformer: torch.nn.Module, budget: float) -> StreamPlan | Non
             break
         resident += size
         count += 1
-    if count == len(sizes):  # rounding between the model's size and its blocks': nothing would stream
+    return plan_resident(transformer, count, budget)
+
+
+def plan_resident(transformer: torch.nn.Module, resident_blocks: int, budget: float | None = None) -> StreamPlan | None:
+    """The plan that keeps the first `resident_blocks` blocks (and everything outside the blocks) on the device, as a
+    memory plan decides (memory/plan.py `MemoryPlan.resident_blocks`); None when that is every block. `budget`: the
+    bytes the caller may put there, for the description (default: what the plan keeps there)."""
+    sizes = [module_bytes(block) for block in transformer.transformer_blocks]
+    if not 0 <= resident_blocks <= len(sizes):
+        raise ValueError(f"resident_blocks: {resident_blocks}: expected 0 to {len(sizes)}")
+    if resident_blocks == len(sizes):  # also the rounding between the model's size and its blocks': nothing streams
         return None
-    return StreamPlan(budget=int(budget), total=total, resident=resident, resident_blocks=count, blocks=len(sizes),
-                      largest_block=max(sizes[count:]))
+    total = module_bytes(transformer)
+    resident = total - sum(sizes[resident_blocks:])
+    return StreamPlan(budget=int(resident if budget is None else min(budget, total)), total=total, resident=resident,
+                      resident_blocks=resident_blocks, blocks=len(sizes), largest_block=max(sizes[resident_blocks:]))
 
 
 class BlockStreamer:

@@ -195,6 +195,7 @@ class MemoryPlan:
     text_encoder_suggestion: str | None = None
     fits: bool = True
     notes: list[str] = field(default_factory=list)
+    device: str = "GPU"  # what the plan's device is called in its description
 
     @property
     def streamed_blocks(self) -> int:
@@ -212,6 +213,12 @@ class MemoryPlan:
     @property
     def host_bytes(self) -> int:
         return sum(n for _, n in self.host_parts)
+
+    @property
+    def new_host_bytes(self) -> int:
+        """Host memory the plan adds: the streamed blocks' and a host prefix's pinned copies (the text encoder's copy
+        is held whatever its placement, so it is shown but not checked)."""
+        return sum(n for label, n in self.host_parts if not label.startswith("text encoder"))
 
     @property
     def upload_ms(self) -> float:
@@ -249,19 +256,23 @@ class MemoryPlan:
                 "recompute": "recomputed every step (no cache)"}[self.prefix_placement]
         return f"prefix K/V ({tokens} tokens) {text}"
 
-    def describe(self) -> str:
-        """One line for the load log."""
+    def summary(self) -> str:
+        """The decisions: blocks, prefix, text encoder, VAE decode."""
         te = ""
         if self.text_encoder is not None:
             te = f"; text encoder {self.text_encoder}" + (
                 f" ({self.text_encoder_suggestion})" if self.text_encoder_suggestion else "")
+        return f"transformer {self._blocks_text()}; {self._prefix_text()}{te}; VAE decode {self.vae_decode}"
+
+    def describe(self) -> str:
+        """One line for the load log."""
         upload = f", uploads {self.upload_ms:.0f} ms at {self.bandwidth / 1e9:g} GB/s" if self.upload_bytes else ""
         available = f" of {gib(self.available)}" if self.available is not None else ""
         host = f", {gib(self.host_bytes)} host" + (
             f" of {gib(self.host_available)}" if self.host_available is not None else "")
         return (f"{'memory plan' if self.fits else 'smallest memory plan (does not fit)'} for {self.shape.batch}x "
-                f"{self.shape.width}x{self.shape.height}: transformer {self._blocks_text()}; {self._prefix_text()}"
-                f"{te}; VAE decode {self.vae_decode}; needs {gib(self.gpu_bytes)}{available} GPU{host}; step "
+                f"{self.shape.width}x{self.shape.height}: {self.summary()}; needs {gib(self.gpu_bytes)}{available} "
+                f"{self.device}{host}; step "
                 f"~{self.step_ms:.0f} ms (compute {self.compute_ms:.0f} ms{upload}, an estimate)"
                 + "".join(f"; {note}" for note in self.notes))
 
@@ -343,7 +354,7 @@ def _host_parts(sizes: ModelSizes, shape: GenerationShape, resident: int, placem
     if placement == "host":
         parts.append(("prefix K/V", sum(shape.batch * p for p in shape.prefix_tokens) * kv_bytes_per_token(sizes.dims)))
     if sizes.text_encoder is not None:
-        parts.append(("text encoder", sizes.text_encoder.bytes))  # its pinned copy, or its weights on the CPU
+        parts.append(("text encoder (held)", sizes.text_encoder.bytes))  # its pinned copy, or its weights on the CPU
     return parts
 
 
@@ -387,7 +398,7 @@ def _candidate(sizes, shape, resident, slots, placement, vae_tiled, bandwidth, a
 
 
 def _fits(plan: MemoryPlan, available: int, host_available: int | None) -> bool:
-    return plan.gpu_bytes <= available and (host_available is None or plan.host_bytes <= host_available)
+    return plan.gpu_bytes <= available and (host_available is None or plan.new_host_bytes <= host_available)
 
 
 # -- the text encoder --------------------------------------------------------------------------------------------------
@@ -420,7 +431,8 @@ def _text_encoder(plan: MemoryPlan, te: TextEncoderSize, available: int) -> tupl
 
 def plan_memory(sizes: ModelSizes, shape: GenerationShape, available: int, host_available: int | None = None, *,
                 bandwidth: float = DEFAULT_H2D_BYTES_PER_S, slots: int = DEFAULT_SLOTS,
-                placements: tuple[str, ...] = PREFIX_PLACEMENTS, stream: bool = True) -> MemoryPlan:
+                placements: tuple[str, ...] = PREFIX_PLACEMENTS, stream: bool = True,
+                device: str = "GPU") -> MemoryPlan:
     """The fastest plan of `shape` that fits `available` GPU bytes and `host_available` host bytes (None: the host is
     not checked), or the smallest plan with `fits` False when none does. `placements`: the prefix placements to
     consider (a forced one, or those the runtime has built); `stream=False` keeps every block resident (a CPU, where
@@ -436,8 +448,10 @@ def plan_memory(sizes: ModelSizes, shape: GenerationShape, available: int, host_
         raise ValueError(f"placements: {placements!r}: expected some of {PREFIX_PLACEMENTS}")
 
     def candidate(resident: int, placement: str, vae_tiled: bool = True) -> MemoryPlan:
-        return _candidate(sizes, shape, resident, slots, placement, vae_tiled and sizes.vae is not None, bandwidth,
+        plan = _candidate(sizes, shape, resident, slots, placement, vae_tiled and sizes.vae is not None, bandwidth,
                           available, host_available)
+        plan.device = device
+        return plan
 
     def most_resident(placement: str) -> MemoryPlan | None:
         """The most resident blocks that fit the GPU with `placement` (the GPU need grows with them and the host
