@@ -150,6 +150,9 @@ def graph_cache_lines(model: dict) -> list[str]:
         lines.append(f"  last request's memory budget: {gib(budget['total_bytes'])}"
                      + (f" of {gib(available)} available" if available is not None else "")
                      + (" (VAE decode tiled)" if budget.get("vae_tiled") else ""))
+        plan = budget.get("plan")
+        if plan:
+            lines.append(f"  {plan['text']}")
     lines += [f"  - {entry_line(entry)}" for entry in model["entries"]]
     return lines
 

@@ -125,7 +125,7 @@ def test_a_streamed_plan_costs_compute_plus_the_upload_it_does_not_hide(sizes):
     blocks once per CFG branch (plus a host prefix); a faster link never makes a step slower."""
     s = sizes["bf16"]
     shape = plans.request_shape(1024, 1024, cfg=True)
-    plan = plans.plan_memory(s, shape, 12 * GiB, HOST)
+    plan = plans.plan_memory(s, shape, 12 * GiB, HOST, streamed_graphs=True)
     assert plan.fits and plan.streamed_blocks > 0
     streamed = sum(s.block_bytes[plan.resident_blocks:])
     extra = (sum(p for p in shape.prefix_tokens) * kv_bytes_per_token(s.dims)
@@ -133,8 +133,23 @@ def test_a_streamed_plan_costs_compute_plus_the_upload_it_does_not_hide(sizes):
     assert plan.upload_bytes == 2 * streamed + extra
     upload_ms = plan.upload_bytes / plans.DEFAULT_H2D_BYTES_PER_S * 1e3
     assert plan.step_ms == pytest.approx(plan.compute_ms + max(0.0, upload_ms - plan.compute_ms), rel=1e-12)
-    faster = plans.plan_memory(s, shape, 12 * GiB, HOST, bandwidth=4 * plans.DEFAULT_H2D_BYTES_PER_S)
+    faster = plans.plan_memory(s, shape, 12 * GiB, HOST, bandwidth=4 * plans.DEFAULT_H2D_BYTES_PER_S,
+                               streamed_graphs=True)
     assert faster.step_ms <= plan.step_ms
+
+
+def test_without_streamed_graphs_a_streamed_plan_steps_eagerly_and_waits_for_its_uploads(sizes):
+    """Where streamed blocks cannot replay inside the graph (the runtime today), a streamed plan is budgeted as eager
+    steps (no graph buffers or pool) and its uploads add to the compute; a whole plan keeps its graphs."""
+    s = sizes["bf16"]
+    shape = plans.request_shape(1024, 1024)
+    plan = plans.plan_memory(s, shape, 12 * GiB, HOST, streamed_graphs=False)
+    assert plan.fits and plan.streamed_blocks and not plan.overlapped
+    labels = [label for label, _ in plan.budget.parts]
+    assert not any(label.startswith("graph ") for label in labels)
+    assert plan.step_ms == pytest.approx(plan.compute_ms + plan.upload_ms, rel=1e-12)
+    whole = plans.plan_memory(s, shape, 40 * GiB, HOST, streamed_graphs=False)
+    assert whole.whole and whole.overlapped and any(label == "graph pool" for label, _ in whole.budget.parts)
 
 
 def test_the_slots_hold_the_largest_streamed_block_each(sizes):
@@ -142,12 +157,12 @@ def test_the_slots_hold_the_largest_streamed_block_each(sizes):
     block than two at the same resident count."""
     s = sizes["int8"]
     shape = plans.request_shape(1024, 1024, references=2)
-    two = plans.plan_memory(s, shape, 12 * GiB, HOST, slots=2)
+    two = plans.plan_memory(s, shape, 12 * GiB, HOST, slots=2, streamed_graphs=True)
     assert two.streamed_blocks >= 3
     parts = dict(two.budget.parts)
     slot_label = next(label for label in parts if label.startswith("streaming slots"))
     assert parts[slot_label] == 2 * max(s.block_bytes[two.resident_blocks:])
-    three = plans.plan_memory(s, shape, 12 * GiB, HOST, slots=3)
+    three = plans.plan_memory(s, shape, 12 * GiB, HOST, slots=3, streamed_graphs=True)
     assert three.resident_blocks <= two.resident_blocks
 
 
@@ -156,10 +171,10 @@ def test_a_small_host_rules_out_the_host_prefix_and_streaming(sizes):
     text encoder's copy, held whatever its placement, is shown but not checked."""
     s = sizes["int8"]
     shape = plans.request_shape(1024, 1024, references=10)
-    roomy = plans.plan_memory(s, shape, 24 * GiB, HOST)
+    roomy = plans.plan_memory(s, shape, 24 * GiB, HOST, streamed_graphs=True)
     assert roomy.fits and roomy.prefix_placement == "host"
     assert roomy.host_bytes == roomy.new_host_bytes + s.text_encoder.bytes
-    tight = plans.plan_memory(s, shape, 24 * GiB, GiB)
+    tight = plans.plan_memory(s, shape, 24 * GiB, GiB, streamed_graphs=True)
     assert tight.prefix_placement != "host"
     assert tight.new_host_bytes <= GiB or not tight.fits
 
@@ -224,3 +239,70 @@ def test_request_shape_counts_references_per_branch():
     assert shape.prefix_tokens == (100 + 2 * 64 * 48,) * 2
     assert plans.request_shape(512, 512, references=3, reference_tokens=10).prefix_tokens == (128 + 30,)
     assert dataclasses.replace(shape, batch=2).batch == 2
+
+
+# -- the one check of a sampling request, on a CUDA device (nothing is allocated: the full-size model on meta) --------
+
+
+@pytest.fixture(scope="module")
+def meta_transformer():
+    import torch
+    from diffusers import QwenImage21Transformer2DModel
+
+    with torch.device("meta"):
+        return QwenImage21Transformer2DModel().to(torch.bfloat16)
+
+
+def _request(width=1024, height=1024, references=0, cfg=False):
+    """What the memory check reads of a SamplingRequest: prompt rows with `references` image slots."""
+    import torch
+    from types import SimpleNamespace
+
+    from graph_runtime.decode import TOKENS_PER_SLOT
+
+    tokens = (width // 16) * (height // 16)
+    # Each slot of the encoder sequence stands for TOKENS_PER_SLOT latent tokens of its reference.
+    slots = references * max(1, tokens // TOKENS_PER_SLOT)
+    positive = SimpleNamespace(image_mask=torch.zeros(1, 128 + slots, dtype=torch.bool), num_image_slots=slots)
+    return SimpleNamespace(positive=positive, negative=positive if cfg else None, do_cfg=cfg,
+                           latent_width=width // 16, latent_height=height // 16, batch_size=1, decode_mode="auto")
+
+
+def test_a_request_too_big_for_a_whole_load_runs_streamed_instead_of_being_refused(meta_transformer):
+    """On CUDA, a bf16 1024x1024 request on a 16 GiB card (today: refused) gets a budget under a streamed plan that
+    fits, with the prefix on the GPU (the only placement this build carries out) and the faster unbuilt plan noted;
+    on a 40 GiB card the budget is today's, whole."""
+    from graph_runtime.memory import budget as budgets
+    from graph_runtime.memory.sizes import VaeDims
+
+    vae = VaeDims.standard()
+    request = _request()
+    whole = budgets.check_sampling_request(meta_transformer, request, budgets.Available(40 * GiB), "cuda", vae)
+    assert whole.plan.whole and whole.plan.fits
+    today = budgets.RequestPlan.for_request(meta_transformer, request, vae, graphs=True).budget(40 * GiB)
+    assert whole.total == today.total and whole.parts == today.parts
+
+    small = budgets.check_sampling_request(meta_transformer, request, budgets.Available(16 * GiB), "cuda", vae,
+                                           host_available=HOST)
+    plan = small.plan
+    assert plan.fits and plan.streamed_blocks > 0 and plan.prefix_placement in plans.PREFIX_PLACEMENTS_BUILT
+    assert small.total == plan.gpu_bytes <= 16 * GiB
+    assert small.part("transformer weights") < meta_transformer.num_parameters() * 2
+    if not plans.PREFIX_PLACEMENTS_BUILT >= set(plans.PREFIX_PLACEMENTS):
+        assert any("which this build does not carry out yet" in note for note in plan.notes) or plan.runnable
+
+
+def test_a_request_no_plan_fits_is_refused_with_the_smallest_plans_needs(meta_transformer):
+    """Below the smallest plan (every block streamed), the refusal says no memory plan fits, gives the smallest
+    plan's decisions and bytes, and still lists the settings to change."""
+    from graph_runtime.memory import budget as budgets
+    from graph_runtime.memory.sizes import VaeDims
+
+    with pytest.raises(budgets.MemoryBudgetError) as info:
+        budgets.check_sampling_request(meta_transformer, _request(), budgets.Available(GiB), "cuda",
+                                       VaeDims.standard(), host_available=HOST)
+    message = str(info.value)
+    assert message.startswith("KV-Graph: no memory plan fits this request on cuda")
+    assert "0 of 32 blocks resident" in message and "Nothing was allocated" in message
+    assert info.value.plan is not None and info.value.plan.gpu_bytes > GiB
+    assert "Change one of" in message

@@ -269,9 +269,13 @@ def plan_request(transformer, plan: RequestPlan, available: int, device, text_en
     built = tuple(p for p in plans.PREFIX_PLACEMENTS if p in plans.PREFIX_PLACEMENTS_BUILT)
     chosen = plans.plan_memory(sizes, plan.shape, available, host_available, placements=built, stream=stream,
                                bandwidth=bandwidth)
-    if fastest.fits:
+    if fastest.fits and chosen.fits:
         chosen.notes.append(f"the fastest plan ({fastest.summary()}; step ~{fastest.step_ms:.0f} ms) places the "
                             f"prefix K/V '{fastest.prefix_placement}', which this build does not carry out yet")
+    elif fastest.fits:
+        chosen.notes.append(f"a plan placing the prefix K/V '{fastest.prefix_placement}' would fit "
+                            f"({fastest.summary()}; needs {gib(fastest.gpu_bytes)}), but this build does not carry "
+                            "it out yet")
     return chosen
 
 

@@ -196,6 +196,7 @@ class MemoryPlan:
     fits: bool = True
     notes: list[str] = field(default_factory=list)
     device: str = "GPU"  # what the plan's device is called in its description
+    overlapped: bool = True  # uploads overlap the compute (streamed blocks inside the graph); else they add to it
 
     @property
     def streamed_blocks(self) -> int:
@@ -226,16 +227,11 @@ class MemoryPlan:
 
     @property
     def step_ms(self) -> float:
-        """The estimated step: compute, plus the uploads the compute does not hide."""
+        """The estimated step: compute, plus the uploads the compute does not hide (all of them where they are not
+        overlapped: streamed blocks stepping eagerly)."""
+        if not self.overlapped:
+            return self.compute_ms + self.upload_ms
         return self.compute_ms + max(0.0, self.upload_ms - self.compute_ms)
-
-    @property
-    def step_ms_eager_streaming(self) -> float | None:
-        """Where streamed blocks cannot replay inside a graph (STREAMED_GRAPH_BUILT False), a streamed step runs
-        eagerly with its uploads not overlapped: this estimate; None where that does not apply."""
-        if not self.streamed_blocks or STREAMED_GRAPH_BUILT:
-            return None
-        return self.compute_ms * EAGER_FACTOR + self.upload_ms
 
     @property
     def runnable(self) -> bool:
@@ -290,8 +286,7 @@ class MemoryPlan:
             "host_parts": dict(self.host_parts),
             "step_ms": round(self.step_ms, 1), "compute_ms": round(self.compute_ms, 1),
             "upload_bytes": self.upload_bytes, "upload_ms": round(self.upload_ms, 1),
-            "step_ms_eager_streaming": (None if self.step_ms_eager_streaming is None
-                                        else round(self.step_ms_eager_streaming, 1)),
+            "uploads_overlapped": self.overlapped,
             "bandwidth_bytes_per_s": self.bandwidth, "notes": list(self.notes), "text": self.describe(),
         }
 
@@ -387,8 +382,13 @@ def upload_bytes(sizes: ModelSizes, shape: GenerationShape, resident: int, place
     return total
 
 
-def _candidate(sizes, shape, resident, slots, placement, vae_tiled, bandwidth, available, host_available) -> MemoryPlan:
-    return MemoryPlan(
+def _candidate(sizes, shape, resident, slots, placement, vae_tiled, bandwidth, available, host_available,
+               streamed_graphs: bool) -> MemoryPlan:
+    overlapped = streamed_graphs or resident == sizes.blocks
+    if not overlapped:
+        # Streamed blocks without graphs: every step runs eagerly (no graph buffers or pool, an eager step's memory).
+        shape = dataclasses.replace(shape, decode_mode="eager")
+    return MemoryPlan(overlapped=overlapped, 
         blocks=sizes.blocks, resident_blocks=resident, slots=slots, prefix_placement=placement,
         vae_decode="none" if sizes.vae is None else ("tiled" if vae_tiled else "whole"),
         budget=_gpu_budget(sizes, shape, resident, slots, placement, vae_tiled),
@@ -432,11 +432,13 @@ def _text_encoder(plan: MemoryPlan, te: TextEncoderSize, available: int) -> tupl
 def plan_memory(sizes: ModelSizes, shape: GenerationShape, available: int, host_available: int | None = None, *,
                 bandwidth: float = DEFAULT_H2D_BYTES_PER_S, slots: int = DEFAULT_SLOTS,
                 placements: tuple[str, ...] = PREFIX_PLACEMENTS, stream: bool = True,
-                device: str = "GPU") -> MemoryPlan:
+                device: str = "GPU", streamed_graphs: bool | None = None) -> MemoryPlan:
     """The fastest plan of `shape` that fits `available` GPU bytes and `host_available` host bytes (None: the host is
     not checked), or the smallest plan with `fits` False when none does. `placements`: the prefix placements to
     consider (a forced one, or those the runtime has built); `stream=False` keeps every block resident (a CPU, where
-    the host is the device)."""
+    the host is the device). `streamed_graphs`: whether streamed blocks replay inside the decode graph, their
+    uploads overlapped (None: STREAMED_GRAPH_BUILT, what the runtime here does); without, a streamed plan steps
+    eagerly and its uploads add to the compute."""
     if available is None or available < 0:
         raise ValueError(f"available: {available!r}: expected the GPU bytes the request may use")
     if slots < 1:
@@ -447,26 +449,31 @@ def plan_memory(sizes: ModelSizes, shape: GenerationShape, available: int, host_
     if unknown or not placements:
         raise ValueError(f"placements: {placements!r}: expected some of {PREFIX_PLACEMENTS}")
 
+    graphs = STREAMED_GRAPH_BUILT if streamed_graphs is None else streamed_graphs
+
     def candidate(resident: int, placement: str, vae_tiled: bool = True) -> MemoryPlan:
         plan = _candidate(sizes, shape, resident, slots, placement, vae_tiled and sizes.vae is not None, bandwidth,
-                          available, host_available)
+                          available, host_available, graphs)
         plan.device = device
         return plan
 
     def most_resident(placement: str) -> MemoryPlan | None:
-        """The most resident blocks that fit the GPU with `placement` (the GPU need grows with them and the host
-        need shrinks: no fewer could fit where these do not), if that fits the host too."""
-        low = 0 if stream else sizes.blocks
-        if candidate(low, placement).gpu_bytes > available:
-            return None
-        high = sizes.blocks
-        while low < high:
-            mid = (low + high + 1) // 2
-            if candidate(mid, placement).gpu_bytes <= available:
-                low = mid
-            else:
-                high = mid - 1
-        plan = candidate(low, placement)
+        """The most resident blocks that fit the GPU with `placement`, if that fits the host too. Every block first
+        (a whole load may replay graphs a streamed one cannot, so it is not the end of a monotone range); below
+        that the GPU need grows with the resident blocks and the host need shrinks, so no fewer could fit the host
+        where these do not."""
+        plan = candidate(sizes.blocks, placement)
+        if plan.gpu_bytes > available:
+            if not stream or candidate(0, placement).gpu_bytes > available:
+                return None
+            low, high = 0, sizes.blocks - 1
+            while low < high:
+                mid = (low + high + 1) // 2
+                if candidate(mid, placement).gpu_bytes <= available:
+                    low = mid
+                else:
+                    high = mid - 1
+            plan = candidate(low, placement)
         return plan if _fits(plan, available, host_available) else None
 
     fitting = [plan for plan in map(most_resident, placements) if plan is not None]
