@@ -306,3 +306,16 @@ def test_a_request_no_plan_fits_is_refused_with_the_smallest_plans_needs(meta_tr
     assert "0 of 32 blocks resident" in message and "Nothing was allocated" in message
     assert info.value.plan is not None and info.value.plan.gpu_bytes > GiB
     assert "Change one of" in message
+
+
+def test_the_bandwidth_setting_is_read_and_checked(monkeypatch):
+    """KVGRAPH_H2D_GB_S sets the plans' host-to-device rate (GB/s); unset, the conservative default; a value that is
+    not a positive number is refused naming the setting."""
+    monkeypatch.delenv(plans.BANDWIDTH_SETTING, raising=False)
+    assert plans.default_bandwidth() == plans.DEFAULT_H2D_BYTES_PER_S
+    monkeypatch.setenv(plans.BANDWIDTH_SETTING, "25")
+    assert plans.default_bandwidth() == 25e9
+    for bad in ("fast", "0", "-3", "inf", "nan"):
+        monkeypatch.setenv(plans.BANDWIDTH_SETTING, bad)
+        with pytest.raises(ValueError, match=plans.BANDWIDTH_SETTING):
+            plans.default_bandwidth()

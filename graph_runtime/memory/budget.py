@@ -259,7 +259,7 @@ def plan_request(transformer, plan: RequestPlan, available: int, device, text_en
     weights.pop("transformer", None)
     weights.pop("VAE", None)
     sizes = plans.ModelSizes.of(transformer, plan.vae, weights, text_encoder)
-    bandwidth = plans.DEFAULT_H2D_BYTES_PER_S if bandwidth is None else bandwidth
+    bandwidth = plans.default_bandwidth() if bandwidth is None else bandwidth
     if torch.device(device).type != "cuda":
         return plans.plan_memory(sizes, plan.shape, available, None, placements=("gpu",), stream=False,
                                  bandwidth=bandwidth, device="CPU")

@@ -29,6 +29,7 @@ runs (budget.py `check_sampling_request`).
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -54,6 +55,7 @@ TE_PLACEMENTS = (TE_GPU, TE_OFFLOAD, TE_STREAMED, TE_CPU)  # best first
 DEFAULT_SLOTS = 2
 # A conservative host-to-device rate for pinned copies: PCIe 4.0 x16 moves about twice this, PCIe 3.0 x16 a bit more.
 DEFAULT_H2D_BYTES_PER_S = 10e9
+BANDWIDTH_SETTING = "KVGRAPH_H2D_GB_S"  # the link's measured rate, in GB/s, where the user knows it
 # A conservative device-memory rate for the int8 prefix's dequantization (consumer cards have 0.3-1 TB/s).
 DEVICE_BYTES_PER_S = 0.4e12
 
@@ -78,6 +80,20 @@ EAGER_FACTOR = 1.2  # an eager step against a replayed one (docs/memory.md: "eac
 # this fraction of a bf16 one.
 STANDARD_TEXT_ENCODER_BYTES = {"bf16": int(15.2 * GiB), "int8": int(8.8 * GiB)}
 INT8_TEXT_ENCODER_FRACTION = 8.8 / 15.2
+
+
+def default_bandwidth() -> float:
+    """The host-to-device bytes per second plans assume: KVGRAPH_H2D_GB_S where set, else the conservative default."""
+    text = os.environ.get(BANDWIDTH_SETTING, "").strip()
+    if not text:
+        return DEFAULT_H2D_BYTES_PER_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{BANDWIDTH_SETTING}={text!r}: expected the host-to-device rate in GB/s, a number above 0")
+    return value * 1e9
 
 
 @dataclass(frozen=True)
@@ -500,5 +516,6 @@ def plan_memory(sizes: ModelSizes, shape: GenerationShape, available: int, host_
 __all__ = [
     "DEFAULT_H2D_BYTES_PER_S", "DEFAULT_SLOTS", "MemoryPlan", "ModelSizes", "PREFIX_PLACEMENTS",
     "PREFIX_PLACEMENTS_BUILT", "STEP_MS", "STREAMED_GRAPH_BUILT", "TE_CPU", "TE_GPU", "TE_OFFLOAD", "TE_PLACEMENTS",
-    "TE_STREAMED", "TextEncoderSize", "compute_ms", "plan_memory", "request_shape", "upload_bytes",
+    "TE_STREAMED", "TextEncoderSize", "compute_ms", "default_bandwidth", "plan_memory", "request_shape",
+    "upload_bytes",
 ]
