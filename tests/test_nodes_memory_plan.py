@@ -5,7 +5,7 @@ loads the model whole again; the plan is logged once per new plan and shown on /
 
 On the CPU the planner never streams (the device is the host), so these tests hand the sampler a streamed variant of
 its own plan, as a CUDA card too small for the whole model would get. Tolerance: the same fp32 math on differently
-placed copies of the same weights (tests/test_nodes_lowvram.py's 2e-5).
+placed copies of the same weights (tests/test_nodes_lowvram.py's ATOL, 2e-5).
 """
 
 import dataclasses
@@ -13,24 +13,14 @@ import logging
 import sys
 from pathlib import Path
 
-import pytest
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 from comfy_fake.fixtures import comfy_env  # noqa: E402,F401
 from test_nodes_core_model import pack_module  # noqa: E402
-from test_nodes_execute import encode, load_all, sampler  # noqa: E402
-
-ATOL = 2e-5
-
-
-@pytest.fixture
-def setup(comfy_env):
-    transformer, text_encoder, _ = load_all(comfy_env)
-    positive, _, latent = encode(comfy_env, text_encoder)
-    yield transformer, positive, latent
-    transformer.patcher.detach(unpatch_all=True)
+from test_nodes_execute import sampler  # noqa: E402
+from test_nodes_lowvram import ATOL, setup  # noqa: E402,F401 - the loaded models, unloaded after each test
 
 
 def _streaming_plans(comfy_env, monkeypatch, resident_blocks):
@@ -54,7 +44,7 @@ def test_a_streamed_plan_loads_its_resident_blocks_and_samples_as_the_whole_mode
     """A plan with 1 of 2 blocks resident: the sampler's load streams the other block (ComfyUI is asked for a whole
     load, the plan bounds it), the request carries the plan, and the latents equal the whole load's; without the
     streamed plan the next prompt loads the model whole again, hooks gone."""
-    transformer, positive, latent = setup
+    transformer, _, positive, latent = setup
     whole = sampler(comfy_env, transformer, positive, latent)["samples"]
     assert transformer.patcher.stream_plan() is None
 
@@ -77,7 +67,7 @@ def test_a_streamed_plan_loads_its_resident_blocks_and_samples_as_the_whole_mode
 def test_the_plan_is_logged_once_and_on_the_status(comfy_env, setup, caplog):
     """The plan's line is logged for a new plan only (the same request again logs no second line), and the status
     route and report carry it as the last budget's `plan`."""
-    transformer, positive, latent = setup
+    transformer, _, positive, latent = setup
     budget_module = pack_module(comfy_env, "graph_runtime.memory.budget")
     budget_module._LOGGED_PLANS.clear()
     with caplog.at_level(logging.INFO, logger="kvgraph"):

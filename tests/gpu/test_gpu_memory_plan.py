@@ -17,22 +17,10 @@ from graph_runtime.encoding.images import decode_latents
 from graph_runtime.encoding.prompt import PromptEmbeds
 from graph_runtime.memory import budget as budgets
 from graph_runtime.sampling.sampler import SamplingRequest, sample
-from tests import owners
-from tests.gpu.test_gpu_memory import GB, build_vae, emulated_card
+from tests.gpu.test_gpu_memory import GB, build_vae, emulated_card, fresh_device  # noqa: F401 - an autouse fixture
 from tests.owners import loaded_for
 
 pytestmark = pytest.mark.gpu
-
-
-@pytest.fixture(autouse=True)
-def fresh_device():
-    owners.forget_all()
-    gc.collect()
-    torch.cuda.empty_cache()
-    yield
-    owners.forget_all()
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def test_a_streamed_plan_runs_within_its_bytes_and_a_bigger_card_loads_whole_again():
