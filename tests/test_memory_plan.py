@@ -319,3 +319,25 @@ def test_the_bandwidth_setting_is_read_and_checked(monkeypatch):
         monkeypatch.setenv(plans.BANDWIDTH_SETTING, bad)
         with pytest.raises(ValueError, match=plans.BANDWIDTH_SETTING):
             plans.default_bandwidth()
+
+
+def test_a_built_placement_is_planned_and_a_forced_one_is_kept(meta_transformer, monkeypatch):
+    """Where every prefix placement is built (what the prefix placements' branch adds to PREFIX_PLACEMENTS_BUILT),
+    10 references at 1024x1024 on a 24 GiB card get a budget under a plan with the prefix off the bf16 GPU cache; a
+    forced placement (a user's choice) is the only one planned; a text encoder set otherwise than the plan would run
+    it is noted."""
+    from graph_runtime.memory import budget as budgets
+    from graph_runtime.memory.sizes import VaeDims
+
+    monkeypatch.setattr(plans, "PREFIX_PLACEMENTS_BUILT", frozenset(plans.PREFIX_PLACEMENTS))
+    request, vae = _request(references=10), VaeDims.standard()
+    budget = budgets.check_sampling_request(
+        meta_transformer, request, budgets.Available(24 * GiB), "cuda", vae, host_available=HOST,
+        text_encoder=plans.TextEncoderSize.standard(), text_encoder_placement=plans.TE_GPU)
+    plan = budget.plan
+    assert plan.fits and plan.runnable and plan.prefix_placement != "gpu" and budget.total == plan.gpu_bytes
+    assert budget.total <= 24 * GiB
+    assert any(f"runs '{plans.TE_GPU}' as set" in note for note in plan.notes)
+    forced = budgets.check_sampling_request(meta_transformer, request, budgets.Available(24 * GiB), "cuda", vae,
+                                            host_available=HOST, prefix_placements=("host",))
+    assert forced.plan.prefix_placement == "host" and forced.plan.fits

@@ -189,7 +189,9 @@ def check_sampling_request(transformer, request, available: Available | None, de
                            more_options=lambda: [], *, host_free: int | None = None, vae_assumed: bool = False,
                            kept_text_encoder: tuple[str, int] | None = None,
                            text_encoder: plans.TextEncoderSize | None = None, host_available: int | None = None,
-                           stream: bool = True, bandwidth: float | None = None) -> MemoryBudget:
+                           stream: bool = True, bandwidth: float | None = None,
+                           prefix_placements: tuple[str, ...] | None = None,
+                           text_encoder_placement: str | None = None) -> MemoryBudget:
     """The one memory check of a sampling request, before anything is allocated; the command line
     (`check_runtime_request`) and the ComfyUI sampler node (nodes/comfyui/memory.py) differ only in what they count
     as `available`, in `more_options` and in what they ask to be noted.
@@ -202,7 +204,9 @@ def check_sampling_request(transformer, request, available: Available | None, de
     The budget carries the request's memory plan (`budget.plan`, plan.py): on a CUDA device, the fastest plan that
     fits `available` and the host (`host_available`, else `host_free`, plus the transformer's weights already
     there: streaming repacks them; None: not checked) among the placements this build carries out; `stream=False` keeps every block resident
-    (several GPUs). `text_encoder`: its size, for the plan's placement of it. A request that fits whole runs whole with
+    (several GPUs); `prefix_placements`: the placements to choose from (None: all; one, where a user forces it);
+    `text_encoder`: its size, for the plan's placement of it, noted where it differs from the user's
+    `text_encoder_placement`. A request that fits whole runs whole with
     today's budget; one that does not runs under a streamed plan; it is refused only when no plan fits.
 
     Noted on a budget that fits (and logged with it): ComfyUI's float32 IMAGE of the whole batch beyond `host_free`
@@ -220,7 +224,10 @@ def check_sampling_request(transformer, request, available: Available | None, de
     host = host_free if host_available is None else host_available
     memory_plan = plan_request(transformer, plan, available.total, device, text_encoder,
                                None if host is None else host + _host_bytes(transformer),
-                               stream=stream, bandwidth=bandwidth)
+                               stream=stream, bandwidth=bandwidth, placements=prefix_placements)
+    if text_encoder_placement is not None and memory_plan.text_encoder not in (None, text_encoder_placement):
+        memory_plan.notes.append(f"the text encoder runs '{text_encoder_placement}' as set; the plan would run it "
+                                 f"'{memory_plan.text_encoder}'")
     if memory_plan.whole or device.type != "cuda":
         # Today's budget and refusal, exactly: a plan that keeps everything on the device is that budget.
         budget = plan.check_available(available, device, more_options)
@@ -250,11 +257,12 @@ def check_sampling_request(transformer, request, available: Available | None, de
 
 
 def plan_request(transformer, plan: RequestPlan, available: int, device, text_encoder=None,
-                 host_available: int | None = None, stream: bool = True,
-                 bandwidth: float | None = None) -> plans.MemoryPlan:
-    """The memory plan of `plan`'s request on `device`: on CUDA the fastest that fits among the prefix placements
-    built here (noting a faster one that needs a placement not built yet); elsewhere the device is the host, so
-    every block stays resident and the prefix in its memory."""
+                 host_available: int | None = None, stream: bool = True, bandwidth: float | None = None,
+                 placements: tuple[str, ...] | None = None) -> plans.MemoryPlan:
+    """The memory plan of `plan`'s request on `device`: on CUDA the fastest that fits among `placements` (None: all
+    the prefix placements) built here, noting a faster one that needs a placement not built yet; elsewhere the device
+    is the host, so every block stays resident and the prefix in its memory."""
+    placements = plans.PREFIX_PLACEMENTS if placements is None else tuple(placements)
     weights = dict(plan.weights)
     weights.pop("transformer", None)
     weights.pop("VAE", None)
@@ -263,10 +271,11 @@ def plan_request(transformer, plan: RequestPlan, available: int, device, text_en
     if torch.device(device).type != "cuda":
         return plans.plan_memory(sizes, plan.shape, available, None, placements=("gpu",), stream=False,
                                  bandwidth=bandwidth, device="CPU")
-    fastest = plans.plan_memory(sizes, plan.shape, available, host_available, stream=stream, bandwidth=bandwidth)
+    fastest = plans.plan_memory(sizes, plan.shape, available, host_available, stream=stream, bandwidth=bandwidth,
+                                placements=placements)
     if fastest.runnable:
         return fastest
-    built = tuple(p for p in plans.PREFIX_PLACEMENTS if p in plans.PREFIX_PLACEMENTS_BUILT)
+    built = tuple(p for p in placements if p in plans.PREFIX_PLACEMENTS_BUILT) or ("gpu",)
     chosen = plans.plan_memory(sizes, plan.shape, available, host_available, placements=built, stream=stream,
                                bandwidth=bandwidth)
     if fastest.fits and chosen.fits:

@@ -111,6 +111,7 @@ def check_request(model, request, device) -> memory.MemoryBudget:
         model.module, request, available, device, vae_dims, other_weights=_control_bytes(model.module, request),
         more_options=lambda: _release_hint(device, keep=(model, vae)),
         host_free=free_bytes(torch.device("cpu")) if available is not None else None, vae_assumed=vae is None,
-        kept_text_encoder=kept, text_encoder=_text_encoder_size(text_encoder), stream=model.gpus == 1)
+        kept_text_encoder=kept, text_encoder=_text_encoder_size(text_encoder), stream=model.gpus == 1,
+        text_encoder_placement=None if text_encoder is None else text_encoder.placement)
     reported.last_budget = budget_record(budget, device, None if available is None else available.total)
     return budget
