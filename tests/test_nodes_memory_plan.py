@@ -64,14 +64,17 @@ def test_a_streamed_plan_loads_its_resident_blocks_and_samples_as_the_whole_mode
     assert (again - whole).abs().max() <= ATOL
 
 
-def test_the_plan_is_logged_once_and_on_the_status(comfy_env, setup, caplog):
-    """The plan's line is logged for a new plan only (the same request again logs no second line), and the status
-    route and report carry it as the last budget's `plan`."""
+def test_the_plan_is_logged_once_and_on_the_status(comfy_env, setup, caplog, monkeypatch):
+    """The plan's line is logged for a new plan only (the same request again logs no second line, though the free
+    memory it is planned against moved), and the status route and report carry it as the last budget's `plan`."""
     transformer, _, positive, latent = setup
     budget_module = pack_module(comfy_env, "graph_runtime.memory.budget")
+    free_memory = pack_module(comfy_env, "graph_runtime.free_memory")
     budget_module._LOGGED_PLANS.clear()
     with caplog.at_level(logging.INFO, logger="kvgraph"):
+        monkeypatch.setattr(free_memory, "host_available_bytes", lambda: 1 << 40)
         sampler(comfy_env, transformer, positive, latent)
+        monkeypatch.setattr(free_memory, "host_available_bytes", lambda: (1 << 40) - (1 << 30))
         sampler(comfy_env, transformer, positive, latent)
     lines = [r.getMessage() for r in caplog.records if "memory plan for 1x 128x96" in r.getMessage()]
     assert len(lines) == 1 and "all 2 blocks resident" in lines[0] and "prefix K/V" in lines[0]

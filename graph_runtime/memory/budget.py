@@ -318,15 +318,16 @@ _LOGGED_PLANS_KEPT = 32
 
 
 def _log_plan(memory_plan, device) -> None:
-    line = memory_plan.describe()
-    key = (str(device), line)
+    # A new plan is new decisions or bytes; the free memory it was planned against moves between requests.
+    key = (str(device), memory_plan.summary(), memory_plan.gpu_bytes, memory_plan.host_bytes,
+           tuple(memory_plan.notes))
     if key in _LOGGED_PLANS:
         _LOGGED_PLANS.move_to_end(key)
         return
     _LOGGED_PLANS[key] = None
     while len(_LOGGED_PLANS) > _LOGGED_PLANS_KEPT:
         _LOGGED_PLANS.popitem(last=False)
-    logger.info("KV-Graph: %s on %s.", line, device)
+    logger.info("KV-Graph: %s on %s.", memory_plan.describe(), device)
 
 
 def check_runtime_request(loaded, request, vae=None, text_encoder=None,
