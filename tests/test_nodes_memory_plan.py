@@ -49,12 +49,18 @@ def test_a_streamed_plan_loads_its_resident_blocks_and_samples_as_the_whole_mode
     assert transformer.patcher.stream_plan() is None
 
     with monkeypatch.context() as patch:
+        free_memory = pack_module(comfy_env, "graph_runtime.free_memory")
+        patch.setattr(free_memory, "host_available_bytes", lambda: 1 << 40)  # steady, so the figures compare
         seen = _streaming_plans(comfy_env, patch, resident_blocks=1)
         streamed = sampler(comfy_env, transformer, positive, latent)["samples"]
+        before = transformer.last_budget["available_bytes"]  # checked while the model was still whole
         stream = transformer.patcher.stream_plan()
         assert stream is not None and (stream.resident_blocks, stream.blocks) == (1, 2)
         assert seen and seen[-1].memory_plan.resident_blocks == 1
         assert seen[-1].memory_plan.prefix_placement == "gpu"
+        # Checked again while streamed: the model holds only its resident part on the device.
+        sampler(comfy_env, transformer, positive, latent)
+        assert transformer.last_budget["available_bytes"] == before - (transformer.size_bytes - stream.resident)
     assert (streamed - whole).abs().max() <= ATOL
     assert transformer.loaded.memory_plan is None  # the plan bounds only the load it was made for
 

@@ -35,7 +35,10 @@ def _latest(kind: str):
 
 
 def _resident_bytes(handle, device) -> int:
-    return handle.size_bytes if handle is not None and same_device(handle.device, device) else 0
+    if handle is None or not same_device(handle.device, device):
+        return 0
+    streamed = handle.patcher.stream_plan()  # a partial load holds only its resident part there
+    return streamed.resident if streamed is not None else handle.size_bytes
 
 
 def _frees(patcher, device) -> bool:
