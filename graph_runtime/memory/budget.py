@@ -203,8 +203,8 @@ def check_sampling_request(transformer, request, available: Available | None, de
 
     The budget carries the request's memory plan (`budget.plan`, plan.py): on a CUDA device, the fastest plan that
     fits `available` and the host (`host_available`, else `host_free`, plus the transformer's weights already
-    there: streaming repacks them; None: not checked) among the placements this build carries out; `stream=False` keeps every block resident
-    (several GPUs); `prefix_placements`: the placements to choose from (None: all; one, where a user forces it);
+    there: streaming repacks them; None: not checked) among the placements this build carries out; `stream=False`
+    keeps every block resident (several GPUs); `prefix_placements`: the placements to choose from (None: all; one, where a user forces it);
     `text_encoder`: its size, for the plan's placement of it, noted where it differs from the user's
     `text_encoder_placement`. A request that fits whole runs whole with
     today's budget; one that does not runs under a streamed plan; it is refused only when no plan fits.

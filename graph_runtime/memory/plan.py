@@ -404,8 +404,8 @@ def _candidate(sizes, shape, resident, slots, placement, vae_tiled, bandwidth, a
     if not overlapped:
         # Streamed blocks without graphs: every step runs eagerly (no graph buffers or pool, an eager step's memory).
         shape = dataclasses.replace(shape, decode_mode="eager")
-    return MemoryPlan(overlapped=overlapped, 
-        blocks=sizes.blocks, resident_blocks=resident, slots=slots, prefix_placement=placement,
+    return MemoryPlan(
+        blocks=sizes.blocks, resident_blocks=resident, slots=slots, prefix_placement=placement, overlapped=overlapped,
         vae_decode="none" if sizes.vae is None else ("tiled" if vae_tiled else "whole"),
         budget=_gpu_budget(sizes, shape, resident, slots, placement, vae_tiled),
         host_parts=_host_parts(sizes, shape, resident, placement),
