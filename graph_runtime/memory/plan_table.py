@@ -42,7 +42,7 @@ def rows() -> list[list[str]]:
 
 
 def markdown() -> str:
-    header = ["weights", "request (1024x1024)", "card GB", "blocks resident", "prefix", "text encoder",
+    header = ["weights", "request (1024x1024)", "card GiB", "blocks resident", "prefix", "text encoder",
               "VAE decode", "GPU GiB", "host GiB", "step ms (estimate)"]
     lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     lines += ["| " + " | ".join(row) + " |" for row in rows()]
