@@ -341,3 +341,24 @@ def test_a_built_placement_is_planned_and_a_forced_one_is_kept(meta_transformer,
     forced = budgets.check_sampling_request(meta_transformer, request, budgets.Available(24 * GiB), "cuda", vae,
                                             host_available=HOST, prefix_placements=("host",))
     assert forced.plan.prefix_placement == "host" and forced.plan.fits
+
+
+def test_a_refusals_settings_are_priced_as_their_smallest_plans(meta_transformer):
+    """Just below the smallest plan of a 1024x1024 request, the refusal offers a smaller size that fits, priced as
+    that size's smallest plan (a whole load of any size would need the whole transformer, far more)."""
+    from graph_runtime.memory import budget as budgets
+    from graph_runtime.memory.sizes import VaeDims
+
+    vae = VaeDims.standard()
+    with pytest.raises(budgets.MemoryBudgetError) as info:
+        budgets.check_sampling_request(meta_transformer, _request(), budgets.Available(GiB), "cuda", vae,
+                                       host_available=HOST)
+    available = info.value.plan.gpu_bytes - 2**20
+    with pytest.raises(budgets.MemoryBudgetError) as info:
+        budgets.check_sampling_request(meta_transformer, _request(), budgets.Available(available), "cuda", vae,
+                                       host_available=HOST)
+    size = next(o for o in info.value.options if o.startswith("width x height at most"))
+    assert size.endswith("(fits)")
+    need = float(re.search(r"needs ([\d.]+) GiB", size).group(1)) * GiB
+    assert need <= available + 0.05 * GiB  # the message rounds to 0.1 GiB
+    assert need < meta_transformer.num_parameters() * 2

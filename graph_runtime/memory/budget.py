@@ -54,12 +54,13 @@ class MemoryBudgetError(KVGraphError):
 
 
 def alternatives(dims: TransformerDims, shape: GenerationShape, weights: dict[str, int], vae: VaeDims | None,
-                 available: int) -> list[str]:
-    """Settings that would change the budget, each with what it would need, those that fit first."""
+                 available: int, price=None) -> list[str]:
+    """Settings that would change the budget, each with what it would need, those that fit first. `price(dims,
+    shape, weights)`: what a setting needs (default: its whole budget; a refused plan's: its smallest plan's)."""
     options: list[tuple[bool, str]] = []
 
     def option(text: str, new_shape=shape, new_weights=weights, new_dims=dims) -> None:
-        need = fitting_estimate(new_dims, new_shape, new_weights, vae, available).total
+        need = _need(new_dims, new_shape, new_weights, vae, available, price)
         fits = need <= available
         options.append((fits, f"{text}: needs {gib(need)}" + (" (fits)" if fits else "")))
 
@@ -78,35 +79,42 @@ def alternatives(dims: TransformerDims, shape: GenerationShape, weights: dict[st
         option("cfg 1 (no negative prompt: one branch instead of two)",
                dataclasses.replace(shape, prefix_tokens=shape.prefix_tokens[:1]))
     if shape.batch > 1:
-        most = largest_fitting_batch(dims, shape, weights, vae, available)
+        most = largest_fitting_batch(dims, shape, weights, vae, available, price)
         option(f"batch {most}" if most > 1 else "batch 1", dataclasses.replace(shape, batch=most))
-    size = largest_fitting_size(dims, shape, weights, vae, available)
+    size = largest_fitting_size(dims, shape, weights, vae, available, price)
     if size is not None:
         option(f"width x height at most {size[0]}x{size[1]} (same aspect)",
                dataclasses.replace(shape, width=size[0], height=size[1]))
     return [text for fits, text in sorted(options, key=lambda o: not o[0])]
 
 
-def largest_fitting_batch(dims, shape, weights, vae, available: int) -> int:
+def _need(dims, shape, weights, vae, available: int, price=None) -> int:
+    """What a setting needs: `price(dims, shape, weights)`, else its whole budget."""
+    if price is not None:
+        return price(dims, shape, weights)
+    return fitting_estimate(dims, shape, weights, vae, available).total
+
+
+def largest_fitting_batch(dims, shape, weights, vae, available: int, price=None) -> int:
     """The largest smaller batch that fits (the budget grows with the batch), or 1 when none does."""
     low, high = 1, shape.batch - 1
     while low < high:
         mid = (low + high + 1) // 2
-        if fitting_estimate(dims, dataclasses.replace(shape, batch=mid), weights, vae, available).total <= available:
+        if _need(dims, dataclasses.replace(shape, batch=mid), weights, vae, available, price) <= available:
             low = mid
         else:
             high = mid - 1
     return low
 
 
-def largest_fitting_size(dims, shape, weights, vae, available: int) -> tuple[int, int] | None:
+def largest_fitting_size(dims, shape, weights, vae, available: int, price=None) -> tuple[int, int] | None:
     """The largest output size of the same aspect ratio (multiples of 16 px) that fits, if any smaller one does."""
     long_side = max(shape.width, shape.height)
     for side in range(long_side - 16, 15, -16):
         width = max(16, round(shape.width * side / long_side / 16) * 16)
         height = max(16, round(shape.height * side / long_side / 16) * 16)
         trial = dataclasses.replace(shape, width=width, height=height)
-        if fitting_estimate(dims, trial, weights, vae, available).total <= available:
+        if _need(dims, trial, weights, vae, available, price) <= available:
             return width, height
     return None
 
@@ -232,7 +240,7 @@ def check_sampling_request(transformer, request, available: Available | None, de
         # Today's budget and refusal, exactly: a plan that keeps everything on the device is that budget.
         budget = plan.check_available(available, device, more_options)
     elif not memory_plan.fits:
-        _refuse(plan, memory_plan, available, device, more_options)
+        _refuse(transformer, plan, memory_plan, available, device, more_options, stream)
     else:
         budget = memory_plan.budget
     budget.plan = memory_plan
@@ -263,10 +271,7 @@ def plan_request(transformer, plan: RequestPlan, available: int, device, text_en
     the prefix placements) built here, noting a faster one that needs a placement not built yet; elsewhere the device
     is the host, so every block stays resident and the prefix in its memory."""
     placements = plans.PREFIX_PLACEMENTS if placements is None else tuple(placements)
-    weights = dict(plan.weights)
-    weights.pop("transformer", None)
-    weights.pop("VAE", None)
-    sizes = plans.ModelSizes.of(transformer, plan.vae, weights, text_encoder)
+    sizes = _model_sizes(transformer, plan, text_encoder)
     bandwidth = plans.default_bandwidth() if bandwidth is None else bandwidth
     if torch.device(device).type != "cuda":
         return plans.plan_memory(sizes, plan.shape, available, None, placements=("gpu",), stream=False,
@@ -288,9 +293,24 @@ def plan_request(transformer, plan: RequestPlan, available: int, device, text_en
     return chosen
 
 
-def _refuse(plan: RequestPlan, memory_plan, available: Available, device, more_options):
-    """No plan fits: MemoryBudgetError with the smallest plan's needs and the settings that change them."""
-    options = alternatives(plan.dims, plan.shape, plan.weights, plan.vae, available.total) + more_options()
+def _model_sizes(transformer, plan: RequestPlan, text_encoder=None) -> plans.ModelSizes:
+    extra = {k: v for k, v in plan.weights.items() if k not in ("transformer", "VAE")}
+    return plans.ModelSizes.of(transformer, plan.vae, extra, text_encoder)
+
+
+def _refuse(transformer, plan: RequestPlan, memory_plan, available: Available, device, more_options, stream: bool):
+    """No plan fits: MemoryBudgetError with the smallest plan's needs and the settings that change them, each priced
+    as its own smallest plan among the placements built here."""
+    sizes = _model_sizes(transformer, plan)
+    built = tuple(p for p in plans.PREFIX_PLACEMENTS if p in plans.PREFIX_PLACEMENTS_BUILT)
+
+    def smallest(dims, shape, weights) -> int:
+        changed = sizes.as_int8() if dims.int8 else sizes
+        changed = dataclasses.replace(changed, extra_weights=tuple(
+            (k, v) for k, v in weights.items() if k not in ("transformer", "VAE")))
+        return plans.plan_memory(changed, shape, 0, placements=built, stream=stream).gpu_bytes
+
+    options = alternatives(plan.dims, plan.shape, plan.weights, plan.vae, available.total, smallest) + more_options()
     raise MemoryBudgetError(memory_plan.budget, available.total, device, available.describe(), options,
                             plan=memory_plan)
 

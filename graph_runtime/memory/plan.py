@@ -170,13 +170,17 @@ class ModelSizes:
             model = QwenImage21Transformer2DModel().to(torch.bfloat16)
         sizes = cls.of(model, VaeDims.standard(), text_encoder=(
             None if text_encoder is None else TextEncoderSize.standard(text_encoder)))
-        if precision == "int8":
-            per_block = dataclasses.replace(sizes.dims, blocks=1)
-            sizes = dataclasses.replace(sizes, dims=dataclasses.replace(sizes.dims, int8=True),
-                                        block_bytes=tuple(per_block.int8_weight_bytes(b) for b in sizes.block_bytes))
-        elif precision != "bf16":
+        if precision not in ("bf16", "int8"):
             raise ValueError(f"precision {precision!r}: expected 'bf16' or 'int8'")
-        return sizes
+        return sizes.as_int8() if precision == "int8" else sizes
+
+    def as_int8(self) -> "ModelSizes":
+        """The same model from its int8 ConvRot file: block Linears in int8 (TransformerDims.int8_weight_bytes)."""
+        if self.dims.int8:
+            return self
+        one_block = dataclasses.replace(self.dims, blocks=1)
+        return dataclasses.replace(self, dims=dataclasses.replace(self.dims, int8=True),
+                                   block_bytes=tuple(one_block.int8_weight_bytes(b) for b in self.block_bytes))
 
 
 def request_shape(width: int, height: int, batch: int = 1, cfg: bool = False, references: int = 0,
