@@ -92,8 +92,12 @@ class QwenImageGenerator:
         check_schedule(request)
         # Refused here, before anything is allocated, when the whole request (the decoded images included) cannot fit
         # on its device (the GPU, or the CPU's memory).
-        check_runtime_request(self.loaded, request, self.models.vae, self.models.text_encoder,
-                              image_bytes_per_pixel=4 if keep_alpha else 3)
+        budget = check_runtime_request(self.loaded, request, self.models.vae, self.models.text_encoder,
+                                       image_bytes_per_pixel=4 if keep_alpha else 3, stream=self.gpus == 1)
+        if budget is not None:
+            # The plan's resident blocks on the device, the others streamed (or all of them there again).
+            request.memory_plan = budget.plan
+            self.loaded.follow_plan(next(self.loaded.transformer.parameters()).device, budget.plan)
         start = time.perf_counter()
         if self.gpus == 1:
             result = sample(self.engine, request, on_step=on_step, on_event=on_event)

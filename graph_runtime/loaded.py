@@ -27,7 +27,7 @@ import torch
 from .decode import DecodeEngine
 from .lora.merge import LoraMerge, canonical
 from .report import mib
-from .streaming import DEFAULT_SLOTS, BlockStreamer, StreamPlan, plan_stream
+from .streaming import DEFAULT_SLOTS, BlockStreamer, StreamPlan, plan_stream, plan_with
 
 logger = logging.getLogger("kvgraph")
 
@@ -46,6 +46,9 @@ class LoadedTransformer:
         self._deferred_release: str | None = None
         self._streamer: BlockStreamer | None = None
         self._plans_seen: set = set()  # (resident blocks, blocks) of each partial load so far: each is logged once
+        # The memory plan (memory/plan.py) of the request being loaded (`following`): its resident blocks bound a
+        # partial load. The hook through which a plan reaches the load; the sampling request carries it too.
+        self.memory_plan = None
 
     def __repr__(self) -> str:
         return f"LoadedTransformer({type(self.transformer).__name__})"
@@ -159,10 +162,45 @@ class LoadedTransformer:
 
     # -- partial loads -----------------------------------------------------------------------------------------------
 
-    def plan_within(self, budget: float, slots: int = DEFAULT_SLOTS) -> StreamPlan | None:
+    def plan_within(self, budget: float, slots: int | None = None) -> StreamPlan | None:
         """How the transformer runs with at most `budget` bytes on its device (its streamed blocks taking turns in
-        `slots` device slots), or None when it fits whole."""
-        return plan_stream(self.transformer, budget, slots)
+        `slots` device slots: the memory plan's, else DEFAULT_SLOTS), or None when it fits whole; while `following` a
+        memory plan that streams blocks, no more resident blocks than it keeps."""
+        planned = self.memory_plan
+        if slots is None:
+            slots = planned.slots if planned is not None and planned.streamed_blocks else DEFAULT_SLOTS
+        stream = plan_stream(self.transformer, budget, slots)
+        if planned is None or not planned.streamed_blocks:
+            return stream
+        resident = planned.resident_blocks if stream is None else min(stream.resident_blocks, planned.resident_blocks)
+        return plan_with(self.transformer, resident, slots, budget=budget)
+
+    @property
+    def wants_streaming(self) -> bool:
+        """Whether the memory plan being followed streams blocks (then a whole load must become a streamed one)."""
+        return self.memory_plan is not None and self.memory_plan.streamed_blocks > 0
+
+    @contextlib.contextmanager
+    def following(self, memory_plan):
+        """Loads inside the block follow `memory_plan` (memory/plan.py; None: ComfyUI's figure alone)."""
+        previous, self.memory_plan = self.memory_plan, memory_plan
+        try:
+            yield self
+        finally:
+            self.memory_plan = previous
+
+    def follow_plan(self, device, memory_plan) -> None:
+        """Load for `memory_plan` where nothing else manages the model (the command line): its resident blocks on
+        `device` and the others streamed, or all of it there."""
+        if memory_plan is None:
+            return
+        if memory_plan.streamed_blocks:
+            plan = plan_with(self.transformer, memory_plan.resident_blocks, memory_plan.slots)
+            if self.load_streamed(device, plan):
+                logger.info("KV-Graph: %s.", plan.describe(device))
+        elif self.streaming is not None:
+            self.stop_streaming()
+            self.transformer.to(device)
 
     @property
     def streaming(self) -> StreamPlan | None:

@@ -33,6 +33,22 @@ def module_bytes(module: torch.nn.Module) -> int:
     return total
 
 
+def block_sizes(transformer: torch.nn.Module) -> tuple[int, list[int]]:
+    """(the whole transformer's bytes, each block's). Counted block by block: streamed blocks that share a device
+    slot (stream_slots.py) view the same memory, which a count of distinct storages over the whole model would
+    merge."""
+    blocks = transformer.transformer_blocks
+    sizes = [module_bytes(block) for block in blocks]
+    inside = {id(t) for block in blocks for t in (*block.parameters(), *block.buffers())}
+    seen, outside = set(), 0
+    for t in (*transformer.parameters(), *transformer.buffers()):
+        key = t.data_ptr() if t.device.type != "meta" else id(t)
+        if id(t) not in inside and key not in seen:
+            seen.add(key)
+            outside += t.numel() * t.element_size()
+    return outside + sum(sizes), sizes
+
+
 def compute_dtype(module: torch.nn.Module) -> torch.dtype:
     """The dtype activations run in: that of the first floating-point parameter (int8 weights are not)."""
     for p in module.parameters():
@@ -150,6 +166,9 @@ def graph_cache_lines(model: dict) -> list[str]:
         lines.append(f"  last request's memory budget: {gib(budget['total_bytes'])}"
                      + (f" of {gib(available)} available" if available is not None else "")
                      + (" (VAE decode tiled)" if budget.get("vae_tiled") else ""))
+        plan = budget.get("plan")
+        if plan:
+            lines.append(f"  {plan['text']}")
     lines += [f"  - {entry_line(entry)}" for entry in model["entries"]]
     return lines
 

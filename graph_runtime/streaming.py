@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .report import gib, module_bytes
+from .report import block_sizes, gib, module_bytes
 from .placement import StreamedBlock
 from .stream_slots import SlotStreamer
 
@@ -97,27 +97,12 @@ def _buffers(slots: int, streamed: int) -> int:
     return max(1, min(slots, streamed)) if streamed else 0
 
 
-def _block_sizes(transformer) -> tuple[int, list[int]]:
-    """(the whole transformer's bytes, each block's). Counted block by block: streamed blocks that share a device
-    slot view the same memory, which a count of distinct storages over the whole model would merge."""
-    blocks = transformer.transformer_blocks
-    sizes = [module_bytes(block) for block in blocks]
-    inside = {id(t) for block in blocks for t in (*block.parameters(), *block.buffers())}
-    seen, outside = set(), 0
-    for t in (*transformer.parameters(), *transformer.buffers()):
-        key = t.data_ptr() if t.device.type != "meta" else id(t)
-        if id(t) not in inside and key not in seen:
-            seen.add(key)
-            outside += t.numel() * t.element_size()
-    return outside + sum(sizes), sizes
-
-
 def plan_stream(transformer: torch.nn.Module, budget: float, slots: int = DEFAULT_SLOTS) -> StreamPlan | None:
     """The plan for putting at most `budget` bytes of `transformer`'s weights on the device (the slots included),
     or None when the whole model fits (then it should simply be loaded whole). Everything outside the blocks always
     stays on the device, even where it alone exceeds the budget: the plan's `resident` says how much that is."""
     slots = check_slots(slots)
-    total, sizes = _block_sizes(transformer)
+    total, sizes = block_sizes(transformer)
     if budget >= total:
         return None
     outside = total - sum(sizes)
@@ -138,7 +123,7 @@ def plan_with(transformer: torch.nn.Module, resident_blocks: int, slots: int = D
     """The plan that keeps the first `resident_blocks` blocks on the device (a planner that decided the count
     itself, graph_runtime/memory); None when that is every block. `budget` defaults to what the plan puts there."""
     slots = check_slots(slots)
-    total, sizes = _block_sizes(transformer)
+    total, sizes = block_sizes(transformer)
     if not 0 <= resident_blocks <= len(sizes):
         raise ValueError(f"resident_blocks {resident_blocks} is out of range: expected 0 to {len(sizes)}")
     if resident_blocks == len(sizes):

@@ -105,7 +105,11 @@ class KVGraphSampler(io.ComfyNode):
         # Refused here, before anything is loaded or allocated, when the request cannot fit (comfyui/memory.py);
         # ComfyUI is then asked to make room for all of it beyond the transformer's own weights.
         budget = memory.check_request(model, request, model.patcher.load_device)
-        model.ensure_loaded(max(0, budget.total - budget.part("transformer weights")))
+        # The plan's decisions reach the runtime through the request (its prefix placement) and the load (its
+        # resident blocks: the other blocks stream from pinned host memory).
+        request.memory_plan = budget.plan
+        with model.loaded.following(budget.plan):
+            model.ensure_loaded(max(0, budget.total - budget.part("transformer weights")))
         loaded = model.loaded
         prompt_id, node_id = events.executing_ids()
         total = len(TURBO_SIGMAS) if request.sigma_preset == TURBO else int(steps)

@@ -111,6 +111,16 @@ function renderEntry(entry) {
     detail);
 }
 
+/** The last request's memory plan (graph_runtime/memory/plan.py `as_dict`) in one line. */
+export function describePlan(plan) {
+  const blocks = plan.streamed_blocks
+    ? `${plan.resident_blocks}/${plan.blocks} blocks resident, ${plan.streamed_blocks} streamed`
+    : `all ${plan.blocks} blocks resident`;
+  const te = plan.text_encoder ? ` · text encoder ${plan.text_encoder}` : "";
+  return `Memory plan: ${blocks} · prefix ${plan.prefix_placement}${te} · VAE decode ${plan.vae_decode} · `
+    + `${formatBytes(plan.gpu_bytes)} GPU · step ~${Math.round(plan.step_ms)} ms (estimate)`;
+}
+
 function renderModel(model) {
   if (model.error) {
     return h("div", { class: "kvgraph-card kvgraph-model" },
@@ -133,6 +143,10 @@ function renderModel(model) {
       : null,
     describePrefills(model)
       ? h("div", { class: "kvgraph-muted kvgraph-prefills" }, describePrefills(model))
+      : null,
+    model.budget?.plan
+      ? h("div", { class: "kvgraph-muted kvgraph-plan", "data-placement": model.budget.plan.prefix_placement },
+        describePlan(model.budget.plan))
       : null,
     entries.length
       ? entries.map(renderEntry)

@@ -8,6 +8,7 @@ CLI) has only what the device has free and what its own models and graphs hold."
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import logging
 from dataclasses import dataclass
@@ -17,6 +18,7 @@ import torch
 from ..errors import KVGraphError
 from .. import free_memory
 from ..decode import TOKENS_PER_SLOT
+from . import plan as plans
 from . import sizes as memory
 from .sizes import (
     GenerationShape, MemoryBudget, TransformerDims, VaeDims, available_bytes, estimate, fitting_estimate, gib,
@@ -32,10 +34,18 @@ logger = logging.getLogger("kvgraph")
 class MemoryBudgetError(KVGraphError):
     """A request that cannot fit in the device memory available, refused before anything is allocated."""
 
-    def __init__(self, budget: MemoryBudget, available: int, device, where: str, options: list[str]):
-        self.budget, self.available, self.where, self.options = budget, available, where, options
-        message = (f"KV-Graph: this request needs {budget.describe()} on {device}, and {gib(available)} is available "
-                   f"there ({where}). Nothing was allocated.")
+    def __init__(self, budget: MemoryBudget, available: int, device, where: str, options: list[str],
+                 plan=None):
+        self.budget, self.available, self.where, self.options, self.plan = budget, available, where, options, plan
+        if plan is None:
+            message = (f"KV-Graph: this request needs {budget.describe()} on {device}, and {gib(available)} is "
+                       f"available there ({where}). Nothing was allocated.")
+        else:
+            message = (f"KV-Graph: no memory plan fits this request on {device}: the smallest ({plan.summary()}) "
+                       f"needs {budget.describe()}, and {gib(available)} is available there ({where})"
+                       + (f", and {gib(plan.host_bytes)} of host memory of {gib(plan.host_available)}"
+                          if plan.host_available is not None else "")
+                       + ". Nothing was allocated." + "".join(f" Note: {note}." for note in plan.notes))
         if options:
             message += " Change one of: " + "; ".join(options) + "."
         else:
@@ -44,12 +54,13 @@ class MemoryBudgetError(KVGraphError):
 
 
 def alternatives(dims: TransformerDims, shape: GenerationShape, weights: dict[str, int], vae: VaeDims | None,
-                 available: int) -> list[str]:
-    """Settings that would change the budget, each with what it would need, those that fit first."""
+                 available: int, price=None) -> list[str]:
+    """Settings that would change the budget, each with what it would need, those that fit first. `price(dims,
+    shape, weights)`: what a setting needs (default: its whole budget; a refused plan's: its smallest plan's)."""
     options: list[tuple[bool, str]] = []
 
     def option(text: str, new_shape=shape, new_weights=weights, new_dims=dims) -> None:
-        need = fitting_estimate(new_dims, new_shape, new_weights, vae, available).total
+        need = _need(new_dims, new_shape, new_weights, vae, available, price)
         fits = need <= available
         options.append((fits, f"{text}: needs {gib(need)}" + (" (fits)" if fits else "")))
 
@@ -68,35 +79,42 @@ def alternatives(dims: TransformerDims, shape: GenerationShape, weights: dict[st
         option("cfg 1 (no negative prompt: one branch instead of two)",
                dataclasses.replace(shape, prefix_tokens=shape.prefix_tokens[:1]))
     if shape.batch > 1:
-        most = largest_fitting_batch(dims, shape, weights, vae, available)
+        most = largest_fitting_batch(dims, shape, weights, vae, available, price)
         option(f"batch {most}" if most > 1 else "batch 1", dataclasses.replace(shape, batch=most))
-    size = largest_fitting_size(dims, shape, weights, vae, available)
+    size = largest_fitting_size(dims, shape, weights, vae, available, price)
     if size is not None:
         option(f"width x height at most {size[0]}x{size[1]} (same aspect)",
                dataclasses.replace(shape, width=size[0], height=size[1]))
     return [text for fits, text in sorted(options, key=lambda o: not o[0])]
 
 
-def largest_fitting_batch(dims, shape, weights, vae, available: int) -> int:
+def _need(dims, shape, weights, vae, available: int, price=None) -> int:
+    """What a setting needs: `price(dims, shape, weights)`, else its whole budget."""
+    if price is not None:
+        return price(dims, shape, weights)
+    return fitting_estimate(dims, shape, weights, vae, available).total
+
+
+def largest_fitting_batch(dims, shape, weights, vae, available: int, price=None) -> int:
     """The largest smaller batch that fits (the budget grows with the batch), or 1 when none does."""
     low, high = 1, shape.batch - 1
     while low < high:
         mid = (low + high + 1) // 2
-        if fitting_estimate(dims, dataclasses.replace(shape, batch=mid), weights, vae, available).total <= available:
+        if _need(dims, dataclasses.replace(shape, batch=mid), weights, vae, available, price) <= available:
             low = mid
         else:
             high = mid - 1
     return low
 
 
-def largest_fitting_size(dims, shape, weights, vae, available: int) -> tuple[int, int] | None:
+def largest_fitting_size(dims, shape, weights, vae, available: int, price=None) -> tuple[int, int] | None:
     """The largest output size of the same aspect ratio (multiples of 16 px) that fits, if any smaller one does."""
     long_side = max(shape.width, shape.height)
     for side in range(long_side - 16, 15, -16):
         width = max(16, round(shape.width * side / long_side / 16) * 16)
         height = max(16, round(shape.height * side / long_side / 16) * 16)
         trial = dataclasses.replace(shape, width=width, height=height)
-        if fitting_estimate(dims, trial, weights, vae, available).total <= available:
+        if _need(dims, trial, weights, vae, available, price) <= available:
             return width, height
     return None
 
@@ -177,7 +195,11 @@ class RequestPlan:
 def check_sampling_request(transformer, request, available: Available | None, device, vae: VaeDims | None = None,
                            other_weights: dict[str, int] | None = None, decoded_bytes_per_pixel: int = 0,
                            more_options=lambda: [], *, host_free: int | None = None, vae_assumed: bool = False,
-                           kept_text_encoder: tuple[str, int] | None = None) -> MemoryBudget:
+                           kept_text_encoder: tuple[str, int] | None = None,
+                           text_encoder: plans.TextEncoderSize | None = None, host_available: int | None = None,
+                           stream: bool = True, bandwidth: float | None = None,
+                           prefix_placements: tuple[str, ...] | None = None,
+                           text_encoder_placement: str | None = None) -> MemoryBudget:
     """The one memory check of a sampling request, before anything is allocated; the command line
     (`check_runtime_request`) and the ComfyUI sampler node (nodes/comfyui/memory.py) differ only in what they count
     as `available`, in `more_options` and in what they ask to be noted.
@@ -186,6 +208,14 @@ def check_sampling_request(transformer, request, available: Available | None, de
     on the device); `decoded_bytes_per_pixel`: the decoded images kept on `device` until the request ends (the CPU's
     images), 0 where they leave it. Returns the budget (unchecked where `available` is None: nothing reports free
     memory), or raises MemoryBudgetError naming the settings that would fit, then `more_options()`.
+
+    The budget carries the request's memory plan (`budget.plan`, plan.py): on a CUDA device, the fastest plan that
+    fits `available` and the host (`host_available`, else `host_free`, plus the transformer's weights already
+    there: streaming repacks them; None: not checked) among the placements this build carries out; `stream=False`
+    keeps every block resident (several GPUs); `prefix_placements`: the placements to choose from (None: all; one, where a user forces it);
+    `text_encoder`: its size, for the plan's placement of it, noted where it differs from the user's
+    `text_encoder_placement`. A request that fits whole runs whole with
+    today's budget; one that does not runs under a streamed plan; it is refused only when no plan fits.
 
     Noted on a budget that fits (and logged with it): ComfyUI's float32 IMAGE of the whole batch beyond `host_free`
     (the host's available memory; None: not checked), a VAE sized as the standard one (`vae_assumed`: none loaded
@@ -199,7 +229,21 @@ def check_sampling_request(transformer, request, available: Available | None, de
         plan.shape = dataclasses.replace(plan.shape, decoded_bytes_per_pixel=decoded_bytes_per_pixel)
     if available is None:
         return plan.budget()
-    budget = plan.check_available(available, device, more_options)
+    host = host_free if host_available is None else host_available
+    memory_plan = plan_request(transformer, plan, available.total, device, text_encoder,
+                               None if host is None else host + _host_bytes(transformer),
+                               stream=stream, bandwidth=bandwidth, placements=prefix_placements)
+    if text_encoder_placement is not None and memory_plan.text_encoder not in (None, text_encoder_placement):
+        memory_plan.notes.append(f"the text encoder runs '{text_encoder_placement}' as set; the plan would run it "
+                                 f"'{memory_plan.text_encoder}'")
+    if memory_plan.whole or device.type != "cuda":
+        # Today's budget and refusal, exactly: a plan that keeps everything on the device is that budget.
+        budget = plan.check_available(available, device, more_options)
+    elif not memory_plan.fits:
+        _refuse(transformer, plan, memory_plan, available, device, more_options, stream)
+    else:
+        budget = memory_plan.budget
+    budget.plan = memory_plan
     shape = plan.shape
     image = memory.decoded_images_bytes(shape.width, shape.height, shape.batch, memory.IMAGE_BYTES_PER_PIXEL)
     if host_free is not None and image > host_free:
@@ -216,18 +260,106 @@ def check_sampling_request(transformer, request, available: Available | None, de
     logger.info("KV-Graph: memory budget for %dx %dx%d: %s of %s available on %s%s", shape.batch, shape.width,
                 shape.height, budget.describe(), gib(available.total), device,
                 "".join(f"; {note}" for note in budget.notes))
+    _log_plan(memory_plan, device)
     return budget
 
 
+def plan_request(transformer, plan: RequestPlan, available: int, device, text_encoder=None,
+                 host_available: int | None = None, stream: bool = True, bandwidth: float | None = None,
+                 placements: tuple[str, ...] | None = None) -> plans.MemoryPlan:
+    """The memory plan of `plan`'s request on `device`: on CUDA the fastest that fits among `placements` (None: all
+    the prefix placements) built here, noting a faster one that needs a placement not built yet; elsewhere the device
+    is the host, so every block stays resident and the prefix in its memory."""
+    placements = plans.PREFIX_PLACEMENTS if placements is None else tuple(placements)
+    sizes = _model_sizes(transformer, plan, text_encoder)
+    bandwidth = plans.default_bandwidth() if bandwidth is None else bandwidth
+    if torch.device(device).type != "cuda":
+        return plans.plan_memory(sizes, plan.shape, available, None, placements=("gpu",), stream=False,
+                                 bandwidth=bandwidth, device="CPU")
+    fastest = plans.plan_memory(sizes, plan.shape, available, host_available, stream=stream, bandwidth=bandwidth,
+                                placements=placements)
+    if fastest.runnable:
+        return fastest
+    built = tuple(p for p in placements if p in plans.PREFIX_PLACEMENTS_BUILT) or ("gpu",)
+    chosen = plans.plan_memory(sizes, plan.shape, available, host_available, placements=built, stream=stream,
+                               bandwidth=bandwidth)
+    if fastest.fits and chosen.fits:
+        chosen.notes.append(f"the fastest plan ({fastest.summary()}; step ~{fastest.step_ms:.0f} ms) places the "
+                            f"prefix K/V '{fastest.prefix_placement}', which this build does not carry out yet")
+    elif fastest.fits:
+        chosen.notes.append(f"a plan placing the prefix K/V '{fastest.prefix_placement}' would fit "
+                            f"({fastest.summary()}; needs {gib(fastest.gpu_bytes)}), but this build does not carry "
+                            "it out yet")
+    return chosen
+
+
+def _model_sizes(transformer, plan: RequestPlan, text_encoder=None) -> plans.ModelSizes:
+    extra = {k: v for k, v in plan.weights.items() if k not in ("transformer", "VAE")}
+    return plans.ModelSizes.of(transformer, plan.vae, extra, text_encoder)
+
+
+def _refuse(transformer, plan: RequestPlan, memory_plan, available: Available, device, more_options, stream: bool):
+    """No plan fits: MemoryBudgetError with the smallest plan's needs and the settings that change them, each priced
+    as its own smallest plan among the placements built here."""
+    sizes = _model_sizes(transformer, plan)
+    built = tuple(p for p in plans.PREFIX_PLACEMENTS if p in plans.PREFIX_PLACEMENTS_BUILT)
+
+    def smallest(dims, shape, weights) -> int:
+        changed = sizes.as_int8() if dims.int8 else sizes
+        changed = dataclasses.replace(changed, extra_weights=tuple(
+            (k, v) for k, v in weights.items() if k not in ("transformer", "VAE")))
+        return plans.plan_memory(changed, shape, 0, placements=built, stream=stream).gpu_bytes
+
+    options = alternatives(plan.dims, plan.shape, plan.weights, plan.vae, available.total, smallest) + more_options()
+    raise MemoryBudgetError(memory_plan.budget, available.total, device, available.describe(), options,
+                            plan=memory_plan)
+
+
+def _bytes_on(module, device) -> int:
+    """The bytes of the module's weights that are on `device` now."""
+    device = torch.device(device)
+    seen, total = set(), 0
+    for t in (*module.parameters(), *module.buffers()):
+        here = t.device.type == device.type and (device.type == "cpu" or (t.device.index or 0) == (device.index or 0))
+        if here and t.data_ptr() not in seen:  # shared storage once, as module_bytes counts it
+            seen.add(t.data_ptr())
+            total += t.numel() * t.element_size()
+    return total
+
+
+def _host_bytes(module) -> int:
+    """The module's weights in host memory now (a streamed load repacks them rather than copying them)."""
+    return _bytes_on(module, "cpu")
+
+
+# The plans logged lately, so each new one is logged once rather than on every request.
+_LOGGED_PLANS: collections.OrderedDict = collections.OrderedDict()
+_LOGGED_PLANS_KEPT = 32
+
+
+def _log_plan(memory_plan, device) -> None:
+    # A new plan is new decisions or bytes; the free memory it was planned against moves between requests.
+    key = (str(device), memory_plan.summary(), memory_plan.gpu_bytes, memory_plan.host_bytes,
+           tuple(memory_plan.notes))
+    if key in _LOGGED_PLANS:
+        _LOGGED_PLANS.move_to_end(key)
+        return
+    _LOGGED_PLANS[key] = None
+    while len(_LOGGED_PLANS) > _LOGGED_PLANS_KEPT:
+        _LOGGED_PLANS.popitem(last=False)
+    logger.info("KV-Graph: %s on %s.", memory_plan.describe(), device)
+
+
 def check_runtime_request(loaded, request, vae=None, text_encoder=None,
-                          image_bytes_per_pixel: int = 3) -> MemoryBudget | None:
+                          image_bytes_per_pixel: int = 3, stream: bool = True) -> MemoryBudget | None:
     """The runtime's own check (no ComfyUI to unload anything), for the whole request: sampling, the VAE decode and
     the decoded images (`image_bytes_per_pixel`: 3 for RGB, 4 for RGBA, kept on the host until the request ends).
 
     On CUDA the request must fit in what the device has free plus what its models and graphs already hold there, and
     the decoded images in the host's available memory; on the CPU everything must fit in the host's available memory
     plus what its models already hold. Returns the device budget, or None where the device reports no free memory.
-    `loaded`: the transformer's owner (graph_runtime/loaded.py), whose graphs count as memory it holds.
+    `loaded`: the transformer's owner (graph_runtime/loaded.py), whose graphs count as memory it holds. The budget's
+    `plan` says how many blocks stay resident (`stream=False`: all, for several GPUs); `loaded.follow_plan` loads so.
     """
     transformer = loaded.transformer
     device = next(transformer.parameters()).device
@@ -239,11 +371,15 @@ def check_runtime_request(loaded, request, vae=None, text_encoder=None,
     if not on_cpu and text_encoder is not None and any(p.device == device for p in text_encoder.parameters()):
         others["text encoder"] = module_bytes(text_encoder)  # its placement keeps it on the GPU: it competes
     models = [m for m in (transformer, vae) if m is not None] + ([text_encoder] if others else [])
-    resident = sum(module_bytes(m) for m in models if next(m.parameters()).device == device)
+    # Tensor by tensor: a streamed transformer holds only its resident blocks there.
+    resident = sum(_bytes_on(m, device) for m in models)
     available = Available(free, (("of its models", resident), ("of graphs", graph_bytes_held(loaded.engines()))))
     vae_dims = VaeDims.of(vae) if vae is not None else None
-    budget = check_sampling_request(transformer, request, available, device, vae_dims, others,
-                                    decoded_bytes_per_pixel=image_bytes_per_pixel if on_cpu else 0)
+    budget = check_sampling_request(
+        transformer, request, available, device, vae_dims, others,
+        decoded_bytes_per_pixel=image_bytes_per_pixel if on_cpu else 0,
+        text_encoder=None if text_encoder is None or others else plans.TextEncoderSize.of(text_encoder),
+        host_available=None if on_cpu else free_memory.host_available_bytes(), stream=stream)
     if not on_cpu:
         shape = request_shape(request)
         check_decoded_on_host(shape.width, shape.height, shape.batch, image_bytes_per_pixel)

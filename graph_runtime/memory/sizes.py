@@ -252,6 +252,7 @@ class MemoryBudget:
     margin: int
     vae_tiled: bool = False
     notes: list[str] = field(default_factory=list)
+    plan: object = None  # the memory plan the request runs under (plan.py `MemoryPlan`), where one was made
 
     @property
     def need(self) -> int:
@@ -270,7 +271,8 @@ class MemoryBudget:
 
     def as_dict(self) -> dict:
         return {"total_bytes": self.total, "margin_bytes": self.margin, "vae_tiled": self.vae_tiled,
-                "parts": {label: n for label, n in self.parts}, "notes": list(self.notes)}
+                "parts": {label: n for label, n in self.parts}, "notes": list(self.notes),
+                "plan": self.plan.as_dict() if self.plan is not None else None}
 
 
 def estimate(dims: TransformerDims, shape: GenerationShape, weights: dict[str, int], vae: VaeDims | None = None,

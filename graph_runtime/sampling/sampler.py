@@ -61,6 +61,9 @@ class SamplingRequest:
     # prefix with the control stream, the others against the plain prefix.
     control: object = None
     step_cache: StepCacheSettings | None = None  # skip steps the cache can predict (step_cache.py)
+    # The memory plan the request runs under (memory/plan.py `MemoryPlan`, set by the memory check): where its
+    # prefix K/V lives (`prefix_placement`) and how many blocks stay resident. None: everything on the device.
+    memory_plan: object = None
 
     def __post_init__(self):
         """Every sampling setting is checked here, once, where a request is built (by the sampler node, the generator

@@ -35,7 +35,10 @@ def _latest(kind: str):
 
 
 def _resident_bytes(handle, device) -> int:
-    return handle.size_bytes if handle is not None and same_device(handle.device, device) else 0
+    if handle is None or not same_device(handle.device, device):
+        return 0
+    streamed = handle.patcher.stream_plan()  # a partial load holds only its resident part there
+    return streamed.resident if streamed is not None else handle.size_bytes
 
 
 def _frees(patcher, device) -> bool:
@@ -83,10 +86,15 @@ def _control_bytes(transformer, request) -> dict[str, int]:
                                                        request.latent_height * request.latent_width)}
 
 
+def _text_encoder_size(handle):
+    return None if handle is None else memory.TextEncoderSize.of(handle.module)
+
+
 def check_request(model, request, device) -> memory.MemoryBudget:
     """The request's budget against what ComfyUI can give it, kept on the handle for /kvgraph/status; raises
-    MemoryBudgetError (naming the settings to change) when it cannot fit even after ComfyUI unloads everything
-    else."""
+    MemoryBudgetError (naming the settings to change) when no memory plan fits even after ComfyUI unloads
+    everything else. The budget's `plan` (graph_runtime/memory/plan.py) says how many blocks stay resident: the
+    sampler loads so (`LoadedTransformer.following`)."""
     vae = _latest("vae")
     vae_dims = memory.VaeDims.of(vae.module) if vae is not None else memory.VaeDims.standard(
         memory.compute_dtype(model.module))
@@ -106,6 +114,7 @@ def check_request(model, request, device) -> memory.MemoryBudget:
         model.module, request, available, device, vae_dims, other_weights=_control_bytes(model.module, request),
         more_options=lambda: _release_hint(device, keep=(model, vae)),
         host_free=free_bytes(torch.device("cpu")) if available is not None else None, vae_assumed=vae is None,
-        kept_text_encoder=kept)
+        kept_text_encoder=kept, text_encoder=_text_encoder_size(text_encoder), stream=model.gpus == 1,
+        text_encoder_placement=None if text_encoder is None else text_encoder.placement)
     reported.last_budget = budget_record(budget, device, None if available is None else available.total)
     return budget

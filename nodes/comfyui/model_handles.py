@@ -102,9 +102,8 @@ class ModelHandle:
         except torch.OutOfMemoryError as exc:
             raise RuntimeError(
                 f"KV-Graph: not enough free memory on {self.patcher.load_device} to load the {self.kind} "
-                f"({gib(self.size_bytes)}, {self.source}). The KV-Graph nodes load a model whole on the GPU "
-                "while it runs; close other models or use a smaller dtype (core's samplers on the loader's MODEL "
-                "can stream the transformer's blocks from host memory instead, slower)."
+                f"({gib(self.size_bytes)}, {self.source}). The KV-Graph nodes load the text encoder and the VAE "
+                "whole, and the transformer as its memory plan says; close other models or use a smaller dtype."
             ) from exc
         if self.patcher.stream_plan() is not None:
             return  # ComfyUI had room for part of the transformer: its blocks stream from the host (patcher.py)

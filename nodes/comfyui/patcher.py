@@ -68,8 +68,9 @@ class FullLoadPatcher(comfy.model_patcher.ModelPatcher):
 
     def _resident_on(self, device) -> bool:
         params = list(self.model.parameters())
+        owner = self.stream_owner()
         return (bool(params) and all(same_device(p.device, device) for p in params) and self.loaded_size() > 0
-                and self.stream_plan() is None)
+                and self.stream_plan() is None and not (owner is not None and owner.wants_streaming))
 
     def clone(self, *args, **kwargs):
         # ComfyUI's clone copies the patcher's own state but not attributes set on an instance: a clone (a LoRA

@@ -291,6 +291,9 @@ def test_panel_renders_graph_entries(page, pack_folder):
             loads: 1, busy: true, captures: 1, replays: 38, eager_steps: { 'owned by another request': 39 },
             eager_total: 39, evictions: 0, bytes_held: 3 * 2 ** 30, max_entries: 4, compiled: false, skipped_steps: 5,
             prefill_replays: 12, prefill_captures: 1, eager_prefills: { 'long prefix': 2 },
+            budget: { total_bytes: 15 * 2 ** 30, plan: { fits: true, whole: false, blocks: 32, resident_blocks: 26,
+                streamed_blocks: 6, prefix_placement: 'host', text_encoder: 'cpu', vae_decode: 'tiled',
+                gpu_bytes: 15 * 2 ** 30, step_ms: 262.4 } },
             entries: [
                 { key, state: 'captured', captures: 1, replays: 38, bytes: 3 * 2 ** 30, owner_alive: true },
                 { key: { ...key, branch: 'uncond' }, state: 'failed', reason: 'allocation failed',
@@ -328,6 +331,8 @@ def test_panel_renders_graph_entries(page, pack_folder):
     assert "1 captures · 38 replays · 3.0 GiB · owner alive (in use)" in body
     assert "failed: allocation failed (CUDA out of memory)" in body
     assert "owned by another request: 39" in body
+    assert ("Memory plan: 26/32 blocks resident, 6 streamed · prefix host · text encoder cpu · VAE decode tiled · "
+            "15 GiB GPU · step ~262 ms (estimate)") in body
     assert "39 eager · 5 skipped (step cache) · " in body and "Skipped steps" in body
     assert "prefills: 12 replayed · 1 captured · 2 eager (long prefix: 2)" in body
     assert "prompt a1b2c3d4 · node 5 · step 7/40" in body

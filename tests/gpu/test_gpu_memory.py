@@ -172,9 +172,10 @@ def test_bf16_transformer_with_the_text_encoder_off_the_gpu_fits_a_24gb_card():
     check_targets(out, 22 * GB)
 
 
-def test_a_budget_over_the_card_is_refused_before_anything_is_allocated():
-    """The bf16 DiT resident on an emulated 16 GB card, a 1024x1024 request with a 128-token prompt: refused with
-    the settings named (int8 weights among them), and nothing of the request allocated."""
+def test_a_budget_over_the_card_is_planned_or_refused_before_anything_is_allocated():
+    """The bf16 DiT resident on an emulated 16 GB card, a 1024x1024 request with a 128-token prompt: too big for a
+    whole load, it gets a streamed memory plan that fits (it was refused before plans); a batch of 64 fits no plan and
+    is refused with the settings named (int8 weights among them). Neither check allocates anything."""
     from graph_runtime.encoding.prompt import PromptEmbeds
 
     transformer = build_transformer()
@@ -183,13 +184,18 @@ def test_a_budget_over_the_card_is_refused_before_anything_is_allocated():
                             torch.zeros(1, 128, dtype=torch.bool))
     request = SamplingRequest(positive=positive, latent_height=64, latent_width=64, sigma_preset="turbo")
     torch.cuda.empty_cache()
+    big = SamplingRequest(positive=positive, latent_height=64, latent_width=64, sigma_preset="turbo", batch_size=64)
     with emulated_card(16 * GB):
         allocated = torch.cuda.memory_allocated()
+        budget = budgets.check_runtime_request(loaded_for(transformer), request, vae)
+        assert budget.plan.fits and budget.plan.streamed_blocks > 0 and budget.total <= 16 * GB
         with pytest.raises(budgets.MemoryBudgetError) as info:
-            budgets.check_runtime_request(loaded_for(transformer), request, vae)
+            budgets.check_runtime_request(loaded_for(transformer), big, vae)
         assert torch.cuda.memory_allocated() == allocated
+    print(budget.plan.describe())
     print(info.value)
-    assert "weights mode int8" in str(info.value) and not loaded_for(transformer).engine.graphs.entries
+    assert "no memory plan fits" in str(info.value) and "weights mode int8" in str(info.value)
+    assert not loaded_for(transformer).engine.graphs.entries
 
 
 def _copies(run) -> list[str]:

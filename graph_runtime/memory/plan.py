@@ -1,0 +1,525 @@
+"""The memory plan of one request: where each part lives so that it fits the card, and what a step will cost.
+
+Given the bytes a request may use on its GPU (ComfyUI's figure where the nodes run under its model management, the
+runtime's `free_memory` otherwise), the host's budget, the models' sizes and the request's shape, `plan_memory`
+decides:
+
+- how many transformer blocks stay **resident** (all, or N, the others streamed from pinned host memory through
+  `slots` fixed GPU slots of one block's weights each);
+- where the **prefix K/V** lives: `gpu` (bf16), `int8` (int8 rows + per-token-per-head scales, dequantized into a
+  shared bf16 working buffer), `host` (pinned host memory, copied into working buffers block by block) or
+  `recompute` (no cache: every step runs the whole joint sequence);
+- the **text encoder's** placement (`always gpu`, `gpu while encoding, then offload`, `streamed by layer`, `cpu`),
+  with a smaller file suggested where one would place it better;
+- the **VAE decode**: whole, or tiled where a whole one does not fit;
+- the estimated **step cost**: the compute + max(0, streamed bytes / host-to-device bandwidth - the compute the
+  uploads overlap).
+
+Among the plans that fit (GPU and host), the one with the lowest estimated step wins; ties go to more resident
+blocks, then to the prefix placement earlier in PREFIX_PLACEMENTS. A plan that keeps every block and the prefix on
+the GPU is exactly today's budget (sizes.estimate), so whatever fitted before is planned whole. When nothing fits
+(not even every block streamed, the prefix recomputed and the text encoder on the CPU), `plan_memory` returns the
+smallest plan with `fits` False, for the refusal to quote.
+
+The runtime reads the decisions off the plan (`resident_blocks`, `prefix_placement`); where a mechanism is not built
+yet (PREFIX_PLACEMENTS_BUILT, STREAMED_GRAPH_BUILT) the plan still says what it would do, and the caller decides what
+runs (budget.py `check_sampling_request`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+import torch
+
+from .sizes import (
+    MARGIN_BYTES, MARGIN_FRACTION, GenerationShape, GiB, MemoryBudget, TransformerDims, VaeDims, estimate, gib,
+    kv_bytes_per_token, module_bytes, prefill_bytes,
+)
+
+PREFIX_PLACEMENTS = ("gpu", "int8", "host", "recompute")  # fastest first: the order ties are broken in
+# What the runtime can carry out today. The branch that builds a placement adds its name here.
+PREFIX_PLACEMENTS_BUILT = frozenset({"gpu"})
+# Whether streamed blocks replay inside the captured decode graph (else a streamed load steps eagerly, uploads not
+# overlapped with compute: the step estimate then adds the whole upload time).
+STREAMED_GRAPH_BUILT = True
+
+TE_GPU = "always gpu"
+TE_OFFLOAD = "gpu while encoding, then offload"
+TE_STREAMED = "streamed by layer"
+TE_CPU = "cpu"
+TE_PLACEMENTS = (TE_GPU, TE_OFFLOAD, TE_STREAMED, TE_CPU)  # best first
+
+DEFAULT_SLOTS = 2
+# A conservative host-to-device rate for pinned copies: PCIe 4.0 x16 moves about twice this, PCIe 3.0 x16 a bit more.
+DEFAULT_H2D_BYTES_PER_S = 10e9
+BANDWIDTH_SETTING = "KVGRAPH_H2D_GB_S"  # the link's measured rate, in GB/s, where the user knows it
+# A conservative device-memory rate for the int8 prefix's dequantization (consumer cards have 0.3-1 TB/s).
+DEVICE_BYTES_PER_S = 0.4e12
+
+# The int8 prefix: one byte per value, plus one fp32 scale per token, head, block and K/V.
+INT8_SCALE_BYTES = 4
+# bf16 working buffers of one block's prefix K/V (the largest branch): the int8 prefix dequantizes into one; the host
+# prefix double-buffers, one being read by attention while the next block's copy lands.
+PREFIX_WORK_BUFFERS = {"int8": 1, "host": 2}
+# The text encoder streamed by layer: this many layers' weights on the GPU at once.
+TE_SLOTS = 2
+
+# An estimate of one model evaluation's compute, in ms, for 1024x1024 (STEP_TOKENS target tokens) on an H100-class GPU
+# with graph replay: (with a 128-token prompt, with one 4096-token reference more). Taken from the side-by-side step in
+# docs/memory.md; scaled linearly in target tokens and in prefix tokens. Unknown precisions use bf16's (the slower).
+# A smaller card computes slower, so it hides more of an upload: the streamed estimate errs high there.
+STEP_MS = {"bf16": (109.0, 123.0), "int8": (73.0, 89.0)}
+STEP_TOKENS = 4096
+STEP_PROMPT_TOKENS = 128
+EAGER_FACTOR = 1.2  # an eager step against a replayed one (docs/memory.md: "each step ~20% slower")
+
+# The published Qwen3-VL-8B text encoder files (docs/memory.md), for a plan made before one is loaded; an int8 file is
+# this fraction of a bf16 one.
+STANDARD_TEXT_ENCODER_BYTES = {"bf16": int(15.2 * GiB), "int8": int(8.8 * GiB)}
+INT8_TEXT_ENCODER_FRACTION = 8.8 / 15.2
+
+
+def default_bandwidth() -> float:
+    """The host-to-device bytes per second plans assume: KVGRAPH_H2D_GB_S where set, else the conservative default."""
+    text = os.environ.get(BANDWIDTH_SETTING, "").strip()
+    if not text:
+        return DEFAULT_H2D_BYTES_PER_S
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not value > 0 or value == float("inf"):
+        raise ValueError(f"{BANDWIDTH_SETTING}={text!r}: expected the host-to-device rate in GB/s, a number above 0")
+    return value * 1e9
+
+
+@dataclass(frozen=True)
+class TextEncoderSize:
+    """What the text encoder's placement depends on."""
+
+    bytes: int
+    precision: str = "bf16"
+    layers: int = 36
+    hidden: int = 4096
+    mlp_hidden: int = 12288
+
+    @property
+    def layer_bytes(self) -> int:
+        return -(-self.bytes // self.layers)
+
+    def encode_bytes(self, tokens: int) -> int:
+        """One encode's activations (as a transformer block's: 8 hidden + 3 MLP rows per token, bf16) and margin."""
+        return tokens * (8 * self.hidden + 3 * self.mlp_hidden) * 2 + MARGIN_BYTES
+
+    @classmethod
+    def standard(cls, precision: str = "bf16") -> "TextEncoderSize":
+        return cls(STANDARD_TEXT_ENCODER_BYTES[precision], precision)
+
+    @classmethod
+    def of(cls, module: torch.nn.Module) -> "TextEncoderSize":
+        config = getattr(module, "config", None)
+        text = getattr(config, "text_config", config)
+        int8 = any(p.dtype == torch.int8 for p in module.parameters())
+        return cls(module_bytes(module), "int8" if int8 else "bf16",
+                   layers=int(getattr(text, "num_hidden_layers", 36) or 36),
+                   hidden=int(getattr(text, "hidden_size", 4096) or 4096),
+                   mlp_hidden=int(getattr(text, "intermediate_size", 12288) or 12288))
+
+
+@dataclass(frozen=True)
+class ModelSizes:
+    """The models' bytes a plan places: the transformer by block, the VAE, other weights that stay on the GPU (a
+    ControlNet), the text encoder."""
+
+    dims: TransformerDims
+    block_bytes: tuple[int, ...]
+    other_bytes: int  # the transformer outside its blocks (embeddings, modulation, output layers): always resident
+    vae: VaeDims | None = None
+    extra_weights: tuple[tuple[str, int], ...] = ()
+    text_encoder: TextEncoderSize | None = None
+
+    @property
+    def transformer_bytes(self) -> int:
+        return self.other_bytes + sum(self.block_bytes)
+
+    @property
+    def blocks(self) -> int:
+        return len(self.block_bytes)
+
+    @property
+    def precision(self) -> str:
+        return "int8" if self.dims.int8 else "bf16"
+
+    @classmethod
+    def of(cls, transformer: torch.nn.Module, vae: VaeDims | None = None, extra_weights: dict | None = None,
+           text_encoder: TextEncoderSize | None = None) -> "ModelSizes":
+        total, blocks = block_sizes(transformer)
+        return cls(TransformerDims.of(transformer), tuple(blocks), total - sum(blocks), vae,
+                   tuple((extra_weights or {}).items()), text_encoder)
+
+    @classmethod
+    def standard(cls, precision: str = "bf16", text_encoder: str | None = "bf16") -> "ModelSizes":
+        """The published Qwen-Image-2.1 (its diffusers default config, built on the meta device) in `precision`
+        ("bf16", or "int8": the ConvRot file, block Linears in int8), the standard VAE and text encoder."""
+        from diffusers import QwenImage21Transformer2DModel
+
+        with torch.device("meta"):
+            model = QwenImage21Transformer2DModel().to(torch.bfloat16)
+        sizes = cls.of(model, VaeDims.standard(), text_encoder=(
+            None if text_encoder is None else TextEncoderSize.standard(text_encoder)))
+        if precision not in ("bf16", "int8"):
+            raise ValueError(f"precision {precision!r}: expected 'bf16' or 'int8'")
+        return sizes.as_int8() if precision == "int8" else sizes
+
+    def as_int8(self) -> "ModelSizes":
+        """The same model from its int8 ConvRot file: block Linears in int8 (TransformerDims.int8_weight_bytes)."""
+        if self.dims.int8:
+            return self
+        one_block = dataclasses.replace(self.dims, blocks=1)
+        return dataclasses.replace(self, dims=dataclasses.replace(self.dims, int8=True),
+                                   block_bytes=tuple(one_block.int8_weight_bytes(b) for b in self.block_bytes))
+
+
+def request_shape(width: int, height: int, batch: int = 1, cfg: bool = False, references: int = 0,
+                  prompt_tokens: int = 128, reference_tokens: int | None = None,
+                  decode_mode: str = "auto") -> GenerationShape:
+    """The shape of a request described by its settings: each reference adds `reference_tokens` prefix tokens (None:
+    as many as the output has, a reference at the output's size) to each CFG branch."""
+    per_reference = (width // 16) * (height // 16) if reference_tokens is None else reference_tokens
+    prefix = prompt_tokens + references * per_reference
+    return GenerationShape(width=width, height=height, batch=batch, prefix_tokens=(prefix,) * (2 if cfg else 1),
+                           decode_mode=decode_mode)
+
+
+@dataclass
+class MemoryPlan:
+    """One plan: the decisions, the GPU budget itemized as sizes.MemoryBudget, the host's parts, the step estimate."""
+
+    blocks: int
+    resident_blocks: int
+    slots: int
+    prefix_placement: str
+    vae_decode: str  # "whole" / "tiled" / "none" (no VAE counted)
+    budget: MemoryBudget  # the GPU side
+    host_parts: list[tuple[str, int]]
+    compute_ms: float
+    upload_bytes: int  # bytes copied from the host every step (streamed blocks, a host prefix)
+    bandwidth: float
+    shape: GenerationShape
+    available: int | None = None
+    host_available: int | None = None
+    text_encoder: str | None = None
+    text_encoder_suggestion: str | None = None
+    fits: bool = True
+    notes: list[str] = field(default_factory=list)
+    device: str = "GPU"  # what the plan's device is called in its description
+    overlapped: bool = True  # uploads overlap the compute (streamed blocks inside the graph); else they add to it
+
+    @property
+    def streamed_blocks(self) -> int:
+        return self.blocks - self.resident_blocks
+
+    @property
+    def whole(self) -> bool:
+        """Every block resident and the prefix on the GPU: what ran before plans existed."""
+        return self.resident_blocks == self.blocks and self.prefix_placement == "gpu"
+
+    @property
+    def gpu_bytes(self) -> int:
+        return self.budget.total
+
+    @property
+    def host_bytes(self) -> int:
+        return sum(n for _, n in self.host_parts)
+
+    @property
+    def new_host_bytes(self) -> int:
+        """Host memory the plan adds: the streamed blocks' and a host prefix's pinned copies (the text encoder's copy
+        is held whatever its placement, so it is shown but not checked)."""
+        return sum(n for label, n in self.host_parts if not label.startswith("text encoder"))
+
+    @property
+    def upload_ms(self) -> float:
+        return self.upload_bytes / self.bandwidth * 1e3
+
+    @property
+    def step_ms(self) -> float:
+        """The estimated step: compute, plus the uploads the compute does not hide (all of them where they are not
+        overlapped: streamed blocks stepping eagerly)."""
+        if not self.overlapped:
+            return self.compute_ms + self.upload_ms
+        return self.compute_ms + max(0.0, self.upload_ms - self.compute_ms)
+
+    @property
+    def runnable(self) -> bool:
+        """Whether the runtime built here can carry the plan out (a streamed load runs eagerly where streamed graphs
+        are not built; its cost is then compute + the whole upload)."""
+        return self.prefix_placement in PREFIX_PLACEMENTS_BUILT
+
+    def _blocks_text(self) -> str:
+        if not self.streamed_blocks:
+            return f"all {self.blocks} blocks resident"
+        host = sum(n for label, n in self.host_parts if label.startswith("streamed blocks"))
+        return (f"{self.resident_blocks} of {self.blocks} blocks resident, {self.streamed_blocks} streamed through "
+                f"{self.slots} slots ({gib(host)} pinned on the host)")
+
+    def _prefix_text(self) -> str:
+        tokens = "+".join(map(str, self.shape.prefix_tokens))
+        text = {"gpu": "on the GPU (bf16)", "int8": "on the GPU in int8", "host": "in pinned host memory",
+                "recompute": "recomputed every step (no cache)"}[self.prefix_placement]
+        return f"prefix K/V ({tokens} tokens) {text}"
+
+    def summary(self) -> str:
+        """The decisions: blocks, prefix, text encoder, VAE decode."""
+        te = ""
+        if self.text_encoder is not None:
+            te = f"; text encoder {self.text_encoder}" + (
+                f" ({self.text_encoder_suggestion})" if self.text_encoder_suggestion else "")
+        return f"transformer {self._blocks_text()}; {self._prefix_text()}{te}; VAE decode {self.vae_decode}"
+
+    def describe(self) -> str:
+        """One line for the load log."""
+        upload = f", uploads {self.upload_ms:.0f} ms at {self.bandwidth / 1e9:g} GB/s" if self.upload_bytes else ""
+        available = f" of {gib(self.available)}" if self.available is not None else ""
+        host = f", {gib(self.host_bytes)} host" + (
+            f" of {gib(self.host_available)}" if self.host_available is not None else "")
+        return (f"{'memory plan' if self.fits else 'smallest memory plan (does not fit)'} for {self.shape.batch}x "
+                f"{self.shape.width}x{self.shape.height}: {self.summary()}; needs {gib(self.gpu_bytes)}{available} "
+                f"{self.device}{host}; step "
+                f"~{self.step_ms:.0f} ms (compute {self.compute_ms:.0f} ms{upload}, an estimate)"
+                + "".join(f"; {note}" for note in self.notes))
+
+    def as_dict(self) -> dict:
+        """For GET /kvgraph/status and the panel."""
+        return {
+            "fits": self.fits, "whole": self.whole, "runnable": self.runnable,
+            "blocks": self.blocks, "resident_blocks": self.resident_blocks, "streamed_blocks": self.streamed_blocks,
+            "slots": self.slots if self.streamed_blocks else 0, "prefix_placement": self.prefix_placement,
+            "text_encoder": self.text_encoder, "text_encoder_suggestion": self.text_encoder_suggestion,
+            "vae_decode": self.vae_decode,
+            "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes, "available_bytes": self.available,
+            "host_available_bytes": self.host_available,
+            "gpu_parts": {label: n for label, n in self.budget.parts} | {"margin": self.budget.margin},
+            "host_parts": dict(self.host_parts),
+            "step_ms": round(self.step_ms, 1), "compute_ms": round(self.compute_ms, 1),
+            "upload_bytes": self.upload_bytes, "upload_ms": round(self.upload_ms, 1),
+            "uploads_overlapped": self.overlapped,
+            "bandwidth_bytes_per_s": self.bandwidth, "notes": list(self.notes), "text": self.describe(),
+        }
+
+
+# -- the pieces of one candidate -------------------------------------------------------------------------------------
+
+
+def _int8_kv_bytes_per_token(d: TransformerDims) -> int:
+    return 2 * d.blocks * (d.hidden + d.heads * INT8_SCALE_BYTES)
+
+
+def _work_buffer_bytes(d: TransformerDims, shape: GenerationShape, placement: str) -> int:
+    """The bf16 working buffers of one block's prefix K/V (the largest branch; branches run one at a time)."""
+    one_block = shape.batch * max(shape.prefix_tokens) * kv_bytes_per_token(d) // d.blocks
+    return PREFIX_WORK_BUFFERS.get(placement, 0) * one_block
+
+
+def _gpu_budget(sizes: ModelSizes, shape: GenerationShape, resident: int, slots: int, placement: str,
+                vae_tiled: bool) -> MemoryBudget:
+    d, batch, target = sizes.dims, shape.batch, shape.target_tokens
+    weights = {"transformer": sizes.other_bytes + sum(sizes.block_bytes[:resident])}
+    if sizes.vae is not None:
+        weights["VAE"] = sizes.vae.weight_bytes
+    weights.update(dict(sizes.extra_weights))
+    # Today's budget (the whole plan's, exactly), then the parts this plan changes.
+    base = estimate(d, shape, weights, sizes.vae, vae_tiled)
+    parts = []
+    for label, n in base.parts:
+        if label == "transformer weights" and resident < sizes.blocks:
+            parts.append((f"transformer weights ({resident} of {sizes.blocks} blocks)", n))
+            streamed = sizes.block_bytes[resident:]
+            parts.append((f"streaming slots ({min(slots, len(streamed))} blocks)",
+                          min(slots, len(streamed)) * max(streamed)))
+        elif label.startswith("prefix K/V"):
+            tokens = sum(batch * p for p in shape.prefix_tokens)
+            if placement == "gpu":
+                parts.append((label, n))
+            elif placement == "int8":
+                parts.append((label.replace("prefix K/V", "prefix K/V int8"), tokens * _int8_kv_bytes_per_token(d)))
+            if placement in PREFIX_WORK_BUFFERS:
+                parts.append((f"prefix working buffers ({PREFIX_WORK_BUFFERS[placement]} blocks, bf16)",
+                              _work_buffer_bytes(d, shape, placement)))
+        elif placement == "recompute" and label.startswith("graph "):
+            continue  # no cached prefix: nothing to replay against
+        elif placement == "recompute" and label.startswith("largest eager phase"):
+            # Every step runs the whole joint sequence, as the prefill does with the target rows added.
+            steps = [prefill_bytes(d, batch, p + target, 0) for p in shape.prefix_tokens]
+            parts.append((label.replace("largest eager phase (", "largest eager phase (recomputed steps or "),
+                          max([n, *steps])))
+        else:
+            parts.append((label, n))
+    need = sum(n for _, n in parts)
+    return MemoryBudget(parts=parts, margin=int(MARGIN_BYTES + MARGIN_FRACTION * need), vae_tiled=vae_tiled)
+
+
+def _host_parts(sizes: ModelSizes, shape: GenerationShape, resident: int, placement: str) -> list[tuple[str, int]]:
+    parts = []
+    if resident < sizes.blocks:
+        parts.append((f"streamed blocks ({sizes.blocks - resident})", sum(sizes.block_bytes[resident:])))
+    if placement == "host":
+        parts.append(("prefix K/V", sum(shape.batch * p for p in shape.prefix_tokens) * kv_bytes_per_token(sizes.dims)))
+    if sizes.text_encoder is not None:
+        parts.append(("text encoder (held)", sizes.text_encoder.bytes))  # its pinned copy, or its weights on the CPU
+    return parts
+
+
+def compute_ms(sizes: ModelSizes, shape: GenerationShape, placement: str) -> float:
+    """The estimated compute of one step (every CFG branch), from STEP_MS."""
+    base, one_reference = STEP_MS.get(sizes.precision, STEP_MS["bf16"])
+    per_prefix_token = (one_reference - base) / STEP_TOKENS
+
+    def evaluation(target: int, prefix: int) -> float:
+        return shape.batch * target / STEP_TOKENS * (base + per_prefix_token * max(0, prefix - STEP_PROMPT_TOKENS))
+
+    target = shape.target_tokens
+    if placement == "recompute":  # the prefix rows run too, eagerly, attending to the whole sequence
+        total = sum(EAGER_FACTOR * evaluation(p + target, p + target) for p in shape.prefix_tokens)
+    else:
+        total = sum(evaluation(target, p) for p in shape.prefix_tokens)
+        if shape.decode_mode == "eager":
+            total *= EAGER_FACTOR
+    if placement == "int8":  # read the int8 rows and scales, write and read the bf16 working buffer
+        per_token = _int8_kv_bytes_per_token(sizes.dims) + 2 * kv_bytes_per_token(sizes.dims)
+        total += sum(shape.batch * p for p in shape.prefix_tokens) * per_token / DEVICE_BYTES_PER_S * 1e3
+    return total
+
+
+def upload_bytes(sizes: ModelSizes, shape: GenerationShape, resident: int, placement: str) -> int:
+    """Bytes copied from the host each step: the streamed blocks once per CFG branch, a host prefix once."""
+    total = shape.branches * sum(sizes.block_bytes[resident:])
+    if placement == "host":
+        total += sum(shape.batch * p for p in shape.prefix_tokens) * kv_bytes_per_token(sizes.dims)
+    return total
+
+
+def _candidate(sizes, shape, resident, slots, placement, vae_tiled, bandwidth, available, host_available,
+               streamed_graphs: bool) -> MemoryPlan:
+    overlapped = streamed_graphs or resident == sizes.blocks
+    if not overlapped:
+        # Streamed blocks without graphs: every step runs eagerly (no graph buffers or pool, an eager step's memory).
+        shape = dataclasses.replace(shape, decode_mode="eager")
+    return MemoryPlan(
+        blocks=sizes.blocks, resident_blocks=resident, slots=slots, prefix_placement=placement, overlapped=overlapped,
+        vae_decode="none" if sizes.vae is None else ("tiled" if vae_tiled else "whole"),
+        budget=_gpu_budget(sizes, shape, resident, slots, placement, vae_tiled),
+        host_parts=_host_parts(sizes, shape, resident, placement),
+        compute_ms=compute_ms(sizes, shape, placement), upload_bytes=upload_bytes(sizes, shape, resident, placement),
+        bandwidth=bandwidth, shape=shape, available=available, host_available=host_available)
+
+
+def _fits(plan: MemoryPlan, available: int, host_available: int | None) -> bool:
+    return plan.gpu_bytes <= available and (host_available is None or plan.new_host_bytes <= host_available)
+
+
+# -- the text encoder --------------------------------------------------------------------------------------------------
+
+
+def _text_encoder_placement(te: TextEncoderSize, sampling_bytes: int, tokens: int, available: int) -> str:
+    if sampling_bytes + te.bytes <= available:
+        return TE_GPU  # stays next to the transformer and its graphs
+    if te.bytes + te.encode_bytes(tokens) <= available:
+        return TE_OFFLOAD  # alone on the GPU while it encodes (ComfyUI unloads the transformer for it)
+    if TE_SLOTS * te.layer_bytes + te.encode_bytes(tokens) <= available:
+        return TE_STREAMED
+    return TE_CPU
+
+
+def _text_encoder(plan: MemoryPlan, te: TextEncoderSize, available: int) -> tuple[str, str | None]:
+    tokens = plan.shape.batch * max(plan.shape.prefix_tokens)  # an upper bound of the encoder's own tokens
+    placement = _text_encoder_placement(te, plan.gpu_bytes, tokens, available)
+    if te.precision == "int8" or placement == TE_GPU:
+        return placement, None
+    smaller = dataclasses.replace(te, bytes=int(te.bytes * INT8_TEXT_ENCODER_FRACTION), precision="int8")
+    better = _text_encoder_placement(smaller, plan.gpu_bytes, tokens, available)
+    if TE_PLACEMENTS.index(better) < TE_PLACEMENTS.index(placement):
+        return placement, f"an int8 text encoder file (about {gib(smaller.bytes)}) would run '{better}'"
+    return placement, None
+
+
+# -- the planner -----------------------------------------------------------------------------------------------------
+
+
+def plan_memory(sizes: ModelSizes, shape: GenerationShape, available: int, host_available: int | None = None, *,
+                bandwidth: float = DEFAULT_H2D_BYTES_PER_S, slots: int = DEFAULT_SLOTS,
+                placements: tuple[str, ...] = PREFIX_PLACEMENTS, stream: bool = True,
+                device: str = "GPU", streamed_graphs: bool | None = None) -> MemoryPlan:
+    """The fastest plan of `shape` that fits `available` GPU bytes and `host_available` host bytes (None: the host is
+    not checked), or the smallest plan with `fits` False when none does. `placements`: the prefix placements to
+    consider (a forced one, or those the runtime has built); `stream=False` keeps every block resident (a CPU, where
+    the host is the device). `streamed_graphs`: whether streamed blocks replay inside the decode graph, their
+    uploads overlapped (None: STREAMED_GRAPH_BUILT, what the runtime here does); without, a streamed plan steps
+    eagerly and its uploads add to the compute."""
+    if available is None or available < 0:
+        raise ValueError(f"available: {available!r}: expected the GPU bytes the request may use")
+    if slots < 1:
+        raise ValueError(f"slots: {slots!r}: expected at least 1")
+    if not bandwidth > 0:
+        raise ValueError(f"bandwidth: {bandwidth!r}: expected bytes per second above 0")
+    unknown = [p for p in placements if p not in PREFIX_PLACEMENTS]
+    if unknown or not placements:
+        raise ValueError(f"placements: {placements!r}: expected some of {PREFIX_PLACEMENTS}")
+
+    graphs = STREAMED_GRAPH_BUILT if streamed_graphs is None else streamed_graphs
+
+    def candidate(resident: int, placement: str, vae_tiled: bool = True) -> MemoryPlan:
+        plan = _candidate(sizes, shape, resident, slots, placement, vae_tiled and sizes.vae is not None, bandwidth,
+                          available, host_available, graphs)
+        plan.device = device
+        return plan
+
+    def most_resident(placement: str) -> MemoryPlan | None:
+        """The most resident blocks that fit the GPU with `placement`, if that fits the host too. Every block first
+        (a whole load may replay graphs a streamed one cannot, so it is not the end of a monotone range); below
+        that the GPU need grows with the resident blocks and the host need shrinks, so no fewer could fit the host
+        where these do not."""
+        plan = candidate(sizes.blocks, placement)
+        if plan.gpu_bytes > available:
+            if not stream or candidate(0, placement).gpu_bytes > available:
+                return None
+            low, high = 0, sizes.blocks - 1
+            while low < high:
+                mid = (low + high + 1) // 2
+                if candidate(mid, placement).gpu_bytes <= available:
+                    low = mid
+                else:
+                    high = mid - 1
+            plan = candidate(low, placement)
+        return plan if _fits(plan, available, host_available) else None
+
+    fitting = [plan for plan in map(most_resident, placements) if plan is not None]
+    if not fitting:
+        smallest = min((candidate(0 if stream else sizes.blocks, p) for p in placements),
+                       key=lambda p: (p.gpu_bytes, p.host_bytes))
+        smallest.fits = False
+        if sizes.text_encoder is not None:
+            smallest.text_encoder = TE_CPU
+        return smallest
+    best = min(fitting, key=lambda p: (round(p.step_ms, 2), -p.resident_blocks,
+                                       PREFIX_PLACEMENTS.index(p.prefix_placement)))
+    if sizes.vae is not None:
+        whole = candidate(best.resident_blocks, best.prefix_placement, vae_tiled=False)
+        if _fits(whole, available, host_available):
+            best = whole
+        else:
+            best.notes.append(f"the VAE decode is tiled: a whole one needs {gib(whole.gpu_bytes)}")
+    if sizes.text_encoder is not None:
+        best.text_encoder, best.text_encoder_suggestion = _text_encoder(best, sizes.text_encoder, available)
+    return best
+
+
+__all__ = [
+    "DEFAULT_H2D_BYTES_PER_S", "DEFAULT_SLOTS", "MemoryPlan", "ModelSizes", "PREFIX_PLACEMENTS",
+    "PREFIX_PLACEMENTS_BUILT", "STEP_MS", "STREAMED_GRAPH_BUILT", "TE_CPU", "TE_GPU", "TE_OFFLOAD", "TE_PLACEMENTS",
+    "TE_STREAMED", "TextEncoderSize", "compute_ms", "default_bandwidth", "plan_memory", "request_shape",
+    "upload_bytes",
+]
