@@ -15,7 +15,8 @@ from graph_runtime.decode.engine import DecodeEngine
 from graph_runtime.decode.graphs import make_key
 from graph_runtime.decode.kv_format import Fp8KVStore, v_scales
 from graph_runtime.kernels.qk_norm_rope import E4M3_MAX, norm_bound_scale
-from graph_runtime.tiny import random_tiny_transformer
+from graph_runtime.decode.step import FP8_HEAD_DIM
+from graph_runtime.tiny import TINY_TRANSFORMER, random_tiny_transformer
 from tests.test_graph_manager import RecordingBackend, _request
 
 
@@ -76,9 +77,17 @@ def test_fp8_with_an_fa3_build_lacking_fp8_runs_fa3_bf16(hopper, monkeypatch):
 
 def test_fp8_graph_keys_and_entry_specs_differ_from_bf16_ones(hopper, monkeypatch):
     """The same request on an `fp8` step and on an `fa3` step gets different graph keys (the kernel's name) and
-    entry specs (the K/V format), so e4m3 and bf16 entries never share buffers or graphs; `auto` is FA3 bf16."""
+    entry specs (the K/V format), so e4m3 and bf16 entries never share buffers or graphs; `auto` is FA3 bf16. A
+    head width the FP8 kernels lack keeps the model's dtype, the fallback counted."""
     monkeypatch.setattr(attention, "probe_fp8", lambda forward, device: None)
-    model = random_tiny_transformer().to(torch.bfloat16)
+    # FlashAttention-3's FP8 kernels take head widths 64/128/256: the tiny model's 16 keeps bf16 K/V, counted.
+    tiny_model = random_tiny_transformer().to(torch.bfloat16)  # the engine holds its model weakly
+    tiny = DecodeEngine(tiny_model, attention="fp8").step
+    tiny.attention = AttentionChoice("fp8", loader=lambda: (_fa3_on_cpu, None))
+    assert tiny.kv_format(torch.device("cuda:0")) == "native"
+    assert tiny.attention.fallbacks == {FP8_HEAD_DIM: 1}
+    model = random_tiny_transformer(dict(TINY_TRANSFORMER, attention_head_dim=64, axes_dims_rope=(16, 24, 24)))
+    model = model.to(torch.bfloat16)
     steps = {}
     for name in ("fp8", "fa3", "auto"):
         engine = DecodeEngine(model, attention=name)

@@ -346,10 +346,19 @@ class TargetDecodeBlock(torch.nn.Module):
 
 # e4m3 q/k take their scale from the static bound of an RMSNorm's weight (kv_format.py); other norms have none.
 FP8_UNBOUNDED = "FP8 attention runs in bf16: a block's q/k norm is not an RMSNorm with a weight (no static e4m3 bound)"
+# Head widths FlashAttention-3's FP8 forward and our e4m3 Triton kernel (a power of two) both have on CUDA.
+FP8_HEAD_DIMS = (64, 128, 256)
+FP8_HEAD_DIM = f"FP8 attention runs in bf16: its kernels take head widths {', '.join(map(str, FP8_HEAD_DIMS))}"
 
 
-def _bounded_qk_norms(block) -> bool:
-    return all(type(norm) is RMSNorm and norm.weight is not None for norm in (block.attn.norm_q, block.attn.norm_k))
+def _fp8_kv_reason(model, device: torch.device) -> str | None:
+    """Why this model's entries cannot keep e4m3 K/V on `device`, or None."""
+    if device.type == "cuda" and model.config.attention_head_dim not in FP8_HEAD_DIMS:
+        return FP8_HEAD_DIM
+    for block in model.transformer_blocks:
+        if not all(type(n) is RMSNorm and n.weight is not None for n in (block.attn.norm_q, block.attn.norm_k)):
+            return FP8_UNBOUNDED
+    return None
 
 
 class DecodeStep(torch.nn.Module):
@@ -435,8 +444,9 @@ class DecodeStep(torch.nn.Module):
             device, dtype = device or first.device, dtype or first.dtype
         if self.attention.pick(device, dtype).name != FA3_FP8:
             return NATIVE
-        if not all(map(_bounded_qk_norms, self.model.transformer_blocks)):
-            self.attention.count_fallback(FP8_UNBOUNDED, device)
+        reason = _fp8_kv_reason(self.model, torch.device(device))
+        if reason is not None:
+            self.attention.count_fallback(reason, device)
             return NATIVE
         return FP8
 
