@@ -205,3 +205,24 @@ def test_the_bench_judges_the_runtime_fp8_attention_against_the_int8_bound(tiny_
     assert errs["int8-fp8kv"]["step_err"] != errs["int8"]["step_err"]
     assert errs["int8-fp8kv"]["block_err"] != errs["int8"]["block_err"]
     assert set(report["verdicts"]["int8-fp8kv"]["s"]) >= {"worst_block_ratio", "step_ratio", "pass"}
+
+
+def test_the_command_line_takes_attention_fp8_and_reports_its_fallback(tmp_path, capsys):
+    """`generate --attention fp8` on the CPU writes the image with attention as `auto` runs it there (SDPA), and the
+    graph manager's status names the FP8 fallback and its reason; with `--gpus` above 1 a non-auto attention is
+    refused before any model loads (sequence-parallel ranks would ignore it)."""
+    import json
+
+    from graph_runtime.cli import main
+
+    out = tmp_path / "x.png"
+    assert main(["generate", "--out", str(out), "--width", "256", "--height", "256", "--steps", "2",
+                 "--attention", "fp8"]) == 0
+    printed = capsys.readouterr().out
+    status = json.loads(printed.split("graph manager: ", 1)[1].splitlines()[0])
+    assert status["attention"] == {"cpu float32": "sdpa"}
+    assert status["attention_fallbacks"] == {f"{attention.FP8_FALLBACK}: {attention.NOT_CUDA}": 1}
+    assert out.exists()
+    assert main(["generate", "--out", str(tmp_path / "y.png"), "--device", "cpu", "--gpus", "2",
+                 "--attention", "fp8"]) == 2
+    assert "--attention='fp8' is invalid: expected auto with --gpus above 1" in capsys.readouterr().err
