@@ -6,7 +6,6 @@ import logging
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from graph_runtime.decode import attention, kv_format
 from graph_runtime.decode.attention import AttentionChoice, Fa3Attention, Fa3Fp8Attention, choose
@@ -17,6 +16,8 @@ from graph_runtime.decode.kv_format import Fp8KVStore, v_scales
 from graph_runtime.kernels.qk_norm_rope import E4M3_MAX, norm_bound_scale
 from graph_runtime.decode.step import FP8_HEAD_DIM
 from graph_runtime.tiny import TINY_TRANSFORMER, random_tiny_transformer
+from tests.test_attention_choice import _fa3_on_cpu as fa3_semantics
+from tests.test_attention_choice import hopper  # noqa: F401 - a fixture
 from tests.test_graph_manager import RecordingBackend, _request
 
 
@@ -25,17 +26,7 @@ def _fa3_on_cpu(q, k, v, causal=False, q_descale=None, k_descale=None, v_descale
     `[B, H]` descales first (what the FP8 kernel's fp32 accumulation computes, up to summation order)."""
     if q.dtype == torch.float8_e4m3fn:
         q, k, v = (t.float() * s[:, None, :, None] for t, s in ((q, q_descale), (k, k_descale), (v, v_descale)))
-    s, n = q.shape[1], k.shape[1]
-    mask = torch.ones(s, n, dtype=torch.bool).tril(n - s) if causal else None
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-    return out.transpose(1, 2), None
-
-
-@pytest.fixture
-def hopper(monkeypatch):
-    """A CUDA device that reports compute capability 9.0 (nothing runs on it)."""
-    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(attention, "_logged", set())
+    return fa3_semantics(q, k, v, causal)
 
 
 def test_fp8_on_the_cpu_falls_back_to_sdpa_with_its_reason():

@@ -15,28 +15,24 @@ from bench.runner import body_as_captured
 from bench.scenarios import Scenario, build_inputs
 from graph_runtime.decode import DecodeEngine, attention
 from graph_runtime.tiny import TINY_TRANSFORMER, random_tiny_transformer
+from tests.gpu.test_gpu_attention import fa3  # noqa: F401 - a fixture: skips off Hopper or without the fa3 extra
 
 pytestmark = pytest.mark.gpu
 
 
 @pytest.fixture(scope="module")
-def fa3():
-    if torch.cuda.get_device_capability()[0] != 9:
-        pytest.skip(attention.NOT_HOPPER)
-    forward, reason = attention._load_fa3()
-    if forward is None:
-        pytest.skip(reason)
-    assert attention.probe_fp8(forward, torch.device("cuda")) is None
-    return forward
+def fa3_fp8(fa3):
+    assert attention.probe_fp8(fa3, torch.device("cuda")) is None
+    return fa3
 
 
 @pytest.fixture(scope="module")
-def model(fa3):
+def model(fa3_fp8):
     return build_transformer(layers=2)
 
 
 @pytest.fixture(scope="module")
-def tiny64(fa3):
+def tiny64(fa3_fp8):
     torch.manual_seed(0)
     config = dict(TINY_TRANSFORMER, attention_head_dim=64, axes_dims_rope=(16, 24, 24))
     return random_tiny_transformer(config).to("cuda", torch.bfloat16)
