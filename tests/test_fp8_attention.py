@@ -132,10 +132,10 @@ def test_prefix_quantization_rule_scales_and_saturation():
 def test_an_fp8_engine_keeps_e4m3_entries_and_stays_near_the_bf16_step(tiny_models, generator, monkeypatch):
     """Through the whole engine on the CPU (FA3's FP8 forward emulated): an `fp8` engine's graph entry holds e4m3 K/V
     whose prefix rows came from the prefix pass's staging copy, its replay equals its own eager body on those
-    buffers, its prediction is the `fa3` engine's within e4m3 rounding (relative error under 1e-2 on the tiny fp32 model, where
-    attention moves the prediction little and q, k, v carry 2^-4 relative rounding) but not equal to it (the FP8 path ran), and a second queued prompt
-    with the same shapes replays without capturing; an eager step of the same request attends in the model's
-    dtype (it reads the request's own prefix)."""
+    buffers, its prediction is the `fa3` engine's within e4m3 rounding (relative error under 1e-2 on the tiny fp32
+    model, whose prediction attention moves little; the attention alone is checked below) but not equal to it (the
+    FP8 path ran), and a second queued prompt with the same shapes replays without capturing; an eager step of the
+    same request attends in the model's dtype (it reads the request's own prefix)."""
     monkeypatch.setattr(attention, "choose", lambda device, dtype, requested, loader: (
         (Fa3Fp8Attention(_fa3_on_cpu) if requested == "fp8" else Fa3Attention(_fa3_on_cpu)), None))
     transformer = tiny_models.transformer
@@ -151,7 +151,8 @@ def test_an_fp8_engine_keeps_e4m3_entries_and_stays_near_the_bf16_step(tiny_mode
         if name == "fp8":
             assert entry.inputs.kv_format == "fp8" and entry.inputs.k[0].dtype == torch.float8_e4m3fn
             assert prefix.k[0].dtype == torch.float32  # the request's prefix: views of the staging copy
-            assert prefix.k[0].untyped_storage().data_ptr() == entry.inputs.fp8.prefix_k[0].untyped_storage().data_ptr()
+            staging = entry.inputs.fp8.prefix_k[0]
+            assert prefix.k[0].untyped_storage().data_ptr() == staging.untyped_storage().data_ptr()
             assert torch.equal(engine.step(entry.inputs), outs[name].output)
             eager = engine.decode_step(prefix, latents, t, mode="eager").output
             assert torch.equal(eager, outs["fa3"].output)
@@ -217,3 +218,40 @@ def test_the_command_line_takes_attention_fp8_and_reports_its_fallback(tmp_path,
     assert main(["generate", "--out", str(tmp_path / "y.png"), "--device", "cpu", "--gpus", "2",
                  "--attention", "fp8"]) == 2
     assert "--attention='fp8' is invalid: expected auto with --gpus above 1" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kernels", [True, False])
+def test_one_block_attends_in_fp8_within_e4m3_rounding(tiny_models, kernels):
+    """One block's `attend` over e4m3 K/V (a prefix, normed and rotated as the prefix pass writes it, loaded by the
+    store's rule; the target rows written by the step)
+    against the same block over bf16-format K/V: the attention output differs by e4m3 rounding of q, k and v (3
+    mantissa bits, 2^-4 relative each, so a relative error under 0.1, as FA3's FP8 kernel measured 0.055 against fp32
+    at the step's shapes) and not by nothing; the K/V rows it wrote dequantize to the bf16 ones within e4m3 rounding.
+    The same with our kernels off (the modules' own norms, quantized as the kernel would)."""
+    from graph_runtime.decode.step import TargetDecodeBlock, rope_tables
+
+    block = TargetDecodeBlock(tiny_models.transformer.transformer_blocks[0], kernels=kernels)
+    block.attention_backend = Fa3Fp8Attention(_fa3_on_cpu)
+    heads, dim = block.block.attn.heads, block.block.attn.inner_dim // block.block.attn.heads
+    g = torch.Generator().manual_seed(3)
+    prefix, tokens = 7, 12
+    q, k, v = (torch.randn(1, tokens, heads, dim, generator=g) for _ in range(3))
+    cos, sin = rope_tables(torch.polar(torch.ones(tokens, dim // 2), torch.rand(tokens, dim // 2, generator=g) * 6))
+    k16 = torch.zeros(1, prefix + tokens, heads, dim)
+    v16 = torch.zeros_like(k16)
+    # The prefix's K as the prefix pass writes them: through the same q/k norm and RoPE (so within the norm bound).
+    cos_p, sin_p = rope_tables(torch.polar(torch.ones(prefix, dim // 2), torch.rand(prefix, dim // 2, generator=g)))
+    raw = torch.randn(1, prefix, heads, dim, generator=g)
+    k16[:, :prefix] = block.norm_rope(raw, raw, raw, cos_p, sin_p)[1]
+    v16[:, :prefix] = torch.randn(1, prefix, heads, dim, generator=g)
+    norms = [(block.block.attn.norm_q.weight, block.block.attn.norm_k.weight)]
+    store = Fp8KVStore(1, prefix, tokens, heads, dim, 1, torch.float32, "cpu", norms)
+    store.load_prefix([k16[:, :prefix]], [v16[:, :prefix]])
+    with torch.no_grad():
+        want = block.attend(q, k, v, cos, sin, k16, v16, prefix, True, None)
+        got = block.attend(q, k, v, cos, sin, store.block(0), None, prefix, True, None)
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 0 < rel < 0.1, rel
+    for fp8, ref, which in ((store.k[0], k16, 1), (store.v[0], v16, 2)):
+        back = fp8.float() * store.scales[0, which][:, None]
+        assert ((back - ref).abs() <= ref.abs() * 2 ** -4 + store.scales[0, which][:, None] * 2 ** -9).all()

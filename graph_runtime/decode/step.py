@@ -45,10 +45,9 @@ from ..quantized.int8_convrot import is_int8_linear
 from ..kernels.fp8_quant import norm_modulate_fp8, residual_norm_modulate_fp8, silu_mul_fp8
 from ..kernels.int8_quant import norm_modulate_int8, residual_norm_modulate_int8, silu_mul_int8
 from ..kernels.norm_modulate import norm_modulate, residual_norm_modulate
-from ..kernels.qk_norm_rope import qk_norm_rope_write, rotate_pairs
+from ..kernels.qk_norm_rope import qk_norm_rope_write, qk_norm_rope_write_fp8, quantize_heads_e4m3, rotate_pairs
 from ..kernels.silu_mul import silu_mul
 from ..placement import block_on_device
-from ..kernels.qk_norm_rope import qk_norm_rope_write_fp8, quantize_heads_e4m3
 from .attention import FA3_FP8, SDPA_ATTENTION, AttentionChoice, PrefixMask, sdpa
 from .kv_format import FP8, NATIVE, Fp8KV
 

@@ -1,4 +1,4 @@
-"""Attention `fp8` on Hopper (run on an H100/H200 with the `fa3` extra: `pytest -m gpu tests/gpu/test_gpu_fp8_attention.py`).
+"""Attention `fp8` on Hopper (on an H100/H200 with the `fa3` extra: `pytest -m gpu tests/gpu/test_gpu_fp8_attention.py`).
 
 Graph entries keep e4m3 K/V, the decode step's q/k norm + RoPE kernel writes e4m3 q/k/v and FlashAttention-3's FP8
 forward attends. Models: the full-width architecture with two blocks (bench-size blocks: 32 heads x 128) and a tiny
