@@ -27,13 +27,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..errors import InputError
+
 logger = logging.getLogger("kvgraph")
 
+AUTO = "auto"
 SDPA = "sdpa"
 FA3 = "fa3"
 FP8 = "fp8"
 FA3_FP8 = "fa3-fp8"  # the kernel's name in statistics and graph keys
-ATTENTION_CHOICES = ("auto", SDPA, FA3, FP8)
+ATTENTION_CHOICES = (AUTO, SDPA, FA3, FP8)
 FA3_MODULE = "fa3_fwd_interface"  # the `fa3-fwd` wheel: FlashAttention-3's forward on torch's stable ABI
 
 # Reasons a device runs SDPA where FlashAttention-3 was asked for ("auto" or "fa3"); stable: they are stats keys.
@@ -44,6 +47,17 @@ NOT_INSTALLED = "FlashAttention-3 is not installed (pip install comfyui-kv-graph
 BROKEN = "FlashAttention-3 failed to load"
 FP8_FALLBACK = "FP8 attention runs in bf16"
 NO_FP8_KERNEL = "this FlashAttention-3 build has no FP8 forward"
+
+
+ATTENTION_EXPECTED = ("one of auto (FlashAttention-3 bf16 where it runs, else SDPA), sdpa, fa3, fp8 "
+                      "(FlashAttention-3's FP8 forward on Hopper, opt-in)")
+
+
+def check_attention(value, name: str = "attention") -> str:
+    """`value` when it is an attention choice, else a refusal naming the input `name`."""
+    if value not in ATTENTION_CHOICES:
+        raise InputError(name, value, ATTENTION_EXPECTED)
+    return value
 
 
 @dataclass(frozen=True)

@@ -251,6 +251,7 @@ class DecodeEngine:
 
     def status(self) -> dict:
         status = self.graphs.status()
-        status.update(compiled=bool(self.step.compiled), compiles=self.compiles)
+        status.update(compiled=bool(self.step.compiled), compiles=self.compiles,
+                      attention_requested=self.step.attention.requested)
         return status
 
