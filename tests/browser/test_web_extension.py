@@ -291,6 +291,8 @@ def test_panel_renders_graph_entries(page, pack_folder):
             loads: 1, busy: true, captures: 1, replays: 38, eager_steps: { 'owned by another request': 39 },
             eager_total: 39, evictions: 0, bytes_held: 3 * 2 ** 30, max_entries: 4, compiled: false, skipped_steps: 5,
             prefill_replays: 12, prefill_captures: 1, eager_prefills: { 'long prefix': 2 },
+            attention_requested: 'fp8', attention: { 'cuda:0 bfloat16': 'fa3' },
+            attention_fallbacks: { 'FP8 attention runs in bf16: this FlashAttention-3 build has no FP8 forward': 1 },
             entries: [
                 { key, state: 'captured', captures: 1, replays: 38, bytes: 3 * 2 ** 30, owner_alive: true },
                 { key: { ...key, branch: 'uncond' }, state: 'failed', reason: 'allocation failed',
@@ -331,6 +333,8 @@ def test_panel_renders_graph_entries(page, pack_folder):
     assert "39 eager · 5 skipped (step cache) · " in body and "Skipped steps" in body
     assert "prefills: 12 replayed · 1 captured · 2 eager (long prefix: 2)" in body
     assert "prompt a1b2c3d4 · node 5 · step 7/40" in body
+    assert "attention fp8 (runs fa3)" in body
+    assert "attention fallback: FP8 attention runs in bf16: this FlashAttention-3 build has no FP8 forward: 1" in body
     assert re.search(r"Held\s+3\.0 GiB", body)
     assert page.errors == []
     assert not [m for m in page.kv_console if m.startswith("error")], page.kv_console
