@@ -374,6 +374,28 @@ def test_example_workflow_loads_without_missing_nodes(page, path):
     assert page.errors == []
 
 
+def test_a_workflow_saved_before_the_attention_input_loads_with_auto(page):
+    """A UI workflow whose transformer loader has no `attention` value (saved before the input existed) loads without
+    errors, its loader's attention widget at `auto` and its other widgets as saved, and the prompt the frontend makes
+    from it sends `attention: auto` (which the e2e tests run)."""
+    workflow = json.loads(TEXT_TO_IMAGE.read_text())
+    loader = next(n for n in workflow["nodes"] if n["type"] == "KVGraphLoadTransformer")
+    assert loader["widgets_values"][-1] == "auto"
+    loader["widgets_values"] = loader["widgets_values"][:-1]  # as saved before the input existed
+    result = page.evaluate("""async (workflow) => {
+        const app = window.app;
+        await app.loadGraphData(workflow);
+        const node = app.graph.nodes.find(n => n.type === 'KVGraphLoadTransformer');
+        const { output } = await app.graphToPrompt();
+        return { widgets: Object.fromEntries(node.widgets.map(w => [w.name, w.value])), errored: node.has_errors,
+                 inputs: output[String(node.id)].inputs };
+    }""", workflow)
+    assert result["widgets"]["attention"] == "auto" and not result["errored"]
+    assert {k: result["inputs"][k] for k in ("precision", "gpus", "attention")} == {
+        "precision": "auto", "gpus": 1, "attention": "auto"}
+    assert page.errors == []
+
+
 def test_opening_the_panel_moves_a_graph_out_from_under_it(page):
     """A graph drawn where the panel opens (a view saved for another window, or a template the frontend fitted to the
     whole window) moves right of the panel when it opens, at the same scale where it fits there; with the setting
