@@ -134,3 +134,38 @@ def test_fp8_with_compiled_blocks_replays_its_eager_body(model):
     rel = ((outs[True].float() - outs[False].float()).norm() / outs[False].float().norm()).item()
     print(f"compiled vs eager-bodied fp8 step: relative difference {rel:.3e}")
     assert rel < 1e-2
+
+
+def test_switching_a_loaded_models_attention_rebuilds_the_step_and_frees_the_old_graphs(model):
+    """What the loaders' `attention` input does between prompts (`LoadedTransformer.use_attention`): `auto` captures
+    (FA3 bf16), switching to `fp8` releases those graphs (no bytes held) and captures an e4m3 entry over the very same
+    weight tensors, and switching back captures `auto` again and gives its first output exactly (the same kernels on
+    the same inputs and weights)."""
+    from graph_runtime.loaded import LoadedTransformer
+
+    weights = [p.data_ptr() for p in model.parameters()]
+    loaded = LoadedTransformer(model)
+    inputs = _inputs(model)
+
+    def run(engine):
+        prefix = _prefill(engine, inputs)
+        engine.decode_step(prefix, inputs.latents, inputs.timestep, "graph")
+        out = engine.decode_step(prefix, inputs.latents, inputs.timestep, "graph")
+        assert out.path == "replay"
+        key = prefix.graph_key
+        prefix.release()
+        return out.output, key
+
+    auto = loaded.engine
+    first, key = run(auto)
+    assert key.backend.startswith("fa3") and not key.backend.startswith("fa3-fp8") and auto.bytes_held() > 0
+    fp8 = loaded.use_attention("fp8")
+    assert auto.bytes_held() == 0 and fp8 is not auto
+    fp8_out, key = run(fp8)
+    assert key.backend.startswith("fa3-fp8") and torch.isfinite(fp8_out).all()
+    assert [p.data_ptr() for p in model.parameters()] == weights
+    captures = auto.stats.captures
+    assert loaded.use_attention("auto") is auto and fp8.bytes_held() == 0
+    again, _ = run(auto)
+    assert auto.stats.captures == captures + 1 and torch.equal(again, first)
+    loaded.release_graphs()
