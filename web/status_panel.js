@@ -118,9 +118,9 @@ function renderModel(model) {
       h("div", { class: "kvgraph-error" }, `unreadable: ${model.error}`));
   }
   const kernels = [...new Set(Object.values(model.attention || {}))].join(", ");
-  const attention = model.attention_requested
-    ? `attention ${model.attention_requested}` + (kernels && kernels !== model.attention_requested ? ` (runs ${kernels})` : "")
-    : null;
+  // What was asked for, and what runs where it differs (a fallback, or fp8's kernel name fa3-fp8)
+  const runs = kernels && kernels !== model.attention_requested ? ` (runs ${kernels})` : "";
+  const attention = model.attention_requested ? `attention ${model.attention_requested}${runs}` : null;
   const where = [model.dtype, model.device, model.loads != null ? `loaded ${model.loads}×` : null, attention,
     model.compiled ? "compiled blocks" : null, model.busy ? "sampling now" : "idle"].filter(Boolean).join(" · ");
   const fallbacks = Object.keys(model.attention_fallbacks || {}).length ? model.attention_fallbacks : null;
