@@ -26,12 +26,14 @@ import math
 import torch
 
 from graph_runtime.decode import DecodeEngine
+from graph_runtime.decode.kv_format import FP8, Fp8KVStore
 from graph_runtime.decode.warm_up import prefilled_static_inputs
 from graph_runtime.fp8.precisions import GROUPS, groups_of
 
 from .int8_reference import KitchenInt8Linear, convrot_group
 from .model import fp32_copy
-from .swap import ATTENTION_8BIT, ATTENTION_VARIANTS, attention_swapped, quantized_linears, swapped  # noqa: F401
+from .swap import (ATTENTION_8BIT, ATTENTION_FP8_KV, ATTENTION_VARIANTS, RUNTIME_ATTENTION,  # noqa: F401
+                   attention_swapped, quantized_linears, swapped)
 
 INT8 = "int8-convrot"
 ROTATED = "fp8+rotation"
@@ -127,7 +129,7 @@ class QualityRun:
         # "int8" is our INT8 W8A8 (the same ConvRot weights as the bound, through our kernels); with 8-bit
         # attention, the same Linears.
         factories = {INT8: KitchenInt8Linear, ROTATED: RotatedFp8Linear, "int8": int8_factory()}
-        if variant in ATTENTION_VARIANTS:
+        if variant in ATTENTION_VARIANTS or variant in RUNTIME_ATTENTION:
             variant = "int8"
         if variant in factories:
             if variant not in self._modules:
@@ -159,17 +161,21 @@ def _reference(model32, inputs32) -> dict:
     return {"outputs": outputs, "blocks": records}
 
 
-def _block_errors(transformer, reference: dict, dtype) -> list[float]:
-    step = DecodeEngine(transformer).step  # built now: the variant's Linears are the ones swapped in
+def _block_errors(transformer, reference: dict, dtype, attention: str = "auto") -> list[float]:
+    # Built now: the variant's Linears are the ones swapped in.
+    step = DecodeEngine(transformer, attention=attention).step
     static32 = reference["blocks"][0]["static"]
     prefix_len = static32.prefix_len
+    device = static32.hidden.device
     # Blocks called one by one get the attention kernel the step would run them with.
-    step.use_attention(step.blocks, static32.hidden.device, dtype)
+    step.use_attention(step.blocks, device, dtype)
+    fp8 = _fp8_prefix(transformer, static32, dtype) if step.kv_format(device, dtype) == FP8 else None
     errors = []
     for i, (block, record) in enumerate(zip(step.blocks, reference["blocks"])):
         x, pending = _cast(record["x"], dtype), _cast(record["pending"], dtype)
         modulation, cos, sin, _, _, _, static_kv, mask = record["rest"]
-        caches = [t.to(dtype) for t in (static32.k[i], static32.v[i])]  # prefix rows as fp32 had them
+        # The prefix rows as fp32 had them (in e4m3, as a graph entry loads them, for FP8 attention).
+        caches = (fp8.block(i), None) if fp8 else [t.to(dtype) for t in (static32.k[i], static32.v[i])]
         out_x, out_pending = block(x, pending, modulation.to(dtype), cos, sin, *caches, prefix_len, static_kv, mask)
         update = _residual(out_x, out_pending) - _residual(x, pending)
         update32 = _residual(*record["out"]) - _residual(record["x"], record["pending"])
@@ -178,12 +184,24 @@ def _block_errors(transformer, reference: dict, dtype) -> list[float]:
     return errors
 
 
-def _step_outputs(transformer, inputs) -> list[torch.Tensor]:
-    engine = DecodeEngine(transformer)  # built now: the variant's Linears are the ones swapped in
+def _fp8_prefix(transformer, static32, dtype) -> Fp8KVStore:
+    """The fp32 run's prefix rows loaded into e4m3 K/V buffers by the runtime's own rule (kv_format.py)."""
+    batch, total, heads, head_dim = static32.k[0].shape
+    prefix_len = static32.prefix_len
+    norms = [(b.attn.norm_q.weight, b.attn.norm_k.weight) for b in transformer.transformer_blocks]
+    store = Fp8KVStore(batch, prefix_len, total - prefix_len, heads, head_dim, len(norms), dtype,
+                       static32.hidden.device, norms)
+    store.load_prefix([k[:, :prefix_len].to(dtype) for k in static32.k],
+                      [v[:, :prefix_len].to(dtype) for v in static32.v])
+    return store
+
+
+def _step_outputs(transformer, inputs, attention: str = "auto") -> list[torch.Tensor]:
+    engine = DecodeEngine(transformer, attention=attention)  # built now: the variant's Linears are swapped in
     outs = []
     for branch in inputs.branches:
         static = prefilled_static_inputs(transformer, branch.layout, inputs.hidden_all, branch.embeds,
-                                         inputs.timestep, inputs.latents)
+                                         inputs.timestep, inputs.latents, engine.step.kv_format())
         outs.append(engine.step(static))
     return outs
 
@@ -204,10 +222,14 @@ def measure(transformer, scenario_inputs: dict, device, variants=DEFAULT_VARIANT
                 per_variant = {}
                 for variant in variants:
                     attention = ATTENTION_VARIANTS.get(variant, "sdpa")
+                    runtime = RUNTIME_ATTENTION.get(variant, "auto")
                     with swapped(transformer, run.modules(variant)), attention_swapped(attention):
-                        blocks = _block_errors(transformer, reference, dtype)
-                        step = _step_errors(transformer, inputs, reference["outputs"])
+                        blocks = _block_errors(transformer, reference, dtype, runtime)
+                        step = _step_errors(transformer, inputs, reference["outputs"], runtime)
                     per_variant[variant] = {"block_err": blocks, "step_err": step}
+                    if runtime != "auto":  # what the engine's attention ran as here (a fallback is not FP8)
+                        engine = DecodeEngine(transformer, attention=runtime)
+                        per_variant[variant]["kv_format"] = engine.step.kv_format(device, dtype)
                     # One variant's quantized Linears at a time: all of them beside the fp32 copy outgrow an
                     # 80 GB card (a group shared by two presets is quantized again, which costs seconds).
                     run.release()
@@ -230,8 +252,8 @@ def measure(transformer, scenario_inputs: dict, device, variants=DEFAULT_VARIANT
     return report
 
 
-def _step_errors(transformer, inputs, outputs32) -> float:
-    outs = _step_outputs(transformer, inputs)
+def _step_errors(transformer, inputs, outputs32, attention: str = "auto") -> float:
+    outs = _step_outputs(transformer, inputs, attention)
     num = sum((o.float() - r.float()).pow(2).sum().item() for o, r in zip(outs, outputs32))
     den = sum(r.float().pow(2).sum().item() for r in outputs32)
     return math.sqrt(num / max(den, 1e-30))
@@ -250,9 +272,12 @@ def verdicts(results: dict) -> dict:
             ratios = [e / max(b, 1e-30) for e, b in zip(errs["block_err"], bound["block_err"])]
             step_ratio = errs["step_err"] / max(bound["step_err"], 1e-30)
             passing = sum(r <= 1.0 for r in ratios)
-            out.setdefault(variant, {})[scenario] = {
+            verdict = out.setdefault(variant, {})[scenario] = {
                 "blocks_within": passing, "blocks": len(ratios), "worst_block_ratio": max(ratios),
                 "step_ratio": step_ratio, "pass": passing == len(ratios) and step_ratio <= 1.0}
+            if errs.get("kv_format", FP8) != FP8:
+                # The runtime fell back to bf16 attention here: its errors are not FP8 attention's.
+                verdict.update({"pass": False, "note": "FP8 attention did not run (it fell back to bf16)"})
     return out
 
 
@@ -270,7 +295,7 @@ def summary_lines(report: dict) -> list[str]:
             lines.append(f"{variant} on {scenario}: {'PASS' if v['pass'] else 'FAIL'} - blocks within the INT8 "
                          f"ConvRot error {v['blocks_within']}/{v['blocks']} (worst ratio {v['worst_block_ratio']:.2f}),"
                          f" whole step {errs[variant]['step_err']:.3e} vs INT8 {errs[INT8]['step_err']:.3e} "
-                         f"(ratio {v['step_ratio']:.2f})")
+                         f"(ratio {v['step_ratio']:.2f})" + (f" - {v['note']}" if v.get("note") else ""))
     return lines
 
 
@@ -292,5 +317,5 @@ def markdown(report: dict) -> str:
                 continue
             lines.append(f"| {scenario} | {variant} | {errs['step_err']:.3e} | {v['step_ratio']:.2f} | "
                          f"{v['blocks_within']}/{v['blocks']} | {v['worst_block_ratio']:.2f} | {mean_block:.3e} | "
-                         f"{'pass' if v['pass'] else 'FAIL'} |")
+                         f"{'pass' if v['pass'] else 'FAIL'}{' (' + v['note'] + ')' if v.get('note') else ''} |")
     return "\n".join(lines) + "\n"

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from graph_runtime.decode import DecodeEngine
-from graph_runtime.decode.attention import ATTENTION_CHOICES
+from graph_runtime.decode.attention import ATTENTION_CHOICES, FP8
 
 from . import quality
 from .model import build_transformer, fp32_copy
@@ -431,7 +431,7 @@ def _bound_variant(spec) -> str:
     """The quality variant whose verdict judges `spec`: its precision, and for an INT8 file kept int8 the `int8`
     variant (the same ConvRot weights through our kernels), since its error is W8A8's and not bf16's; a path with
     another attention is a variant of its own."""
-    if spec.attention not in ATTENTION_CHOICES:  # an 8-bit attention: a variant of its own
+    if spec.attention not in ATTENTION_CHOICES or spec.attention == FP8:  # an 8-bit attention: a variant of its own
         return spec.name
     return "int8" if spec.weights == "int8" else spec.precision
 

@@ -31,7 +31,11 @@ ATTENTION_8BIT = "int8-attn8"
 # The same with FlashAttention-3's FP8 forward (e4m3 q/k/v, per-head scales found by a pass over them each call:
 # the error a fused quantization would give, not its speed, which `bench/attention8.py` measures).
 ATTENTION_FP8 = "int8-fp8attn"
-ATTENTION_VARIANTS = {ATTENTION_8BIT: "int8", ATTENTION_FP8: "fp8"}  # path / variant name -> attention_swapped kind
+ATTENTION_VARIANTS = {ATTENTION_8BIT: "int8", ATTENTION_FP8: "fp8-pass"}  # path / variant name -> swapped kind
+# The runtime's own FP8 attention (the engine's `attention="fp8"`: e4m3 K/V in the graph entries, q/k/v written e4m3
+# by the q/k norm + RoPE kernel, FlashAttention-3's FP8 forward): its speed and its error against the INT8 bound.
+ATTENTION_FP8_KV = "int8-fp8kv"
+RUNTIME_ATTENTION = {ATTENTION_FP8_KV: "fp8"}  # path / variant name -> the engine's attention
 
 
 def _kitchen_int8_attention(q, keys, values, attn_mask):
@@ -67,20 +71,21 @@ def _fa3_fp8_attention(q, keys, values, attn_mask):
     return forward(q8, k8, v8, q_descale=descale[0], k_descale=descale[1], v_descale=descale[2])[0].type_as(q)
 
 
-_SWAPS = {"int8": _kitchen_int8_attention, "fp8": _fa3_fp8_attention}
+_SWAPS = {"int8": _kitchen_int8_attention, "fp8-pass": _fa3_fp8_attention}
 
 
 @contextlib.contextmanager
 def attention_swapped(kind: str):
-    """Every decode block's attention replaced while inside: `"int8"` runs comfy-kitchen's 8-bit attention, `"fp8"`
-    FlashAttention-3's FP8 forward, `"sdpa"` changes nothing (the engine's own choice runs)."""
+    """Every decode block's attention replaced while inside: `"int8"` runs comfy-kitchen's 8-bit attention,
+    `"fp8-pass"` FlashAttention-3's FP8 forward on q/k/v quantized by a pass, `"sdpa"` changes nothing (the
+    engine's own choice runs)."""
     from graph_runtime.decode.step import TargetDecodeBlock
 
     if kind == "sdpa":
         yield
         return
     if kind not in _SWAPS:
-        raise ValueError(f"attention {kind!r}: expected 'sdpa', 'int8' or 'fp8'")
+        raise ValueError(f"attention {kind!r}: expected 'sdpa', 'int8' or 'fp8-pass'")
     # The class's own attribute is put back as it was (a swap inside a swap restores the outer one).
     before = TargetDecodeBlock.__dict__["attention"]
     TargetDecodeBlock.attention = staticmethod(_SWAPS[kind])

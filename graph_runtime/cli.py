@@ -132,6 +132,9 @@ def check_generate_args(args) -> GenerateInputs:
     from .parallel import check_gpus
 
     check_gpus(args.gpus, device)
+    if args.attention != "auto" and args.gpus > 1:
+        # Sequence-parallel ranks build their own decode steps, which choose their attention as `auto` does.
+        raise InputError("--attention", args.attention, "auto with --gpus above 1")
     images = [open_image(path, args.reference_resolution) for path in args.image]
     return GenerateInputs(device=device, images=images, out_format=out_format)
 
@@ -266,7 +269,10 @@ def cmd_generate(args) -> int:
     from .parallel.plan import check_heads
 
     check_heads(args.gpus, models.transformer.config.num_attention_heads, "--gpus")
-    generator = QwenImageGenerator(models, gpus=args.gpus)
+    from .loaded import LoadedTransformer
+
+    generator = QwenImageGenerator(models, gpus=args.gpus,
+                                   loaded=LoadedTransformer(models.transformer, attention=args.attention))
     for run in range(args.repeat):
         result = generator.generate(
             args.prompt, negative_prompt=args.negative, cfg=args.cfg, images=checked.images, width=args.width,
@@ -355,6 +361,8 @@ def cmd_bench_moved(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .decode.attention import ATTENTION_CHOICES
+
     parser = argparse.ArgumentParser(prog="python -m graph_runtime", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log the runtime's info messages")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -392,6 +400,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--compile", choices=["blocks", "off"], default="off",
                      help="blocks: also torch.compile the transformer blocks on CUDA (the same step time, and a "
                           "compile on the first prompt: docs/performance.md) (default: off)")
+    gen.add_argument("--attention", choices=list(ATTENTION_CHOICES), default="auto",
+                     help="the decode step's attention: auto (FlashAttention-3 bf16 on Hopper where the fa3 extra is "
+                          "installed, else SDPA), sdpa, fa3, or fp8 (FlashAttention-3's FP8 forward over e4m3 K/V "
+                          "in the graph entries; opt-in, where it cannot run it falls back to auto's choice, logged "
+                          "and counted: docs/performance.md) (default: auto)")
     gen.add_argument("--reference-resolution", type=int, default=1024,
                      help="references are resized to about N x N px (default: 1024)")
     gen.add_argument("--dtype", choices=sorted(DTYPES), default=None,

@@ -3,7 +3,8 @@
 Whoever loads a transformer holds its `LoadedTransformer`: the command line's generator, the ComfyUI nodes' model
 handle (and the core MODEL built on it). It owns
 - the decode engine (compiled blocks, captured graphs, statistics), created on first use and kept for as long as the
-  model stays loaded, so graphs survive from one prompt to the next;
+  model stays loaded, so graphs survive from one prompt to the next; one engine per attention kernel asked for
+  (`use_attention`): changing the attention rebuilds the decode step over the same weights, never reloads them;
 - the merged LoRA set (lora/merge.py);
 - the multi-GPU runtime and its workers (parallel/runtime.py), when the model is sampled on several devices;
 - the sampling runs using it now, and a release of its graphs asked for meanwhile: a run in flight keeps the entries
@@ -25,6 +26,7 @@ import weakref
 import torch
 
 from .decode import DecodeEngine
+from .decode.attention import check_attention
 from .lora.merge import LoraMerge, canonical
 from .report import mib
 from .streaming import DEFAULT_SLOTS, BlockStreamer, StreamPlan, plan_stream, plan_with
@@ -33,10 +35,11 @@ logger = logging.getLogger("kvgraph")
 
 
 class LoadedTransformer:
-    def __init__(self, transformer, **engine_options):
+    def __init__(self, transformer, attention: str = "auto", **engine_options):
         self.transformer = transformer
         self._engine_options = engine_options
-        self._engine: DecodeEngine | None = None
+        self._attention = check_attention(attention)  # what `engine` gives: the attention last asked for
+        self._engines: dict[str, DecodeEngine] = {}  # attention -> its engine, each made on first use
         self._lora: LoraMerge | None = None
         self._parallel = None
         # Guards creating the engine, the LoRA state and the parallel runtime (each once: a prompt's thread and a
@@ -57,17 +60,42 @@ class LoadedTransformer:
 
     @property
     def engine(self) -> DecodeEngine:
-        """The decode engine, created on first use."""
-        if self._engine is None:
-            with self._lock:
-                if self._engine is None:
-                    self._engine = DecodeEngine(self.transformer, **self._engine_options)
-        return self._engine
+        """The decode engine of the attention last asked for (`use_attention`; at first the one given at load),
+        created on first use."""
+        with self._lock:
+            return self._engine_for(self._attention)
+
+    @property
+    def attention(self) -> str:
+        """The attention kernel asked for last ("auto", "sdpa", "fa3" or "fp8"; decode/attention.py)."""
+        return self._attention
+
+    def use_attention(self, attention: str) -> DecodeEngine:
+        """The engine whose decode step attends with `attention`, which becomes what `engine` gives. Another
+        attention than the last one releases the graphs captured with the old one (at the end of the runs using them,
+        if any), so only one kernel's graph entries hold memory; the weights stay where they are."""
+        attention = check_attention(attention)
+        with self._lock:
+            changed, self._attention = attention != self._attention, attention
+            engine = self._engine_for(attention)
+        if changed:
+            logger.info("KV-Graph: attention set to %s for %s.", attention, type(self.transformer).__name__)
+            self.release_graphs(reason=f"attention changed to {attention}")
+        return engine
+
+    def _engine_for(self, attention: str) -> DecodeEngine:
+        engine = self._engines.get(attention)
+        if engine is None:
+            engine = self._engines[attention] = DecodeEngine(self.transformer, attention=attention,
+                                                             **self._engine_options)
+        return engine
 
     def engines(self) -> list:
-        """Every decode engine holding graphs of this model: its own (once made) and, while it is sampled on several
-        devices, rank 0's engines (one per rank plan), so the status and the release reach them all."""
-        engines = [self._engine] if self._engine is not None else []
+        """Every decode engine holding graphs of this model: its own (one per attention asked for) and, while it is
+        sampled on several devices, rank 0's engines (one per rank plan), so the status and the release reach them
+        all."""
+        with self._lock:
+            engines = list(self._engines.values())
         ranks = self._parallel.ranks if self._parallel is not None else None
         if ranks is not None:
             engines += [engine.local for engine in list(ranks.engines.values())]

@@ -128,7 +128,10 @@ GRAPH_CACHE_FIELDS = ("entries", "captures", "replays", "eager_steps", "eager_to
 
 def graph_cache_fields(state: dict) -> dict:
     """The reported part of an engine's status (`engine.status()`); `compiled` is False when the engine says nothing."""
-    return {**{name: state[name] for name in GRAPH_CACHE_FIELDS}, "compiled": state.get("compiled", False)}
+    return {**{name: state[name] for name in GRAPH_CACHE_FIELDS}, "compiled": state.get("compiled", False),
+            # the attention asked for, what each device runs, and why it runs another kernel (reason -> count)
+            "attention_requested": state.get("attention_requested"), "attention": state.get("attention", {}),
+            "attention_fallbacks": state.get("attention_fallbacks", {})}
 
 
 def budget_record(budget, device, available: int | None) -> dict:
@@ -155,6 +158,11 @@ def graph_cache_lines(model: dict) -> list[str]:
              + "; prefills: "
              f"{model['prefill_captures']} captured, {model['prefill_replays']} replayed, eager: "
              f"{by_reason(model['eager_prefills']) or 'none'}"]
+    if model.get("attention_requested"):
+        runs = ", ".join(f"{kernel} on {where}" for where, kernel in model.get("attention", {}).items())
+        lines.append(f"  attention: {model['attention_requested']}" + (f", runs {runs}" if runs else "")
+                     + (f"; fallbacks: {by_reason(model['attention_fallbacks'])}"
+                        if model.get("attention_fallbacks") else ""))
     lora = model["lora"]
     if lora["loras"]:
         names = ", ".join(f"{item['name']} ({item['strength']:g})" for item in lora["loras"])

@@ -19,7 +19,8 @@ from ..graph_runtime.kernels.preload import start_preload
 from ..graph_runtime.loading import (
     default_scheduler_config, load_pipeline_folder, load_text_encoder, load_transformer, load_vae,
 )
-from ..graph_runtime.errors import CheckpointError
+from ..graph_runtime.decode.attention import ATTENTION_CHOICES, AUTO as AUTO_ATTENTION, check_attention
+from ..graph_runtime.errors import CheckpointError, InputError
 from ..graph_runtime.loading.gguf_files import is_gguf
 from ..graph_runtime.loading.gguf_text_encoder import pick_vision_file
 from ..graph_runtime.loading.gguf_transformer import int8_while_read
@@ -77,6 +78,31 @@ PRECISION_TOOLTIP = (
     "as loaded. 'fp8' quantizes them all to e4m3 with per-channel scales, but has about 2.5x INT8's error; "
     "'fp8-attn' keeps the MLP in bf16, 'fp8-no-out' the attention output projection. An explicit FP8 choice on an "
     "INT8 ConvRot file dequantizes it first whatever int8_weights says.")
+
+ATTENTION_TOOLTIP = (
+    "The decode step's attention kernel (the Linears' precision is the 'precision' input). 'auto' (default): "
+    "FlashAttention-3 bf16 on a Hopper GPU (compute capability 9.0) where the [fa3] extra is installed (pip install "
+    "comfyui-kv-graph[fa3]), else PyTorch's SDPA; the same results within bf16 rounding. 'sdpa': always SDPA. 'fa3': "
+    "as auto, but a fallback to SDPA is logged as a warning. 'fp8': FlashAttention-3's FP8 forward over e4m3 "
+    "q/k/v with per-head scales, faster attention (docs/performance.md); it needs Hopper and the [fa3] extra, and "
+    "elsewhere runs what auto picks, with the reason logged once and shown in the KV-Graph status. Opt-in: its "
+    "error is larger than bf16's and is not judged per model, so check your images. Changing it keeps the loaded "
+    "weights: the decode step is rebuilt (graphs captured again) at the next run. Only 'auto' with gpus above 1.")
+
+
+def _attention_input():
+    # Optional, so workflows saved before it existed still validate (they get auto).
+    return io.Combo.Input("attention", options=list(ATTENTION_CHOICES), default=AUTO_ATTENTION, optional=True,
+                          tooltip=ATTENTION_TOOLTIP)
+
+
+def check_attention_input(attention, gpus) -> str:
+    """The loader's attention input, checked before anything loads (sequence-parallel ranks choose their own)."""
+    check_attention(attention)
+    if attention != AUTO_ATTENTION and gpus > 1:
+        raise InputError("attention", attention, "auto with gpus above 1 (each GPU's decode step chooses as auto "
+                                                 "does)")
+    return attention
 
 
 def _precision_input():
@@ -213,6 +239,7 @@ class KVGraphLoadTransformer(io.ComfyNode):
                 _int8_input(),
                 _precision_input(),
                 _gpus_input(),
+                _attention_input(),
             ],
             outputs=[Transformer.Output(display_name="transformer", tooltip=TRANSFORMER_OUT),
                      io.Model.Output(display_name="model", tooltip=MODEL_OUT)],
@@ -220,16 +247,20 @@ class KVGraphLoadTransformer(io.ComfyNode):
 
     @classmethod
     def fingerprint_inputs(cls, transformer_name, dtype, int8_weights=KEEP_INT8, precision=DEFAULT_PRECISION,
-                           gpus=1):
-        return model_files.fingerprint("diffusion_models", transformer_name, dtype, int8_weights, precision, gpus)
+                           gpus=1, attention=AUTO_ATTENTION):
+        return model_files.fingerprint("diffusion_models", transformer_name, dtype, int8_weights, precision, gpus,
+                                       attention)
 
     @classmethod
     def execute(cls, transformer_name, dtype, int8_weights=KEEP_INT8, precision=DEFAULT_PRECISION,
-                gpus=1) -> io.NodeOutput:
+                gpus=1, attention=AUTO_ATTENTION) -> io.NodeOutput:
         check_gpus(gpus, mm.get_torch_device())
+        check_attention_input(attention, gpus)
         path = model_files.full_path("diffusion_models", transformer_name, "transformer_name")
         handle = transformer_handle(path, dtype, int8_weights=int8_weights, precision=precision)
-        return io.NodeOutput(with_gpus(handle, gpus), handle.model)
+        # The attention rides on the handle and the MODEL, not in the cache key: one loaded model for every choice.
+        handle = with_gpus(handle, gpus).with_attention(attention)
+        return io.NodeOutput(handle, handle.model)
 
 
 class KVGraphLoadTextEncoder(io.ComfyNode):
@@ -319,6 +350,7 @@ class KVGraphLoadDiffusers(io.ComfyNode):
                 _placement_input(),
                 _precision_input(),
                 _gpus_input(),
+                _attention_input(),
             ],
             outputs=[
                 Transformer.Output(display_name="transformer", tooltip=TRANSFORMER_OUT),
@@ -329,11 +361,14 @@ class KVGraphLoadDiffusers(io.ComfyNode):
         )
 
     @classmethod
-    def execute(cls, folder, dtype, text_encoder_placement, precision=DEFAULT_PRECISION, gpus=1) -> io.NodeOutput:
+    def execute(cls, folder, dtype, text_encoder_placement, precision=DEFAULT_PRECISION, gpus=1,
+                attention=AUTO_ATTENTION) -> io.NodeOutput:
         check_gpus(gpus, mm.get_torch_device())
+        check_attention_input(attention, gpus)
         root = model_files.diffusers_path(folder)
         scheduler = load_pipeline_folder(root, dtype=DTYPES[dtype], device="meta", components=()).scheduler_config
         transformer = with_gpus(transformer_handle(root, dtype, scheduler, precision=precision), gpus)
+        transformer = transformer.with_attention(attention)
         text_encoder = text_encoder_handle(root, dtype, text_encoder_placement, tokenizer_dir=None)
         vae = vae_handle(root, dtype)
         return io.NodeOutput(transformer, text_encoder, vae, transformer.model)

@@ -111,6 +111,7 @@ class KVGraphSampler(io.ComfyNode):
         with model.loaded.following(budget.plan):
             model.ensure_loaded(max(0, budget.total - budget.part("transformer weights")))
         loaded = model.loaded
+        loaded.use_attention(model.attention)  # the loader's choice; another than the last run's rebuilds the step
         prompt_id, node_id = events.executing_ids()
         total = len(TURBO_SIGMAS) if request.sigma_preset == TURBO else int(steps)
 

@@ -47,9 +47,24 @@ def engine_state(**extra):
 
 def test_graph_cache_fields_are_the_reported_subset_in_order():
     fields = report.graph_cache_fields(engine_state(compiled=True))
-    assert list(fields) == [*report.GRAPH_CACHE_FIELDS, "compiled"] and fields["compiled"] is True
+    assert list(fields) == [*report.GRAPH_CACHE_FIELDS, "compiled", "attention_requested", "attention",
+                            "attention_fallbacks"] and fields["compiled"] is True
     assert "capture_seconds" not in fields and "compiles" not in fields
-    assert report.graph_cache_fields(engine_state())["compiled"] is False  # an engine that does not say
+    quiet = report.graph_cache_fields(engine_state())  # an engine that does not say
+    assert quiet["compiled"] is False and quiet["attention_requested"] is None and quiet["attention"] == {}
+
+
+def test_status_text_names_the_attention_asked_for_what_runs_and_why():
+    """One line per engine: the attention asked for, the kernel per device, and the fallbacks with their counts; none
+    for an engine that does not report its attention."""
+    state = engine_state(attention_requested="fp8", attention={"cpu float32": "sdpa"},
+                         attention_fallbacks={"FP8 attention runs in bf16: no CUDA": 1})
+    model = {"engine_id": "ab", "model": "Tiny", "source": None, "entries": [], "lora": {"loras": []},
+             **report.graph_cache_fields(state)}
+    assert report.graph_cache_lines(model)[1] == ("  attention: fp8, runs sdpa on cpu float32; fallbacks: FP8 "
+                                                  "attention runs in bf16: no CUDA: 1")
+    model.update(report.graph_cache_fields(engine_state()))
+    assert not any("attention" in line for line in report.graph_cache_lines(model))
 
 
 def test_status_text_names_steps_a_step_cache_skipped():

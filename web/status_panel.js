@@ -127,8 +127,13 @@ function renderModel(model) {
       h("div", { class: "kvgraph-card-title" }, `engine ${model.engine_id}`),
       h("div", { class: "kvgraph-error" }, `unreadable: ${model.error}`));
   }
-  const where = [model.dtype, model.device, model.loads != null ? `loaded ${model.loads}×` : null,
+  const kernels = [...new Set(Object.values(model.attention || {}))].join(", ");
+  // What was asked for, and what runs where it differs (a fallback, or fp8's kernel name fa3-fp8)
+  const runs = kernels && kernels !== model.attention_requested ? ` (runs ${kernels})` : "";
+  const attention = model.attention_requested ? `attention ${model.attention_requested}${runs}` : null;
+  const where = [model.dtype, model.device, model.loads != null ? `loaded ${model.loads}×` : null, attention,
     model.compiled ? "compiled blocks" : null, model.busy ? "sampling now" : "idle"].filter(Boolean).join(" · ");
+  const fallbacks = Object.keys(model.attention_fallbacks || {}).length ? model.attention_fallbacks : null;
   const entries = model.entries || [];
   return h("div", { class: "kvgraph-card kvgraph-model", "data-engine": model.engine_id },
     h("div", { class: "kvgraph-card-title", title: model.source || "" },
@@ -140,6 +145,9 @@ function renderModel(model) {
       + `${formatBytes(model.bytes_held)} held · ${entries.length}/${model.max_entries ?? "?"} entries`),
     model.eager_total
       ? h("div", { class: "kvgraph-muted" }, `eager by reason: ${formatReasons(model.eager_steps)}`)
+      : null,
+    fallbacks
+      ? h("div", { class: "kvgraph-muted kvgraph-attention" }, `attention fallback: ${formatReasons(fallbacks)}`)
       : null,
     describePrefills(model)
       ? h("div", { class: "kvgraph-muted kvgraph-prefills" }, describePrefills(model))

@@ -10,6 +10,7 @@ the same noise, sigmas and timestep rounding give the same predictions.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -34,14 +35,19 @@ NO_RUN = ("called outside a sampling run (no sampler set one up), so its prefix 
 class ModelFunction:
     """`(x [N, C, h, w] normalized latents, sigma [N], source) -> velocity [N, C, h, w]` for `engine`'s transformer.
 
-    `run`: the sampling run the call belongs to (its prefixes live until the run ends); without one the call makes
-    and releases its own, which is correct and pays a prefill per call (logged once). `roles`: core's
-    `cond_or_uncond` for the call's chunks.
+    `run`: the sampling run the call belongs to (its prefixes live until the run ends), which decodes on its own
+    engine; without one the call makes and releases its own run on `engine`, which is correct and pays a prefill per
+    call (logged once). `roles`: core's `cond_or_uncond` for the call's chunks. `engine` may be a function returning
+    the engine (the MODEL's: the engine of the attention its loaded model was last asked for).
     """
 
-    def __init__(self, engine: DecodeEngine):
-        self.engine = engine
+    def __init__(self, engine: DecodeEngine | Callable[[], DecodeEngine]):
+        self._engine = engine
         self._warned_no_run = False
+
+    @property
+    def engine(self) -> DecodeEngine:
+        return self._engine() if callable(self._engine) else self._engine
 
     def __call__(self, x: torch.Tensor, sigma: torch.Tensor, source: PrefixSource, run: SamplingRun | None = None,
                  roles=None, patches: CallPatches = NO_PATCHES) -> torch.Tensor:
@@ -57,7 +63,8 @@ class ModelFunction:
         return self._predict(x, sigma, source, run, roles, patches)
 
     def _predict(self, x, sigma, source, run: SamplingRun, roles, patches: CallPatches) -> torch.Tensor:
-        transformer = self.engine.transformer
+        engine = run.engine
+        transformer = engine.transformer
         param = next(transformer.parameters())
         device, dtype = param.device, param.dtype
         batch, _, height, width = x.shape
@@ -76,7 +83,7 @@ class ModelFunction:
                 run.count(sigma, "eager", ARBITRARY)
             else:
                 prefix = run.prefix(source, roles, (height, width), hidden, timestep, controlled, patches.skip)
-                outcome = self.engine.decode_step(prefix, hidden, timestep, run.mode)
+                outcome = engine.decode_step(prefix, hidden, timestep, run.mode)
                 run.count(sigma, outcome.path, outcome.reason)
                 output = outcome.output
             # On the caller's device: where the weights are not on it (an eager step, counted), the step ran on theirs.
@@ -84,6 +91,6 @@ class ModelFunction:
 
     def _patched(self, x, source, run: SamplingRun, shape, hidden, timestep, patches: CallPatches) -> torch.Tensor:
         """An eager step with other nodes' Python patches, counted in the engine's statistics (logged once)."""
-        if self.engine.graphs.count_eager(ARBITRARY):
+        if run.engine.graphs.count_eager(ARBITRARY):
             logger.info("KV-Graph: decoding eagerly: %s.", ARBITRARY)
         return run.patched_step(source, shape, hidden, timestep, patches, latent=x)

@@ -9,6 +9,12 @@ Results are SDPA's within bf16 rounding either way; graph keys name the kernel, 
 FlashAttention-3 has no arbitrary mask: a masked call (the eager padded-text path) runs SDPA, and the prefix pass's
 block-causal mask is run one prefix segment at a time (text causal, an image block over every key up to its end),
 which is exactly the rule the mask encodes.
+
+`fp8` (opt-in, never what `auto` picks) is FlashAttention-3's FP8 forward for the decode step's graph entries: their
+K/V buffers hold e4m3 (`kv_format.py`) and the q/k norm + RoPE kernel writes e4m3 q/k/v itself. Everything that
+attends in bf16 (the prefix pass, an eager step) runs FlashAttention-3's bf16 forward. Where FlashAttention-3 cannot
+run, or its build has no FP8 kernel, `fp8` falls back to what `auto` would pick there (SDPA), logged once and
+counted, with the reason prefixed by `FP8_FALLBACK`.
 """
 
 from __future__ import annotations
@@ -21,11 +27,16 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..errors import InputError
+
 logger = logging.getLogger("kvgraph")
 
+AUTO = "auto"
 SDPA = "sdpa"
 FA3 = "fa3"
-ATTENTION_CHOICES = ("auto", SDPA, FA3)
+FP8 = "fp8"
+FA3_FP8 = "fa3-fp8"  # the kernel's name in statistics and graph keys
+ATTENTION_CHOICES = (AUTO, SDPA, FA3, FP8)
 FA3_MODULE = "fa3_fwd_interface"  # the `fa3-fwd` wheel: FlashAttention-3's forward on torch's stable ABI
 
 # Reasons a device runs SDPA where FlashAttention-3 was asked for ("auto" or "fa3"); stable: they are stats keys.
@@ -34,6 +45,19 @@ NOT_HOPPER = "FlashAttention-3 needs a Hopper GPU (compute capability 9.0)"
 NOT_BF16 = "FlashAttention-3 is installed for bf16 only"
 NOT_INSTALLED = "FlashAttention-3 is not installed (pip install comfyui-kv-graph[fa3])"
 BROKEN = "FlashAttention-3 failed to load"
+FP8_FALLBACK = "FP8 attention runs in bf16"
+NO_FP8_KERNEL = "this FlashAttention-3 build has no FP8 forward"
+
+
+ATTENTION_EXPECTED = ("one of auto (FlashAttention-3 bf16 where it runs, else SDPA), sdpa, fa3, fp8 "
+                      "(FlashAttention-3's FP8 forward on Hopper, opt-in)")
+
+
+def check_attention(value, name: str = "attention") -> str:
+    """`value` when it is an attention choice, else a refusal naming the input `name`."""
+    if value not in ATTENTION_CHOICES:
+        raise InputError(name, value, ATTENTION_EXPECTED)
+    return value
 
 
 @dataclass(frozen=True)
@@ -85,6 +109,18 @@ class Fa3Attention:
                           for start, end, is_text in segments], dim=1)
 
 
+class Fa3Fp8Attention(Fa3Attention):
+    """FlashAttention-3 for a step whose graph entries keep e4m3 K/V: `fp8` attends e4m3 q/k/v with per-head
+    descales; a bf16 call (the prefix pass, an eager step) is FA3's bf16 forward, as `Fa3Attention`'s."""
+
+    name = FA3_FP8
+
+    def fp8(self, q8, k8, v8, descale, out_dtype):
+        """`[B, S, H, D]` e4m3 q and `[B, L, H, D]` e4m3 k/v; `descale` `[3, B, H]` fp32 (q, k, v scales)."""
+        out = self._forward(q8, k8, v8, q_descale=descale[0], k_descale=descale[1], v_descale=descale[2])[0]
+        return out.to(out_dtype)
+
+
 SDPA_ATTENTION = SdpaAttention()
 
 
@@ -105,8 +141,15 @@ def _load_fa3():
 
 
 def choose(device: torch.device, dtype: torch.dtype, requested: str = "auto", loader=_load_fa3):
-    """`(backend, reason)`: the kernel for `device` and `dtype`; `reason` says why FlashAttention-3 was not taken
-    where it was asked for (None when it was, or when SDPA was asked for)."""
+    """`(backend, reason)`: the kernel for `device` and `dtype`; `reason` says why FlashAttention-3 (or, for `fp8`,
+    its FP8 forward) was not taken where it was asked for (None when it was, or when SDPA was asked for)."""
+    backend, reason = _choose(device, dtype, requested, loader)
+    if requested == FP8 and reason is not None:
+        reason = f"{FP8_FALLBACK}: {reason}"
+    return backend, reason
+
+
+def _choose(device, dtype, requested, loader):
     if requested not in ATTENTION_CHOICES:
         raise ValueError(f"attention {requested!r} is invalid: expected one of {', '.join(ATTENTION_CHOICES)}")
     if requested == SDPA:
@@ -121,16 +164,33 @@ def choose(device: torch.device, dtype: torch.dtype, requested: str = "auto", lo
     forward, reason = loader()
     if forward is None:
         return SDPA_ATTENTION, reason
+    if requested == FP8:
+        reason = probe_fp8(forward, device)
+        return (Fa3Attention(forward), reason) if reason else (Fa3Fp8Attention(forward), None)
     return Fa3Attention(forward), None
 
 
+def probe_fp8(forward, device) -> str | None:
+    """None when FlashAttention-3's FP8 forward runs on `device` (one tiny call, made once per device when the
+    kernel is chosen, before any capture), else the reason: a build may leave its FP8 kernels out."""
+    try:
+        q = torch.zeros(1, 128, 1, 128, device=device, dtype=torch.float8_e4m3fn)
+        one = torch.ones(1, 1, device=device)
+        forward(q, q, q, q_descale=one, k_descale=one, v_descale=one)
+    except Exception as exc:  # noqa: BLE001 - a missing or broken FP8 kernel must not stop the model
+        return f"{NO_FP8_KERNEL}: {type(exc).__name__}: {exc}"[:300]
+    return None
+
+
+_KERNEL_NAMES = {SDPA: "SDPA", FA3: "FlashAttention-3", FA3_FP8: "FlashAttention-3 FP8 (e4m3 K/V in graph entries)"}
 _logged: set[str] = set()  # fallback reasons already logged in this process
 
 
 class AttentionChoice:
     """One step's kernel per (device, dtype), chosen at its first use and kept. `requested`: "auto" (FA3 where it
-    runs), "sdpa", or "fa3" (the same as auto, but a fallback is logged as a warning). Falls back are counted in
-    `fallbacks` (reason -> devices), which the engine's statistics read."""
+    runs), "sdpa", "fa3" (the same as auto, but a fallback is logged as a warning), or "fp8" (FA3 with e4m3 K/V in
+    the graph entries; a fallback is a warning too). Fallbacks are counted in `fallbacks` (reason -> devices),
+    which the engine's statistics read."""
 
     def __init__(self, requested: str = "auto", loader=_load_fa3):
         if requested not in ATTENTION_CHOICES:
@@ -153,11 +213,19 @@ class AttentionChoice:
                 self.fallbacks[reason] += 1
                 if reason not in _logged:
                     _logged.add(reason)
-                    level = logging.WARNING if self.requested == FA3 else logging.INFO
-                    logger.log(level, "KV-Graph: attention runs on SDPA on %s: %s.", device, reason)
+                    level = logging.WARNING if self.requested in (FA3, FP8) else logging.INFO
+                    logger.log(level, "KV-Graph: attention runs on %s on %s: %s.", _KERNEL_NAMES[backend.name],
+                               device, reason)
             elif backend.name != SDPA:
-                logger.info("KV-Graph: attention runs on FlashAttention-3 on %s.", device)
+                logger.info("KV-Graph: attention runs on %s on %s.", _KERNEL_NAMES[backend.name], device)
         return backend
+
+    def count_fallback(self, reason: str, device) -> None:
+        """Count (and log once per process) a fallback decided after the kernel was chosen."""
+        self.fallbacks[reason] += 1
+        if reason not in _logged:
+            _logged.add(reason)
+            logger.warning("KV-Graph: on %s: %s.", device, reason)
 
     def chosen(self) -> dict:
         """`{device: kernel name}` of every choice made so far (for the statistics)."""

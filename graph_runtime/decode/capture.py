@@ -17,6 +17,7 @@ import torch
 from ..kernels.preload import wait_for_preload
 from ..free_memory import device_free_bytes
 from .eligibility import static_reason
+from .kv_format import FP8, NATIVE, Fp8KVStore, fp8_bytes
 from .prefill import PrefixCache
 from .step import DecodeInputs, PrefixInputs
 
@@ -56,17 +57,23 @@ class EntrySpec:
     device: torch.device
     # The request's per-block residuals (a ControlNet), whose static copy the entry holds too; None for none.
     residuals: object = field(default=None, compare=False)
+    kv_format: str = NATIVE  # how the K/V buffers hold values (kv_format.py)
+    # fp8 only: per block, the q/k RMSNorm weights whose bound scales e4m3 q/k.
+    qk_norms: tuple = field(default=(), compare=False)
 
     @classmethod
     def for_request(cls, transformer, layout, batch: int, heads: int | None = None,
-                    residuals=None) -> "EntrySpec":
-        """`heads`: the heads whose K/V the entry keeps (default all)."""
+                    residuals=None, kv_format: str = NATIVE) -> "EntrySpec":
+        """`heads`: the heads whose K/V the entry keeps (default all); `kv_format`: "native" or "fp8"."""
         config = transformer.config
         param = next(transformer.parameters())
+        norms = () if kv_format != FP8 else tuple((b.attn.norm_q.weight, b.attn.norm_k.weight)
+                                                  for b in transformer.transformer_blocks)
         return cls(batch=batch, prefix_len=layout.prefix_len, target_tokens=layout.target_tokens,
                    heads=heads or config.num_attention_heads, head_dim=config.attention_head_dim,
                    num_blocks=len(transformer.transformer_blocks), in_channels=config.in_channels,
-                   dtype=param.dtype, device=param.device, residuals=residuals)
+                   dtype=param.dtype, device=param.device, residuals=residuals, kv_format=kv_format,
+                   qk_norms=norms)
 
     @property
     def static_bytes(self) -> int:
@@ -75,6 +82,10 @@ class EntrySpec:
         hidden = self.batch * self.target_tokens * self.in_channels
         extra = 0 if self.residuals is None else self.residuals.static_bytes(self.batch, self.prefix_len,
                                                                             self.target_tokens, self.dtype)
+        if self.kv_format == FP8:
+            kv_bytes = fp8_bytes(self.batch, self.prefix_len, self.target_tokens, self.heads, self.head_dim,
+                                 self.num_blocks, self.dtype)
+            return hidden * self.dtype.itemsize + kv_bytes + extra
         return (kv + hidden) * self.dtype.itemsize + extra
 
 
@@ -100,16 +111,22 @@ class DecodeGraphEntry(CaptureRecord):
             kv_shape = (spec.batch, spec.prefix_len + spec.target_tokens, spec.heads, spec.head_dim)
             rope_shape = (spec.target_tokens, 1, spec.head_dim // 2)
             zeros = lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=spec.device)  # noqa: E731
+            # The "fp8" K/V format: e4m3 buffers, their scales, and the prefix pass's staging copy (kv_format.py).
+            fp8 = None if spec.kv_format != FP8 else Fp8KVStore(
+                spec.batch, spec.prefix_len, spec.target_tokens, spec.heads, spec.head_dim, spec.num_blocks,
+                spec.dtype, spec.device, spec.qk_norms)
             self.inputs = DecodeInputs(
                 hidden=zeros((spec.batch, spec.target_tokens, spec.in_channels), spec.dtype),
                 timestep=zeros((spec.batch,), spec.dtype),
-                k=[zeros(kv_shape, spec.dtype) for _ in range(spec.num_blocks)],
-                v=[zeros(kv_shape, spec.dtype) for _ in range(spec.num_blocks)],
+                k=fp8.k if fp8 else [zeros(kv_shape, spec.dtype) for _ in range(spec.num_blocks)],
+                v=fp8.v if fp8 else [zeros(kv_shape, spec.dtype) for _ in range(spec.num_blocks)],
                 cos=zeros(rope_shape, torch.float32),
                 sin=zeros(rope_shape, torch.float32),
                 prefix_len=spec.prefix_len,
                 static_kv=True,
                 skip=frozenset(getattr(key, "skip", ())),
+                kv_format=spec.kv_format,
+                fp8=fp8,
             )
             if spec.residuals is not None:
                 self.inputs.extra["block_residuals"] = spec.residuals.static_copy(spec.prefix_len,
@@ -117,6 +134,21 @@ class DecodeGraphEntry(CaptureRecord):
         self.prefix_graph: PrefixGraph | str | None = None  # the captured prefix pass, or why it failed
         self._sources: list[weakref.ReferenceType] = []  # what the prefix rows hold (see refresh_prefix)
         self._versions: list[tuple[int, int]] = []  # (index, version) of the normal tensors among them
+
+    def prefill_kv(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Where a prefill writes the prefix rows: the K/V buffers themselves, or the fp8 format's model-dtype
+        staging (loaded into the e4m3 buffers by `mark_current`)."""
+        fp8 = self.inputs.fp8
+        return (fp8.prefix_k, fp8.prefix_v) if fp8 is not None else (self.inputs.k, self.inputs.v)
+
+    def _write_prefix(self, k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        """The prefix rows into the K/V buffers: copied, or quantized in the fp8 format."""
+        if self.inputs.fp8 is not None:
+            self.inputs.fp8.load_prefix(k, v)
+            return
+        prefix_len = self.inputs.prefix_len
+        for dst, src in zip([*self.inputs.k, *self.inputs.v], [*k, *v]):
+            dst[:, :prefix_len].copy_(src)
 
     @property
     def captured_prefix(self) -> PrefixGraph | None:
@@ -134,8 +166,8 @@ class DecodeGraphEntry(CaptureRecord):
 
     @property
     def nbytes(self) -> int:
-        tensors = [self.inputs.hidden, self.inputs.timestep, self.inputs.cos, self.inputs.sin,
-                   *self.inputs.k, *self.inputs.v]
+        tensors = [self.inputs.hidden, self.inputs.timestep, self.inputs.cos, self.inputs.sin]
+        tensors += self.inputs.fp8.tensors if self.inputs.fp8 is not None else [*self.inputs.k, *self.inputs.v]
         residuals = self.inputs.extra.get("block_residuals")
         if residuals is not None:
             tensors += [residuals.tokens, residuals.strength, *residuals.k, *residuals.v]
@@ -159,9 +191,7 @@ class DecodeGraphEntry(CaptureRecord):
         sources = [*prefix.k, *prefix.v]
         if self._holds(sources):
             return False
-        prefix_len = self.inputs.prefix_len
-        for dst, src in zip([*self.inputs.k, *self.inputs.v], sources):
-            dst[:, :prefix_len].copy_(src)
+        self._write_prefix(prefix.k, prefix.v)
         self._sources = [weakref.ref(t) for t in sources]
         self._versions = [(i, t._version) for i, t in enumerate(sources) if not t.is_inference()]
         return True
@@ -179,8 +209,11 @@ class DecodeGraphEntry(CaptureRecord):
         """Record `prefix` as what the buffers hold: the prefill wrote it there, and its tensors are views of them.
 
         No version is recorded: the views share the buffers' version counter, which every decode step bumps by
-        writing the target rows, while the prefix rows themselves are only ever written by a prefill.
+        writing the target rows, while the prefix rows themselves are only ever written by a prefill. In the fp8
+        format the prefill wrote the staging copy, which is quantized into the e4m3 buffers here.
         """
+        if self.inputs.fp8 is not None:
+            self._write_prefix(prefix.k, prefix.v)
         self._sources = [weakref.ref(t) for t in (*prefix.k, *prefix.v)]
         self._versions = []
 

@@ -51,7 +51,8 @@ class DecodeEngine:
     """`backend`: how graphs are captured and replayed (default: CUDA graphs; tests inject a recording one, which
     runs the whole policy on CPU). `kernels=False`: the step body without the hand-written kernels. `step`: the
     step body (default a `DecodeStep` of `transformer`; sequence parallelism passes its own). `attention`: the step's
-    attention kernel, "auto" (FlashAttention-3 where it runs), "sdpa" or "fa3" (attention.py)."""
+    attention kernel, "auto" (FlashAttention-3 where it runs), "sdpa", "fa3" or "fp8" (attention.py; "fp8" keeps
+    e4m3 K/V in the graph entries, kv_format.py)."""
 
     def __init__(self, transformer: torch.nn.Module, max_entries: int = 4, backend=None, kernels: bool = True,
                  step: DecodeStep | None = None, attention: str = "auto"):
@@ -124,7 +125,7 @@ class DecodeEngine:
         token = OwnerToken()
         entry = self._claim(token, branch, layout, latents.shape[0], layout.joint_key_valid(text_mask), mode,
                             control, skip)
-        static_kv = None if entry is None else (entry.inputs.k, entry.inputs.v)
+        static_kv = None if entry is None else entry.prefill_kv()
         runner = self.step.run_prefix if entry is None else (lambda inputs: self._prefix_pass(entry, inputs))
         residuals = []
         if control is not None:
@@ -163,7 +164,8 @@ class DecodeEngine:
 
     def _entry_spec(self, layout: TokenLayout, batch: int, residuals=None) -> EntrySpec:
         """The static buffers a graph entry of this layout and batch needs (the heads this step keeps)."""
-        return EntrySpec.for_request(self.transformer, layout, batch, self.step.kv_heads, residuals)
+        return EntrySpec.for_request(self.transformer, layout, batch, self.step.kv_heads, residuals,
+                                     self.step.kv_format())
 
     def _prefix_pass(self, entry, inputs: PrefixInputs) -> None:
         """A claimed entry's prefix pass: replayed from its captured pass when the prefix is short (a short pass is
@@ -251,6 +253,7 @@ class DecodeEngine:
 
     def status(self) -> dict:
         status = self.graphs.status()
-        status.update(compiled=bool(self.step.compiled), compiles=self.compiles)
+        status.update(compiled=bool(self.step.compiled), compiles=self.compiles,
+                      attention_requested=self.step.attention.requested)
         return status
 

@@ -25,6 +25,8 @@ layers and weight swaps are seen), with the per-step host work hoisted out:
   feeds FP8 Linears, our kernel writes its output as per-token e4m3 + scales (`Fp8Rows`) instead of bf16, so the
   FP8 GEMMs need no quantization pass; any other input (the attention output into `to_out`) is quantized by the
   Linear itself.
+- A graph entry's K/V format (`kv_format.py`) decides what a block's static K/V are: the model's dtype, or e4m3
+  with per-head scales (`Fp8KV`), which `attend` hands to FlashAttention-3's FP8 forward (`attend_fp8`).
 """
 
 from __future__ import annotations
@@ -44,10 +46,11 @@ from ..quantized.int8_convrot import is_int8_linear
 from ..kernels.fp8_quant import norm_modulate_fp8, residual_norm_modulate_fp8, silu_mul_fp8
 from ..kernels.int8_quant import norm_modulate_int8, residual_norm_modulate_int8, silu_mul_int8
 from ..kernels.norm_modulate import norm_modulate, residual_norm_modulate
-from ..kernels.qk_norm_rope import qk_norm_rope_write, rotate_pairs
+from ..kernels.qk_norm_rope import qk_norm_rope_write, qk_norm_rope_write_fp8, quantize_heads_e4m3, rotate_pairs
 from ..kernels.silu_mul import silu_mul
 from ..stream_slots import exclusive, stream_pass, streamer_of
-from .attention import SDPA_ATTENTION, AttentionChoice, PrefixMask, sdpa
+from .attention import FA3_FP8, SDPA_ATTENTION, AttentionChoice, PrefixMask, sdpa
+from .kv_format import FP8, NATIVE, Fp8KV
 
 
 @dataclass
@@ -71,6 +74,16 @@ class DecodeInputs:
     extra: dict = field(default_factory=dict)
     # Blocks the step leaves out (a skip-layer guidance pass, decode/block_patches.py); a graph key pins them.
     skip: frozenset = frozenset()
+    # The K/V format (kv_format.py): with "fp8", `k`/`v` are e4m3 static buffers and `fp8` their `Fp8KVStore`.
+    kv_format: str = NATIVE
+    fp8: object = None
+
+    def block_kv(self, i: int) -> tuple:
+        """Block `i`'s `(k_cache, v_cache)` as the block reads them: tensors, or `(Fp8KV, None)` in the fp8
+        format."""
+        if self.kv_format == FP8:
+            return self.fp8.block(i), None
+        return self.k[i], self.v[i]
 
 
 def rope_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -239,6 +252,8 @@ class TargetDecodeBlock(torch.nn.Module):
         """q/k normed and rotated, the rows' K/V kept (written into the static buffer's rows `prefix_len:`, or
         concatenated after the prefix's), then attention: `[B, S, H, D]`, or None once the K/V are written when
         `kv_only`. Sequence parallelism (graph_runtime/parallel) overrides this one method."""
+        if isinstance(k_cache, Fp8KV):  # the graph entry's K/V format is "fp8"
+            return self.attend_fp8(q, k, v, cos, sin, k_cache, prefix_len, kv_only)
         if static_kv and self._can_fuse_qk():
             q = self.norm_rope_write(q, k, v, cos, sin, k_cache, v_cache, prefix_len)
             keys, values = k_cache, v_cache
@@ -248,6 +263,23 @@ class TargetDecodeBlock(torch.nn.Module):
         if kv_only:
             return None
         return self.attention(q, keys, values, attn_mask)
+
+    def attend_fp8(self, q, k, v, cos, sin, kv: Fp8KV, prefix_len: int, kv_only: bool = False):
+        """`attend` for e4m3 static K/V: q/k normed and rotated, q/k/v over their per-head scales in e4m3 (one pass
+        of our kernel, which writes the K/V rows too), then FlashAttention-3's FP8 forward, out in the model's dtype.
+        """
+        attn = self.block.attn
+        if self._can_fuse_qk():
+            q8 = qk_norm_rope_write_fp8(q, k, v, attn.norm_q.weight, attn.norm_k.weight, cos, sin, kv.k, kv.v,
+                                        prefix_len, attn.norm_q.eps, kv.inverse[0], kv.inverse[1], kv.inverse[2])
+        else:  # our kernels off: the modules' own norms, quantized as the kernel would
+            q, k = self.norm_rope(q, k, v, cos, sin)
+            self.keep_kv(quantize_heads_e4m3(k, kv.inverse[1]), quantize_heads_e4m3(v, kv.inverse[2]), kv.k, kv.v,
+                         prefix_len, True)
+            q8 = quantize_heads_e4m3(q, kv.inverse[0])
+        if kv_only:
+            return None
+        return self.attention_backend.fp8(q8, kv.k, kv.v, kv.descale, v.dtype)
 
     @staticmethod
     def keep_kv(k, v, k_cache, v_cache, prefix_len: int, static_kv: bool):
@@ -314,13 +346,31 @@ class TargetDecodeBlock(torch.nn.Module):
         return x, norm(x) * (1 + scale)
 
 
+# e4m3 q/k take their scale from the static bound of an RMSNorm's weight (kv_format.py); other norms have none.
+FP8_UNBOUNDED = "FP8 attention runs in bf16: a block's q/k norm is not an RMSNorm with a weight (no static e4m3 bound)"
+# Head widths FlashAttention-3's FP8 forward and our e4m3 Triton kernel (a power of two) both have on CUDA.
+FP8_HEAD_DIMS = (64, 128, 256)
+FP8_HEAD_DIM = f"FP8 attention runs in bf16: its kernels take head widths {', '.join(map(str, FP8_HEAD_DIMS))}"
+
+
+def _fp8_kv_reason(model, device: torch.device) -> str | None:
+    """Why this model's entries cannot keep e4m3 K/V on `device`, or None."""
+    if device.type == "cuda" and model.config.attention_head_dim not in FP8_HEAD_DIMS:
+        return FP8_HEAD_DIM
+    for block in model.transformer_blocks:
+        if not all(type(n) is RMSNorm and n.weight is not None for n in (block.attn.norm_q, block.attn.norm_k)):
+            return FP8_UNBOUNDED
+    return None
+
+
 class DecodeStep(torch.nn.Module):
     """The whole decode step over a transformer's blocks: `forward(inputs) -> [B, T, out_channels]`."""
 
     def __init__(self, transformer: torch.nn.Module, kernels: bool = True, block_factory=TargetDecodeBlock,
                  attention: str = "auto"):
         """`block_factory(block, kernels)` wraps each diffusers block (sequence parallelism passes its own).
-        `attention`: "auto" (FlashAttention-3 where it runs, else SDPA), "sdpa" or "fa3" (attention.py)."""
+        `attention`: "auto" (FlashAttention-3 where it runs, else SDPA), "sdpa", "fa3", or "fp8" (FlashAttention-3's
+        FP8 forward over e4m3 K/V in the graph entries where it runs, else what "auto" picks) (attention.py)."""
         super().__init__()
         # A weak reference: the transformer holds this step (through its engine), and the weights must not be
         # registered twice under this module.
@@ -398,6 +448,20 @@ class DecodeStep(torch.nn.Module):
         streamer = streamer_of(self.model.transformer_blocks)
         return () if streamer is None else streamer.graph_key()
 
+    def kv_format(self, device=None, dtype=None) -> str:
+        """The K/V format of this step's graph entries on `device` with `dtype` (kv_format.py): "fp8" where the
+        attention chosen there is FlashAttention-3's FP8 forward, else "native"."""
+        if device is None or dtype is None:
+            first = next(self.model.parameters())
+            device, dtype = device or first.device, dtype or first.dtype
+        if self.attention.pick(device, dtype).name != FA3_FP8:
+            return NATIVE
+        reason = _fp8_kv_reason(self.model, torch.device(device))
+        if reason is not None:
+            self.attention.count_fallback(reason, device)
+            return NATIVE
+        return FP8
+
     def forward(self, inputs: DecodeInputs) -> torch.Tensor:
         # First, so the first streamed blocks' uploads run behind img_in, the modulation and the resident blocks.
         with stream_pass(self.model.transformer_blocks, inputs.skip) as stream:
@@ -423,7 +487,7 @@ class DecodeStep(torch.nn.Module):
             if i in inputs.skip:
                 continue
             stream.before(i)
-            x, pending = block(x, pending, modulation, inputs.cos, inputs.sin, inputs.k[i], inputs.v[i],
+            x, pending = block(x, pending, modulation, inputs.cos, inputs.sin, *inputs.block_kv(i),
                                inputs.prefix_len, inputs.static_kv, inputs.attn_mask)
             stream.after(i)
             if residuals is not None:

@@ -18,6 +18,7 @@ import time
 import torch
 
 from .capture import CudaGraphBackend, DecodeGraphEntry, EntrySpec
+from .kv_format import NATIVE
 from .layout import TokenLayout
 from .prefill import run_prefill
 
@@ -67,17 +68,20 @@ def _run_on_static_buffers(engine, layout, latents, embeds, timestep) -> None:
     entry)."""
     settings = getattr(engine.graphs.backend, "capture_settings", contextlib.nullcontext)
     with settings():  # captures run both passes under these (no cuBLAS workspace): load the same GEMM kernels
-        inputs = prefilled_static_inputs(engine.transformer, layout, latents, embeds, timestep, latents)
+        inputs = prefilled_static_inputs(engine.transformer, layout, latents, embeds, timestep, latents,
+                                         engine.step.kv_format())
         engine.step(inputs)
 
 
-def prefilled_static_inputs(transformer, layout, hidden_all, embeds, timestep, latents):
+def prefilled_static_inputs(transformer, layout, hidden_all, embeds, timestep, latents, kv_format=NATIVE):
     """A throwaway graph entry's static inputs with this branch's prefix pass written into them: `hidden_all` is
-    what the prefill reads (condition images first), `latents` the target rows the step reads."""
-    entry = DecodeGraphEntry(None, EntrySpec.for_request(transformer, layout, latents.shape[0]))
-    _, prefix = run_prefill(transformer, layout, hidden_all, embeds, timestep,
-                            static_kv=(entry.inputs.k, entry.inputs.v), with_target=False)
+    what the prefill reads (condition images first), `latents` the target rows the step reads; `kv_format` the
+    entry's (kv_format.py)."""
+    entry = DecodeGraphEntry(None, EntrySpec.for_request(transformer, layout, latents.shape[0], kv_format=kv_format))
+    _, prefix = run_prefill(transformer, layout, hidden_all, embeds, timestep, static_kv=entry.prefill_kv(),
+                            with_target=False)
     entry.set_rope(prefix.cos, prefix.sin)
+    entry.mark_current(prefix)
     entry.load_inputs(latents, timestep)
     prefix.release()  # the prefix's tensors are views of the entry's buffers, which the inputs keep
     return entry.inputs

@@ -92,18 +92,54 @@ def norm_bound_scale(weight: torch.Tensor, head_dim: int) -> float:
     """A scale under which RMS-normed, weighted, rotated rows never leave e4m3's range: a normed head has 2-norm
     sqrt(head_dim), so no channel exceeds sqrt(head_dim) * max|weight|, and RoPE only rotates pairs. Static (it
     depends on the weights alone), so the kernel needs no pass over the rows to find it."""
-    return float(weight.float().abs().max()) * head_dim ** 0.5 * 1.01 / E4M3_MAX
+    return float(norm_bound(weight, head_dim))
 
 
-def qk_norm_rope_write_fp8(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, prefix_len: int, eps: float,
-                           q_inv, k_inv, v_inv) -> torch.Tensor:
-    """`qk_norm_rope_write` with e4m3 outputs: q `[B, T, H, D]` e4m3 returned, k and v written e4m3 into rows
-    `prefix_len:` of `k_cache`/`v_cache`; each divided by its per-head scale (`*_inv`: `[H]` fp32 inverse scales)
-    and saturated to e4m3's range. CUDA only (FlashAttention-3's FP8 forward, its one consumer, is too)."""
-    batch, tokens, heads, head_dim = q.shape
-    if not (q.is_cuda and _triton_ok(q, k, v, k_cache, v_cache)):
-        raise ValueError("qk_norm_rope_write_fp8 needs CUDA tensors whose heads and channels are packed")
+def norm_bound(weight: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """`norm_bound_scale` as a 0-d fp32 tensor on the weight's device (no host sync: a graph entry computes it on
+    the device when it loads a prefix)."""
+    return weight.detach().float().abs().amax() * (head_dim ** 0.5 * 1.01 / E4M3_MAX)
+
+
+def quantize_heads_e4m3(x: torch.Tensor, inverse: torch.Tensor) -> torch.Tensor:
+    """`[..., H, D]` times its per-head inverse scale `[H]`, saturated to e4m3's range, as e4m3 (the kernel's
+    rounding: fp32 product, clamp, one rounding to e4m3)."""
+    return (x.float() * inverse.float()[:, None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def _define_qk_norm_rope_write_fp8():
+    @torch.library.custom_op("kvgraph::qk_norm_rope_write_fp8", mutates_args=("k_cache", "v_cache"))
+    def qk_norm_rope_write_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_weight: torch.Tensor,
+                               k_weight: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, k_cache: torch.Tensor,
+                               v_cache: torch.Tensor, prefix_len: int, eps: float, q_inv: torch.Tensor,
+                               k_inv: torch.Tensor, v_inv: torch.Tensor) -> torch.Tensor:
+        """`qk_norm_rope_write` with e4m3 outputs: q `[B, T, H, D]` e4m3 returned, k and v written e4m3 into rows
+        `prefix_len:` of `k_cache`/`v_cache`; each times its per-head inverse scale (`*_inv`: `[H]` fp32) and
+        saturated to e4m3's range. The Triton kernel on CUDA; elsewhere the same math in PyTorch (the tests'
+        reference)."""
+        if q.is_cuda and _triton_ok(q, k, v, k_cache, v_cache):
+            return _triton_qk_norm_rope_write_fp8(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache,
+                                                  prefix_len, eps, q_inv, k_inv, v_inv)
+        tokens = q.shape[1]
+        rows = slice(prefix_len, prefix_len + tokens)
+        k_cache[:, rows].copy_(quantize_heads_e4m3(reference_qk_norm_rope(k, k_weight, cos, sin, eps), k_inv))
+        v_cache[:, rows].copy_(quantize_heads_e4m3(v, v_inv))
+        return quantize_heads_e4m3(reference_qk_norm_rope(q, q_weight, cos, sin, eps), q_inv)
+
+    @qk_norm_rope_write_fp8.register_fake
+    def _(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, prefix_len, eps, q_inv, k_inv, v_inv):
+        return torch.empty(q.shape, dtype=torch.float8_e4m3fn, device=q.device)
+
+    return qk_norm_rope_write_fp8
+
+
+qk_norm_rope_write_fp8 = define_once("qk_norm_rope_write_fp8", _define_qk_norm_rope_write_fp8)
+
+
+def _triton_qk_norm_rope_write_fp8(q, k, v, q_weight, k_weight, cos, sin, k_cache, v_cache, prefix_len, eps,
+                                   q_inv, k_inv, v_inv):
     wait_for_preload()
+    batch, tokens, heads, head_dim = q.shape
     q_out = torch.empty((batch, tokens, heads, head_dim), dtype=torch.float8_e4m3fn, device=q.device)
     from .qk_norm_rope_triton import qk_norm_rope_fp8_kernel
 

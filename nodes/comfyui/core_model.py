@@ -28,6 +28,7 @@ from ...graph_runtime.comfy_interop.latents import LATENT_CHANNELS, latent_stats
 from ...graph_runtime.core_model import ModelFunction, PrefixSource, SamplingRun
 from ...graph_runtime.core_model.model_function import PATCHES_WITH_CONTROL
 from ...graph_runtime.core_model.step_cache import StepsWithoutCalls
+from ...graph_runtime.decode.attention import AUTO as AUTO_ATTENTION
 from ...graph_runtime.core_model.patches import check_supported, read_patches
 from ...graph_runtime.errors import InputError, KVGraphError
 from ...graph_runtime.memory import GenerationShape, TransformerDims, compute_dtype, estimate
@@ -45,6 +46,7 @@ PREFIX = "kvgraph_prefix"  # the model condition carrying a conditioning entry's
 RUN = "kvgraph_run"  # transformer_options key of the SamplingRun a model call belongs to
 LORAS = "kvgraph_loras"  # patcher attachment: the LoRA chain (LoraChoice, ...) of KV-Graph Load LoRA and core loaders
 CONTROL = "kvgraph_control"  # patcher attachment: the ControlSpec of a KV-Graph Apply ControlNet node
+ATTENTION = "kvgraph_attention"  # patcher attachment: the loader's attention input, where it is not auto
 WRAPPER = "kvgraph.sampling_run"
 CORE_PATCHES_REFUSED = ("KV-Graph: {what} cannot patch a KV-Graph MODEL: its captured graphs read the weights in "
                         "place. Use core's Load LoRA or KV-Graph Load LoRA, which merge LoRAs into those weights for "
@@ -97,12 +99,13 @@ class QwenImage21KVModel(comfy.model_base.BaseModel):
         self.scheduler_config = scheduler_config
         self.variant = variant
         self.loaded = loaded  # the transformer's owner (graph_runtime/loaded.py): engine, LoRA state, runs
-        self.model_function = ModelFunction(loaded.engine)
+        # The engine is looked up at each use: the loaded model keeps one per attention kernel (loaded.py).
+        self.model_function = ModelFunction(lambda: loaded.engine)
         self._ignored = set()
 
     @property
     def engine(self):
-        return self.model_function.engine
+        return self.loaded.engine
 
     def get_dtype(self):
         return compute_dtype(self.diffusion_model)
@@ -233,6 +236,14 @@ def with_control(patcher, spec) -> KVGraphModelPatcher:
     return copy
 
 
+def with_attention(patcher, attention: str) -> KVGraphModelPatcher:
+    """A clone of the MODEL whose runs decode with the attention kernel `attention` (decode/attention.py); `auto` is
+    what a MODEL without the attachment runs."""
+    copy = patcher.clone()
+    copy.attachments[ATTENTION] = attention
+    return copy
+
+
 def kv_model(model, name: str = "model") -> QwenImage21KVModel:
     """The pack's model inside a MODEL, or a clear error naming what was wired in instead."""
     inner = getattr(model, "model", None)
@@ -263,10 +274,11 @@ def sampling_run_wrapper(executor, noise, latent_image, sampler, sigmas, *args, 
         raise InputError("model", *PATCHES_WITH_CONTROL)  # at once, not after the steps before the net's range
     if control is not None:
         control.tokens(*latent_image.shape[-2:])  # the VAE encodes before the first model call, not inside a step
-    run = SamplingRun(model.engine, on_first_call=lambda: model.loaded.loras_in_use(loras), control=control)
+    engine = model.loaded.use_attention(patcher.attachments.get(ATTENTION, AUTO_ATTENTION))
+    run = SamplingRun(engine, on_first_call=lambda: model.loaded.loras_in_use(loras), control=control)
     prompt_id, node_id = events.executing_ids()
     total = max(0, int(sigmas.shape[-1]) - 1)
-    steps = StepsWithoutCalls(run, model.engine.stats)
+    steps = StepsWithoutCalls(run, engine.stats)
     with in_flight.sampling(model.loaded, prompt_id, node_id, total) as record:
         args, kwargs = _with_progress(args, kwargs, record, steps.step_done)
         options[RUN] = run
@@ -275,7 +287,7 @@ def sampling_run_wrapper(executor, noise, latent_image, sampler, sigmas, *args, 
         finally:
             options.pop(RUN, None)
             run.release()
-            logger.info("KV-Graph: core sampling run on %s: %s", model.engine.name,
+            logger.info("KV-Graph: core sampling run on %s: %s", engine.name,
                         {**run.counts.describe(), "skipped_steps": steps.skipped})
 
 

@@ -19,6 +19,7 @@ import torch
 
 import comfy.model_management as mm
 
+from ...graph_runtime.decode.attention import AUTO as AUTO_ATTENTION, check_attention
 from ...graph_runtime.encoding.prompt import PromptEncoder
 from ...graph_runtime.errors import InputError
 from ...graph_runtime.memory import gib, module_bytes
@@ -26,7 +27,7 @@ from ...graph_runtime.placement import PinnedWeights
 from ...graph_runtime.loaded import LoadedTransformer
 from ...graph_runtime.report import storage_text
 from ...graph_runtime.validation import check_kind
-from .core_model import make_model_patcher, with_loras
+from .core_model import make_model_patcher, with_attention, with_loras
 from .patcher import FullLoadPatcher, ModuleHost, same_device  # noqa: F401 - same_device: other nodes import it here
 
 logger = logging.getLogger("kvgraph")
@@ -152,6 +153,14 @@ class TransformerHandle(ModelHandle):
     gpus: int = 1  # devices each image is decoded on (graph_runtime/parallel); the loader's gpus input
     control: object = None  # a ControlSpec from KV-Graph Apply ControlNet (graph_runtime/controlnet), or None
     step_cache: object = None  # StepCacheSettings from a KV-Graph Step Cache node: the sampler skips predictable steps
+    attention: str = AUTO_ATTENTION  # the decode step's attention kernel (decode/attention.py); the loader's input
+
+    def with_attention(self, attention: str) -> "TransformerHandle":
+        """The same loaded model, decoded with the attention kernel `attention` (this handle is left as it is): a
+        change rebuilds the decode step over the same weights when it is sampled (loaded.py `use_attention`)."""
+        attention = check_attention(attention)
+        return self if attention == self.attention else dataclasses.replace(self, attention=attention,
+                                                                              base=self.base or self)
 
     def with_gpus(self, gpus: int) -> "TransformerHandle":
         """The same loaded model, sampled on `gpus` devices (this handle is left as it is)."""
@@ -177,8 +186,10 @@ class TransformerHandle(ModelHandle):
 
     @property
     def model(self):
-        """The core MODEL of this loaded transformer (ComfyUI's ModelPatcher), with this handle's LoRA chain."""
-        return with_loras(self.patcher, self.loras) if self.loras else self.patcher
+        """The core MODEL of this loaded transformer (ComfyUI's ModelPatcher), with this handle's LoRA chain and
+        attention."""
+        patcher = with_loras(self.patcher, self.loras) if self.loras else self.patcher
+        return patcher if self.attention == AUTO_ATTENTION else with_attention(patcher, self.attention)
 
     def with_control(self, spec) -> "TransformerHandle":
         """The same loaded model sampled with the ControlNet `spec` (this handle is left as it is)."""
@@ -196,7 +207,8 @@ class TransformerHandle(ModelHandle):
         return dataclasses.replace(self, loras=(*self.loras, choice), base=self.base or self)
 
     def describe(self) -> dict:
-        return {**super().describe(), "loras": self.loaded.merged_loras()["loras"]}
+        return {**super().describe(), "loras": self.loaded.merged_loras()["loras"],
+                "attention": self.loaded.attention}  # what the last run asked for (the engines report what ran)
 
     def _weights_leaving(self, patcher) -> None:
         # Captured graphs and their static buffers are worthless once the weights move; free the buffers with

@@ -294,6 +294,8 @@ def test_panel_renders_graph_entries(page, pack_folder):
             budget: { total_bytes: 15 * 2 ** 30, plan: { fits: true, whole: false, blocks: 32, resident_blocks: 26,
                 streamed_blocks: 6, prefix_placement: 'host', text_encoder: 'cpu', vae_decode: 'tiled',
                 gpu_bytes: 15 * 2 ** 30, step_ms: 262.4 } },
+            attention_requested: 'fp8', attention: { 'cuda:0 bfloat16': 'fa3' },
+            attention_fallbacks: { 'FP8 attention runs in bf16: this FlashAttention-3 build has no FP8 forward': 1 },
             entries: [
                 { key, state: 'captured', captures: 1, replays: 38, bytes: 3 * 2 ** 30, owner_alive: true },
                 { key: { ...key, branch: 'uncond' }, state: 'failed', reason: 'allocation failed',
@@ -336,6 +338,8 @@ def test_panel_renders_graph_entries(page, pack_folder):
     assert "39 eager · 5 skipped (step cache) · " in body and "Skipped steps" in body
     assert "prefills: 12 replayed · 1 captured · 2 eager (long prefix: 2)" in body
     assert "prompt a1b2c3d4 · node 5 · step 7/40" in body
+    assert "attention fp8 (runs fa3)" in body
+    assert "attention fallback: FP8 attention runs in bf16: this FlashAttention-3 build has no FP8 forward: 1" in body
     assert re.search(r"Held\s+3\.0 GiB", body)
     assert page.errors == []
     assert not [m for m in page.kv_console if m.startswith("error")], page.kv_console
@@ -372,6 +376,28 @@ def test_example_workflow_loads_without_missing_nodes(page, path):
     assert result["calls"] == [], f"the frontend reported missing nodes or models: {result['calls']}"
     assert result["dialogs"] == []
     assert result["samplers"] == 1
+    assert page.errors == []
+
+
+def test_a_workflow_saved_before_the_attention_input_loads_with_auto(page):
+    """A UI workflow whose transformer loader has no `attention` value (saved before the input existed) loads without
+    errors, its loader's attention widget at `auto` and its other widgets as saved, and the prompt the frontend makes
+    from it sends `attention: auto` (which the e2e tests run)."""
+    workflow = json.loads(TEXT_TO_IMAGE.read_text())
+    loader = next(n for n in workflow["nodes"] if n["type"] == "KVGraphLoadTransformer")
+    assert loader["widgets_values"][-1] == "auto"
+    loader["widgets_values"] = loader["widgets_values"][:-1]  # as saved before the input existed
+    result = page.evaluate("""async (workflow) => {
+        const app = window.app;
+        await app.loadGraphData(workflow);
+        const node = app.graph.nodes.find(n => n.type === 'KVGraphLoadTransformer');
+        const { output } = await app.graphToPrompt();
+        return { widgets: Object.fromEntries(node.widgets.map(w => [w.name, w.value])), errored: node.has_errors,
+                 inputs: output[String(node.id)].inputs };
+    }""", workflow)
+    assert result["widgets"]["attention"] == "auto" and not result["errored"]
+    assert {k: result["inputs"][k] for k in ("precision", "gpus", "attention")} == {
+        "precision": "auto", "gpus": 1, "attention": "auto"}
     assert page.errors == []
 
 

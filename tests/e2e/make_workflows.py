@@ -199,7 +199,8 @@ def graph(name, prompt, negative="", steps=40, cfg=1.0, preset="auto", reference
     columns of rows of node ids (see workflow_layout.place)."""
     nodes = [
         (1, "KVGraphLoadTransformer", [("transformer_name", transformer), ("dtype", "bf16"),
-                                       ("int8_weights", "int8"), ("precision", "auto"), ("gpus", 1)], {},
+                                       ("int8_weights", "int8"), ("precision", "auto"), ("gpus", 1),
+                                       ("attention", "auto")], {},
          transformer_title),
         (2, "KVGraphLoadTextEncoder", [("text_encoder_name", TEXT_ENCODER_FILE), ("dtype", "bf16"),
                                        ("text_encoder_placement", "gpu while encoding, then offload"),

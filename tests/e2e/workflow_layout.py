@@ -44,7 +44,7 @@ MAX_SCALE = 1.0
 # than the node less twice the title bar's height), and `computeSize()`'s height. A Load Image node's height holds its
 # image preview.
 MIN_SIZE = {
-    "KVGraphLoadTransformer": (470, 174),
+    "KVGraphLoadTransformer": (470, 198),
     "KVGraphLoadTextEncoder": (420, 130),
     "KVGraphLoadVAE": (370, 82),
     "KVGraphLoadLoRA": (340, 82),
