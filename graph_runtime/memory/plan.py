@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..report import block_sizes
 from .sizes import (
     MARGIN_BYTES, MARGIN_FRACTION, GenerationShape, GiB, MemoryBudget, TransformerDims, VaeDims, estimate, gib,
     kv_bytes_per_token, module_bytes, prefill_bytes,
