@@ -505,6 +505,9 @@ def plan_memory(sizes: ModelSizes, shape: GenerationShape, available: int, host_
         if sizes.text_encoder is not None:
             smallest.text_encoder = TE_CPU
         return smallest
+    # Recomputing the prefix every step is the last resort (issue's rule, and what a user expects of a cache): it is
+    # taken only where no plan with a kept prefix fits, even where its estimate is lower.
+    fitting = [plan for plan in fitting if plan.prefix_placement != "recompute"] or fitting
     best = min(fitting, key=lambda p: (round(p.step_ms, 2), -p.resident_blocks,
                                        PREFIX_PLACEMENTS.index(p.prefix_placement)))
     if sizes.vae is not None:
