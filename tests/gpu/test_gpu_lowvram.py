@@ -231,7 +231,8 @@ def test_device_memory_stays_within_the_plan(kind):
     base = torch.cuda.memory_allocated()
     loaded.load_streamed("cuda", plan)
     held = torch.cuda.memory_allocated() - base
-    assert plan.device_bytes <= held <= plan.device_bytes + SLACK, (held, plan)
+    # Each slot is a separate allocation, rounded up by the allocator: one SLACK per slot beyond the plan's bytes.
+    assert plan.device_bytes <= held <= plan.device_bytes + 2 * SLACK, (held, plan)
     assert plan.largest_block > 4 * SLACK  # the bounds below tell a block apart from the slack
 
     torch.cuda.reset_peak_memory_stats()
@@ -257,6 +258,10 @@ def test_switching_plans_leaks_no_device_memory():
     loaded = LoadedTransformer(model)
     engine = loaded.engine
     embeds = _embeds(WIDE["context_in_dim"], torch.bfloat16)
+    # A whole run first: what every run of the model keeps (its RoPE tables and layouts, cached per model) exists
+    # before the baseline, so the baseline measures what streaming leaves behind.
+    _assert_replayed(sample(engine, _request(embeds, 4)), captures=1)
+    engine.release()
     gc.collect()
     torch.cuda.synchronize()
     baseline = torch.cuda.memory_allocated()

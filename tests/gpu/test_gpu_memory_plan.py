@@ -25,13 +25,13 @@ pytestmark = pytest.mark.gpu
 
 def test_a_streamed_plan_runs_within_its_bytes_and_a_bigger_card_loads_whole_again():
     """bf16 DiT, 1024x1024 on an emulated 16 GB card: the plan streams blocks, the run's allocated peak stays within
-    the plan's GPU bytes and the latents are finite (eager steps: streamed weights); on a 40 GB card next, the plan is
+    the plan's GPU bytes and the latents are finite (the streamed steps replay too); on a 40 GB card next, the plan is
     whole, the streamed blocks come back and the steps replay a captured graph."""
     transformer = build_transformer()
     vae = build_vae()
     loaded = loaded_for(transformer)
     positive = PromptEmbeds(torch.randn(1, 128, 4096, device="cuda", dtype=torch.bfloat16),
-                            torch.ones(1, 128, dtype=torch.bool))
+                            torch.zeros(1, 128, dtype=torch.bool))  # no image slots: text to image
     request = SamplingRequest(positive=positive, latent_height=64, latent_width=64, sigma_preset="turbo")
     torch.cuda.empty_cache()
     with emulated_card(16 * GB):
