@@ -18,6 +18,7 @@ from ..kernels.preload import wait_for_preload
 from ..free_memory import device_free_bytes
 from .eligibility import static_reason
 from .prefill import PrefixCache
+from .prefix_store import GPU, PrefixStore, store_bytes
 from .step import DecodeInputs, PrefixInputs
 
 
@@ -56,26 +57,29 @@ class EntrySpec:
     device: torch.device
     # The request's per-block residuals (a ControlNet), whose static copy the entry holds too; None for none.
     residuals: object = field(default=None, compare=False)
+    placement: str = GPU  # where the prefix K/V live (prefix_store.py)
 
     @classmethod
     def for_request(cls, transformer, layout, batch: int, heads: int | None = None,
-                    residuals=None) -> "EntrySpec":
+                    residuals=None, placement: str = GPU) -> "EntrySpec":
         """`heads`: the heads whose K/V the entry keeps (default all)."""
         config = transformer.config
         param = next(transformer.parameters())
         return cls(batch=batch, prefix_len=layout.prefix_len, target_tokens=layout.target_tokens,
                    heads=heads or config.num_attention_heads, head_dim=config.attention_head_dim,
                    num_blocks=len(transformer.transformer_blocks), in_channels=config.in_channels,
-                   dtype=param.dtype, device=param.device, residuals=residuals)
+                   dtype=param.dtype, device=param.device, residuals=residuals, placement=placement)
 
     @property
     def static_bytes(self) -> int:
-        """What the entry's static buffers take (K/V for every block dominate: 0.5 MiB per token per branch)."""
-        kv = self.batch * (self.prefix_len + self.target_tokens) * self.heads * self.head_dim * self.num_blocks * 2
+        """What the entry's static buffers take on the device (K/V dominate: with the prefix on the GPU, 0.5 MiB
+        per token per branch)."""
+        kv, _ = store_bytes(self.placement, self.batch, self.prefix_len, self.target_tokens, self.heads,
+                            self.head_dim, self.num_blocks, self.dtype.itemsize)
         hidden = self.batch * self.target_tokens * self.in_channels
         extra = 0 if self.residuals is None else self.residuals.static_bytes(self.batch, self.prefix_len,
                                                                             self.target_tokens, self.dtype)
-        return (kv + hidden) * self.dtype.itemsize + extra
+        return kv + hidden * self.dtype.itemsize + extra
 
 
 class DecodeGraphEntry(CaptureRecord):
@@ -100,17 +104,24 @@ class DecodeGraphEntry(CaptureRecord):
             kv_shape = (spec.batch, spec.prefix_len + spec.target_tokens, spec.heads, spec.head_dim)
             rope_shape = (spec.target_tokens, 1, spec.head_dim // 2)
             zeros = lambda shape, dtype: torch.zeros(shape, dtype=dtype, device=spec.device)  # noqa: E731
+            # An int8 or host prefix: the store's working buffers stand in for the per-block ones.
+            self.store = None if spec.placement == GPU else PrefixStore(
+                spec.placement, spec.batch, spec.prefix_len, spec.target_tokens, spec.heads, spec.head_dim,
+                spec.num_blocks, spec.dtype, spec.device)
+            blocks = spec.num_blocks if self.store is None else 0
             self.inputs = DecodeInputs(
                 hidden=zeros((spec.batch, spec.target_tokens, spec.in_channels), spec.dtype),
                 timestep=zeros((spec.batch,), spec.dtype),
-                k=[zeros(kv_shape, spec.dtype) for _ in range(spec.num_blocks)],
-                v=[zeros(kv_shape, spec.dtype) for _ in range(spec.num_blocks)],
+                k=[zeros(kv_shape, spec.dtype) for _ in range(blocks)],
+                v=[zeros(kv_shape, spec.dtype) for _ in range(blocks)],
                 cos=zeros(rope_shape, torch.float32),
                 sin=zeros(rope_shape, torch.float32),
                 prefix_len=spec.prefix_len,
                 static_kv=True,
                 skip=frozenset(getattr(key, "skip", ())),
             )
+            if self.store is not None:
+                self.inputs.extra["prefix_store"] = self.store
             if spec.residuals is not None:
                 self.inputs.extra["block_residuals"] = spec.residuals.static_copy(spec.prefix_len,
                                                                                   spec.target_tokens)
@@ -140,7 +151,13 @@ class DecodeGraphEntry(CaptureRecord):
         if residuals is not None:
             tensors += [residuals.tokens, residuals.strength, *residuals.k, *residuals.v]
         prefix_graph = self.captured_prefix.nbytes if self.captured_prefix is not None else 0
-        return sum(t.numel() * t.element_size() for t in tensors) + self.pool_bytes + prefix_graph
+        store = 0 if self.store is None else self.store.device_bytes
+        return sum(t.numel() * t.element_size() for t in tensors) + self.pool_bytes + prefix_graph + store
+
+    @property
+    def host_bytes(self) -> int:
+        """The pinned host memory a host prefix holds."""
+        return 0 if self.store is None else self.store.host_bytes
 
     def load_inputs(self, hidden: torch.Tensor, timestep: torch.Tensor, residuals=None) -> None:
         self.inputs.hidden.copy_(hidden)
@@ -159,9 +176,12 @@ class DecodeGraphEntry(CaptureRecord):
         sources = [*prefix.k, *prefix.v]
         if self._holds(sources):
             return False
-        prefix_len = self.inputs.prefix_len
-        for dst, src in zip([*self.inputs.k, *self.inputs.v], sources):
-            dst[:, :prefix_len].copy_(src)
+        if self.store is not None:
+            self.store.copy_from(prefix.store)
+        else:
+            prefix_len = self.inputs.prefix_len
+            for dst, src in zip([*self.inputs.k, *self.inputs.v], sources):
+                dst[:, :prefix_len].copy_(src)
         self._sources = [weakref.ref(t) for t in sources]
         self._versions = [(i, t._version) for i, t in enumerate(sources) if not t.is_inference()]
         return True

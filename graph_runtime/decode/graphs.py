@@ -47,6 +47,9 @@ class GraphKey:
     parallel: tuple = ()
     residuals: tuple = ()  # a ControlNet's part (which net, where its weights are): its stream is captured work
     skip: tuple = ()  # blocks the step leaves out (sorted): a skip-layer guidance pass is its own graph
+    # Where the prefix K/V live (prefix_store.py): an int8 or host entry's step reads other buffers and runs other
+    # work (dequantization, host copies), so placements never share an entry.
+    placement: str = "gpu"
 
     def describe(self) -> dict:
         prefix_len, target_tokens, shapes, _ = self.layout
@@ -59,18 +62,21 @@ class GraphKey:
             "dtype": self.dtype,
             "device": self.device,
             "backend": self.backend,
+            "prefix_placement": self.placement,
             **({"parallel": dict(self.parallel)} if self.parallel else {}),
             **({"residuals": f"{self.residuals[0]} #{self.residuals[1]}"} if self.residuals else {}),
             **({"skipped_blocks": list(self.skip)} if self.skip else {}),
         }
 
 
-def make_key(step: DecodeStep, branch: str, batch: int, layout, dtype, device, residuals=None, skip=()) -> GraphKey:
+def make_key(step: DecodeStep, branch: str, batch: int, layout, dtype, device, residuals=None, skip=(),
+             placement: str = "gpu") -> GraphKey:
     """`residuals`: the request's per-block residuals (a ControlNet), or None; `skip`: the blocks the step leaves
-    out."""
+    out; `placement`: where the prefix K/V live."""
     return GraphKey(branch=branch, batch=batch, layout=layout.signature, dtype=str(dtype).removeprefix("torch."),
                     device=str(device), backend=step.variant(device), parallel=step.parallel_key(),
-                    residuals=() if residuals is None else residuals.graph_key(), skip=tuple(sorted(skip)))
+                    residuals=() if residuals is None else residuals.graph_key(), skip=tuple(sorted(skip)),
+                    placement=placement)
 
 
 @dataclass
@@ -171,7 +177,7 @@ class DecodeGraphs:
         key = prefix.graph_key
         if key is None:
             key = prefix.graph_key = make_key(step, prefix.branch, prefix.batch, prefix.layout, hidden.dtype,
-                                              hidden.device, prefix.residuals, prefix.skip)
+                                              hidden.device, prefix.residuals, prefix.skip, prefix.placement)
         with self.lock:
             entry = self._lookup_or_register(key, make_spec)
             if isinstance(entry, FailedEntry):
@@ -372,7 +378,9 @@ class DecodeGraphs:
                 else:
                     item.update(state="captured" if entry.graph is not None else "registered",
                                 captures=entry.captures, replays=entry.replays, bytes=entry.nbytes,
-                                owner_alive=self.owners.alive(key))
+                                host_bytes=entry.host_bytes, owner_alive=self.owners.alive(key))
                 entries.append(item)
             return {"model": self.name, "entries": entries, "bytes_held": self.bytes_held(),
+                    "host_bytes_held": sum(e.host_bytes for e in self.entries.values()
+                                           if isinstance(e, DecodeGraphEntry)),
                     "max_entries": self.max_entries, **self.stats.snapshot()}
