@@ -5,16 +5,19 @@ Replays run through the recording backend (tests/test_graph_manager.py): the cap
 static buffers, so the entries' stores, refreshes and keys are the real ones; CUDA graphs are the GPU tests'.
 """
 
+import dataclasses
 import gc
 import logging
 
 import pytest
 import torch
 
+from graph_runtime import memory
 from graph_runtime.decode import DecodeEngine
 from graph_runtime.decode import eligibility as why
 from graph_runtime.decode.prefix_store import PLACEMENTS, PrefixStore, check_placement, store_bytes
 from graph_runtime.errors import InputError
+from graph_runtime.memory import budget as budgets
 from graph_runtime.kernels.kv_int8 import QMAX, dequantize_rows, quantize_rows
 from tests.test_cached_decode import lamp_request
 from tests.test_graph_manager import RecordingBackend
@@ -179,3 +182,118 @@ def test_store_bytes_match_the_buffers_a_store_allocates():
     assert store_bytes("gpu", 1, 40, 24, 2, 16, 3, 2) == (2 * 3 * 64 * 32 * 2, 0)
     assert store_bytes("recompute", 1, 40, 24, 2, 16, 3, 2) == (0, 0)
     assert PLACEMENTS == ("gpu", "int8", "host", "recompute")
+
+
+# -- the memory budget ---------------------------------------------------------------------------------------------
+
+GiB = 1 << 30
+
+
+def test_each_placement_is_sized_by_hand_at_full_size():
+    """Ten 1024x1024 references (40960 prefix tokens + 128 text) at full size in bf16, one branch: gpu holds every
+    block's K/V rows (0.5 MiB a token), int8 one byte a value plus an fp32 scale per token and head, and one working
+    K/V buffer; host two working buffers on the device and the bf16 rows on the host; recompute nothing."""
+    from tests.test_memory import FULL
+
+    prefix, target, row = 40960 + 128, 4096, 32 * 128
+    working = 2 * (prefix + target) * row * 2
+    assert store_bytes("gpu", 1, prefix, target, 32, 128, 32, 2) == (32 * working, 0)
+    assert store_bytes("int8", 1, prefix, target, 32, 128, 32, 2) == (
+        working + 2 * 32 * prefix * (row + 4 * 32), 0)
+    assert store_bytes("host", 1, prefix, target, 32, 128, 32, 2) == (2 * working, 2 * 32 * prefix * row * 2)
+    # With the entry's other buffers (hidden, timestep, RoPE), as the budget counts them.
+    other = memory.entry_buffer_bytes(FULL, 1, prefix, target) - target * memory.kv_bytes_per_token(FULL)
+    assert memory.placement_bytes(FULL, 1, prefix, target, "int8") == (
+        working + 2 * 32 * prefix * (row + 4 * 32) + other, 0)
+    assert memory.placement_bytes(FULL, 1, prefix, target, "recompute") == (0, 0)
+    gpu, _ = memory.placement_bytes(FULL, 1, prefix, target, "gpu")
+    int8, _ = memory.placement_bytes(FULL, 1, prefix, target, "int8")
+    assert 22 * GiB < gpu < 23 * GiB and int8 < 0.6 * gpu  # 0.5 MiB a token, prefix and target rows
+
+
+def _ten_reference_plan(**changes):
+    from tests.test_memory import plan_1024
+
+    return plan_1024(prefix_tokens=(40960 + 128,), **changes)
+
+
+def test_auto_keeps_the_prefix_on_the_gpu_where_it_fits_then_int8_then_host_then_recompute():
+    """`auto` is the first placement whose whole budget fits: the order is gpu, int8, host, recompute, so each
+    smaller card gets the next one; a host prefix also needs its rows to fit the host's memory."""
+    plan = _ten_reference_plan()
+    totals = {p: budgets.fitting_estimate(plan.dims, dataclasses.replace(plan.shape, prefix_placement=p),
+                                          plan.weights, plan.vae, 10**15).total for p in PLACEMENTS}
+    assert totals["gpu"] > totals["int8"] > totals["host"] > totals["recompute"]
+
+    def choose(available, host_free=None):
+        return budgets.choose_placement(plan.dims, plan.shape, plan.weights, plan.vae, available, host_free)
+
+    assert choose(totals["gpu"]) == "gpu"
+    assert choose(totals["gpu"] - 1) == "int8"
+    assert choose(totals["int8"] - 1) == "host"
+    assert choose(totals["int8"] - 1, host_free=10 * GiB) == "recompute"  # the pinned rows need ~10.6 GiB
+    assert choose(totals["host"] - 1) == "recompute"
+    host = budgets.fitting_estimate(plan.dims, dataclasses.replace(plan.shape, prefix_placement="host"),
+                                    plan.weights, plan.vae, totals["host"])
+    assert host.host_total == 2 * 32 * 40 * 1024 * 4096 * 2 + 2 * 32 * 128 * 4096 * 2
+    assert "on the host" in host.describe()
+
+
+def test_a_refusal_offers_the_placements_with_what_they_need():
+    """A 10-reference request (bf16 weights) on a 26 GiB card with the prefix forced onto the GPU is refused, and the
+    refusal names each placement with what it needs, those that fit (host, recompute; int8's 11 GiB of prefix does
+    not beside the bf16 weights) first."""
+    plan = _ten_reference_plan()
+    with pytest.raises(budgets.MemoryBudgetError) as info:
+        plan.check(26 * GiB, "cuda:0", "test")
+    options = str(info.value).split("Change one of: ")[1].rstrip(".").split("; ")
+    placed = {o.split(" ")[1]: o for o in options if o.startswith("prefix_placement ")}
+    assert set(placed) == {"int8", "host", "recompute"}
+    assert placed["host"].endswith("(fits)") and placed["recompute"].endswith("(fits)")
+    assert not placed["int8"].endswith("(fits)")
+    fitting = [o.endswith("(fits)") for o in options]
+    assert fitting == sorted(fitting, reverse=True)
+
+
+def test_the_sampling_check_resolves_auto_onto_the_request(tiny_models, generator):
+    """`check_sampling_request` resolves `auto` by the budget and the run reads it from the request: with room for
+    the gpu layout it stays gpu; with less, int8 (and the note says why); a forced placement is kept as asked."""
+    from graph_runtime.sampling.sampler import SamplingRequest
+
+    positive = generator.encoder.encode("a red cube")
+
+    def request(placement="auto"):
+        return SamplingRequest(positive=positive, latent_height=8, latent_width=8, steps=2,
+                               prefix_placement=placement, scheduler_config=tiny_models.scheduler_config)
+
+    plan = budgets.RequestPlan.for_request(tiny_models.transformer, request(), None, graphs=True)
+    gpu = plan.budget().total
+    int8 = budgets.fitting_estimate(plan.dims, dataclasses.replace(plan.shape, prefix_placement="int8"),
+                                    plan.weights, None, gpu).total
+    assert int8 < gpu
+    roomy, tight = request(), request()
+    budgets.check_sampling_request(tiny_models.transformer, roomy, budgets.Available(gpu), "cuda:0")
+    budget = budgets.check_sampling_request(tiny_models.transformer, tight, budgets.Available(gpu - 1), "cuda:0")
+    assert (roomy.placement(), tight.placement()) == ("gpu", "int8")
+    assert budget.prefix_placement == "int8" and "placement int8 (auto" in " ".join(budget.notes)
+    forced = request("host")
+    budgets.check_sampling_request(tiny_models.transformer, forced, budgets.Available(gpu), "cuda:0")
+    assert forced.placement() == "host" and forced.planned_placement is None
+    assert request().placement() == "gpu"  # no budget made (nothing reports free memory): the gpu layout
+
+
+def test_the_sampler_runs_the_placement_it_was_given(tiny_models, generator):
+    """A sampling run prefills with the request's placement (counted per placement), and a host prefix gives the
+    gpu prefix's latents exactly (CPU fp32)."""
+    from graph_runtime.sampling.sampler import SamplingRequest, sample
+
+    positive = generator.encoder.encode("a red cube")
+    results = {}
+    for placement in ("gpu", "host"):
+        engine = DecodeEngine(tiny_models.transformer, backend=RecordingBackend())
+        request = SamplingRequest(positive=positive, latent_height=8, latent_width=8, steps=3,
+                                  prefix_placement=placement, scheduler_config=tiny_models.scheduler_config)
+        results[placement] = sample(engine, request)
+        assert engine.stats.prefix_placements == {placement: 1}
+    assert torch.equal(results["gpu"].latents, results["host"].latents)
+    assert results["host"].stats["prefix_placements"] == {"host": 1}

@@ -16,7 +16,8 @@ import torch
 
 from ..errors import KVGraphError
 from .. import free_memory
-from ..decode import TOKENS_PER_SLOT
+from ..decode import PLACEMENTS, TOKENS_PER_SLOT
+from ..decode.prefix_store import AUTO, GPU
 from . import sizes as memory
 from .sizes import (
     GenerationShape, MemoryBudget, TransformerDims, VaeDims, available_bytes, estimate, fitting_estimate, gib,
@@ -61,6 +62,9 @@ def alternatives(dims: TransformerDims, shape: GenerationShape, weights: dict[st
         option("the int8 ConvRot transformer in weights mode int8 (half the weight bytes)",
                new_weights={**weights, "transformer": dims.int8_weight_bytes(weights["transformer"])},
                new_dims=dataclasses.replace(dims, int8=True))
+    for placement, why in PLACEMENT_OPTIONS.items():
+        if placement != shape.prefix_placement:
+            option(f"prefix_placement {placement} ({why})", dataclasses.replace(shape, prefix_placement=placement))
     if shape.decode_mode != "eager":
         option("decode_mode eager (no graph buffers or pool; each step ~20% slower)",
                dataclasses.replace(shape, decode_mode="eager"))
@@ -75,6 +79,26 @@ def alternatives(dims: TransformerDims, shape: GenerationShape, weights: dict[st
         option(f"width x height at most {size[0]}x{size[1]} (same aspect)",
                dataclasses.replace(shape, width=size[0], height=size[1]))
     return [text for fits, text in sorted(options, key=lambda o: not o[0])]
+
+
+# What each prefix placement trades, as a refusal offers it.
+PLACEMENT_OPTIONS = {
+    "int8": "the prefix K/V int8 on the GPU, about half the bytes, within the INT8 bound",
+    "host": "the prefix K/V in pinned host memory, copied per block behind the compute",
+    "recompute": "no prefix cache: every step runs the whole sequence eagerly, several times slower",
+}
+
+
+def choose_placement(dims: TransformerDims, shape: GenerationShape, weights: dict[str, int], vae: VaeDims | None,
+                     available: int, host_free: int | None = None) -> str:
+    """What `auto` resolves to: the first of gpu, int8, host, recompute whose budget fits `available` (and, for
+    host, whose pinned rows fit `host_free` when known); gpu when none does (the refusal then names them all)."""
+    for placement in PLACEMENTS:
+        budget = fitting_estimate(dims, dataclasses.replace(shape, prefix_placement=placement), weights, vae,
+                                  available)
+        if budget.total <= available and (host_free is None or budget.host_total <= host_free):
+            return placement
+    return PLACEMENTS[0]
 
 
 def largest_fitting_batch(dims, shape, weights, vae, available: int) -> int:
@@ -135,7 +159,8 @@ def request_shape(request, graphs: bool = True) -> GenerationShape:
     prefixes = tuple(int(e.image_mask.shape[-1] + (TOKENS_PER_SLOT - 1) * e.num_image_slots) for e in branches)
     mode = request.decode_mode if graphs else "eager"
     return GenerationShape(width=request.latent_width * 16, height=request.latent_height * 16,
-                           batch=request.batch_size, prefix_tokens=prefixes, decode_mode=mode)
+                           batch=request.batch_size, prefix_tokens=prefixes, decode_mode=mode,
+                           prefix_placement=request.placement())
 
 
 @dataclass
@@ -199,8 +224,20 @@ def check_sampling_request(transformer, request, available: Available | None, de
         plan.shape = dataclasses.replace(plan.shape, decoded_bytes_per_pixel=decoded_bytes_per_pixel)
     if available is None:
         return plan.budget()
+    if request.prefix_placement == AUTO:
+        # Until a planner decides more, `auto` keeps the prefix on the GPU where the request fits, else the first
+        # placement that does; the run reads the choice from the request.
+        placement = choose_placement(plan.dims, plan.shape, plan.weights, plan.vae, available.total, host_free)
+        request.planned_placement = placement
+        plan.shape = dataclasses.replace(plan.shape, prefix_placement=placement)
     budget = plan.check_available(available, device, more_options)
     shape = plan.shape
+    if shape.prefix_placement != GPU:
+        how = "auto: the GPU prefix does not fit" if request.prefix_placement == AUTO else "as asked"
+        budget.notes.append(f"prefix K/V placement {shape.prefix_placement} ({how})")
+    if host_free is not None and budget.host_total > host_free:
+        budget.notes.append(f"the pinned prefix needs {gib(budget.host_total)} of host memory, more than the "
+                            f"{gib(host_free)} available")
     image = memory.decoded_images_bytes(shape.width, shape.height, shape.batch, memory.IMAGE_BYTES_PER_PIXEL)
     if host_free is not None and image > host_free:
         budget.notes.append(f"decoding all {shape.batch} images needs {gib(image)} of host memory for the IMAGE, "
