@@ -112,7 +112,9 @@ GRAPH_CACHE_FIELDS = ("entries", "captures", "replays", "eager_steps", "eager_to
 
 def graph_cache_fields(state: dict) -> dict:
     """The reported part of an engine's status (`engine.status()`); `compiled` is False when the engine says nothing."""
-    return {**{name: state[name] for name in GRAPH_CACHE_FIELDS}, "compiled": state.get("compiled", False)}
+    return {**{name: state[name] for name in GRAPH_CACHE_FIELDS}, "compiled": state.get("compiled", False),
+            # Where prefills put their prefix K/V (gpu, int8, host, recompute), and the pinned bytes entries hold.
+            "prefix_placements": state.get("prefix_placements", {}), "host_bytes_held": state.get("host_bytes_held", 0)}
 
 
 def budget_record(budget, device, available: int | None) -> dict:
@@ -138,7 +140,8 @@ def graph_cache_lines(model: dict) -> list[str]:
              + (f", skipped steps: {model['skipped_steps']} (step cache)" if model.get("skipped_steps") else "")
              + "; prefills: "
              f"{model['prefill_captures']} captured, {model['prefill_replays']} replayed, eager: "
-             f"{by_reason(model['eager_prefills']) or 'none'}"]
+             f"{by_reason(model['eager_prefills']) or 'none'}"
+             + (f"; prefix K/V: {by_reason(model['prefix_placements'])}" if model.get("prefix_placements") else "")]
     lora = model["lora"]
     if lora["loras"]:
         names = ", ".join(f"{item['name']} ({item['strength']:g})" for item in lora["loras"])
@@ -158,6 +161,8 @@ def entry_line(entry: dict) -> str:
     """One graph entry of `engine.status()["entries"]`: its shape, then its state."""
     key = entry["key"]
     shape = f"{key['branch']} batch {key['batch']}, {key['prefix_tokens']}+{key['target_tokens']} tokens"
+    if key.get("prefix_placement", "gpu") != "gpu":
+        shape += f", prefix {key['prefix_placement']}"
     if entry.get("state") == "failed":
         return f"{shape}: failed ({entry['reason']})"
     return (f"{shape}: {entry['state']}, {entry['captures']} captures, {entry['replays']} replays, "

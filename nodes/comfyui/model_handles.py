@@ -153,6 +153,7 @@ class TransformerHandle(ModelHandle):
     gpus: int = 1  # devices each image is decoded on (graph_runtime/parallel); the loader's gpus input
     control: object = None  # a ControlSpec from KV-Graph Apply ControlNet (graph_runtime/controlnet), or None
     step_cache: object = None  # StepCacheSettings from a KV-Graph Step Cache node: the sampler skips predictable steps
+    prefix_placement: str = "auto"  # from a KV-Graph Prefix Cache node: where the sampler keeps the prefix K/V
 
     def with_gpus(self, gpus: int) -> "TransformerHandle":
         """The same loaded model, sampled on `gpus` devices (this handle is left as it is)."""
@@ -191,6 +192,10 @@ class TransformerHandle(ModelHandle):
     def with_step_cache(self, settings) -> "TransformerHandle":
         """The same loaded model, sampled with a step cache of `settings` (this handle is left as it is)."""
         return dataclasses.replace(self, step_cache=settings, base=self.base or self)
+
+    def with_prefix_placement(self, placement: str) -> "TransformerHandle":
+        """The same loaded model, sampled with its prefix K/V kept under `placement` (this handle is left as is)."""
+        return dataclasses.replace(self, prefix_placement=placement, base=self.base or self)
 
     def with_lora(self, choice) -> "TransformerHandle":
         """The same loaded model with `choice` added to its LoRA chain (this handle is left as it is)."""

@@ -291,8 +291,11 @@ def test_panel_renders_graph_entries(page, pack_folder):
             loads: 1, busy: true, captures: 1, replays: 38, eager_steps: { 'owned by another request': 39 },
             eager_total: 39, evictions: 0, bytes_held: 3 * 2 ** 30, max_entries: 4, compiled: false, skipped_steps: 5,
             prefill_replays: 12, prefill_captures: 1, eager_prefills: { 'long prefix': 2 },
+            prefix_placements: { gpu: 12, host: 1, recompute: 2 },
             entries: [
                 { key, state: 'captured', captures: 1, replays: 38, bytes: 3 * 2 ** 30, owner_alive: true },
+                { key: { ...key, prefix_placement: 'host' }, state: 'captured', captures: 1, replays: 3,
+                  bytes: 2 ** 30, host_bytes: 20 * 2 ** 30, owner_alive: false },
                 { key: { ...key, branch: 'uncond' }, state: 'failed', reason: 'allocation failed',
                   detail: 'CUDA out of memory' },
             ] }],
@@ -321,7 +324,7 @@ def test_panel_renders_graph_entries(page, pack_folder):
     }""", pack_folder)
     assert text["panels"] == 1
     assert text["polled"] >= 1 and text["afterUnmount"] == 0
-    assert text["states"] == ["captured", "failed"]
+    assert text["states"] == ["captured", "captured", "failed"]
     body = text["text"]
     assert "cond · batch 1 · 1100 prefix + 4096 target tokens" in body
     assert "cond 32×32; target 64×64 · torch.bfloat16 · cuda:0 · sdpa" in body
@@ -330,6 +333,9 @@ def test_panel_renders_graph_entries(page, pack_folder):
     assert "owned by another request: 39" in body
     assert "39 eager · 5 skipped (step cache) · " in body and "Skipped steps" in body
     assert "prefills: 12 replayed · 1 captured · 2 eager (long prefix: 2)" in body
+    assert "prefix K/V: gpu 12 · host 1 · recompute (no prefix cache, eager) 2" in body
+    assert "cuda:0 · sdpa · prefix host" in body
+    assert "1.0 GiB · 20.0 GiB pinned on the host · owner released" in body
     assert "prompt a1b2c3d4 · node 5 · step 7/40" in body
     assert re.search(r"Held\s+3\.0 GiB", body)
     assert page.errors == []
