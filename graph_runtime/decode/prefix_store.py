@@ -101,6 +101,10 @@ class PrefixStore:
                 self.v_scale = [torch.zeros(scale, dtype=torch.float32, device=self.device) for _ in range(blocks)]
             else:
                 on_cuda = self.device.type == "cuda"
+                if not on_cuda and "no-cuda" not in _logged:
+                    _logged.add("no-cuda")
+                    logger.info("KV-Graph: no CUDA device: the host prefix is copied synchronously before each "
+                                "block.")
                 made = [_pinned_empty(stored, dtype) if on_cuda else (torch.empty(stored, dtype=dtype), False)
                         for _ in range(2 * blocks)]
                 self.pinned = on_cuda and all(pinned for _, pinned in made)

@@ -75,6 +75,21 @@ def _placed_steps(transformer, generator, placement, dtype):
     return out
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_dequantize_kernel_equals_the_reference_and_writes_only_the_prefix_rows(dtype):
+    """The Triton pass computes `int8 * scale` in fp32 and rounds once, as the PyTorch reference: bit-equal, into the
+    prefix rows of a `[B, P + T, H, D]` buffer (batches apart), the target rows left as they were."""
+    from graph_runtime.kernels.kv_int8 import dequantize_rows, reference_dequantize
+
+    generator = torch.Generator("cpu").manual_seed(0)
+    q = torch.randint(-127, 128, (2, 301, 32, 128), generator=generator, dtype=torch.int8).cuda()
+    scale = (torch.rand(2, 301, 32, 1, generator=generator) * 0.1).cuda()
+    work = torch.full((2, 301 + 64, 32, 128), 7.0, dtype=dtype, device="cuda")
+    dequantize_rows(q, scale, work[:, :301])
+    assert torch.equal(work[:, :301], reference_dequantize(q, scale, dtype))
+    assert bool((work[:, 301:] == 7.0).all())
+
+
 @pytest.mark.parametrize("placement", ["gpu", "int8", "host"])
 def test_replay_equals_its_eager_body_for_each_placement(cuda_models, cuda_generator, placement):
     """Bit for bit (fp32 tiny model): the captured step, dequantization or copy stream included, is the body."""
