@@ -1,8 +1,12 @@
 """Command-line options of `python -m bench` and the start its stand-alone benchmarks (`bench.lora`,
 `bench.step_cache`) share."""
 
+import datetime
+import json
+import platform
 import shlex
 import sys
+from pathlib import Path
 
 import torch
 
@@ -17,6 +21,25 @@ def standalone_start(prog: str, device: str, argv) -> tuple[str, torch.dtype] | 
     used = sys.argv[1:] if argv is None else argv
     command = f"python -m {prog} " + " ".join(shlex.quote(a) for a in used)
     return command, torch.bfloat16 if device != "cpu" else torch.float32
+
+
+def standalone_meta(command: str, device: str, transformer, dtype: torch.dtype, wall_s: float, **extra) -> dict:
+    """What a stand-alone benchmark's results are headed by: when, the command, the machine, the model."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command,
+            "device": torch.cuda.get_device_name() if device != "cpu" else platform.processor() or "cpu",
+            "torch": torch.__version__, "layers": transformer.config.num_layers, "dtype": str(dtype)[6:],
+            **extra, "wall_s": round(wall_s, 1)}
+
+
+def write_results(prog: str, out_dir: str, name: str, markdown: str, payload: dict) -> None:
+    """`<out_dir>/<name>-<time>.md` and `.json`, said on stdout."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
+    md, js = out / f"{name}-{stamp}.md", out / f"{name}-{stamp}.json"
+    md.write_text(markdown)
+    js.write_text(json.dumps(payload, indent=1) + "\n")
+    print(f"{prog}: wrote {md} and {js}", flush=True)
 
 
 def add_bench_arguments(parser) -> None:

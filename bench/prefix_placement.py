@@ -21,21 +21,17 @@ cpu` is a smoke run of this script (eager steps, no graphs, no bound).
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from graph_runtime.decode import DecodeEngine
-from graph_runtime.decode.warm_up import prefilled_static_inputs
 from graph_runtime.kernels.kv_int8 import dequantize_rows, quantize_rows
 
 from .model import build_transformer, fp32_copy
-from .options import standalone_start
+from .options import standalone_meta, standalone_start, write_results
 from .scenarios import DEFAULT_SCENARIOS, TINY_SCENARIOS, build_inputs
 from .timing import device_ms
 
@@ -238,19 +234,12 @@ def main(argv=None) -> int:
     if not args.no_quality and args.device != "cpu":
         judged = quality(transformer, inputs, args.device)
     layout = inputs.branches[0].layout
-    meta = {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command,
-            "device": torch.cuda.get_device_name() if args.device != "cpu" else platform.processor() or "cpu",
-            "torch": torch.__version__, "layers": config.num_layers, "dtype": str(dtype)[6:],
-            "scenario": scenario.name, "prefix_tokens": layout.prefix_len, "target_tokens": layout.target_tokens,
-            "wall_s": round(time.perf_counter() - started, 1)}
+    meta = standalone_meta(command, args.device, transformer, dtype, time.perf_counter() - started,
+                           scenario=scenario.name, prefix_tokens=layout.prefix_len,
+                           target_tokens=layout.target_tokens)
     print(json.dumps(result), flush=True)
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    md, js = out / f"prefix-placement-{stamp}.md", out / f"prefix-placement-{stamp}.json"
-    md.write_text(markdown(meta, result, judged))
-    js.write_text(json.dumps({"meta": meta, "speed": result, "quality": judged}, indent=1) + "\n")
-    print(f"bench.prefix_placement: wrote {md} and {js}", flush=True)
+    write_results("bench.prefix_placement", args.out_dir, "prefix-placement", markdown(meta, result, judged),
+                  {"meta": meta, "speed": result, "quality": judged})
     return 0
 
 

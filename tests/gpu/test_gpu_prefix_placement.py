@@ -14,7 +14,6 @@ prefix K/V inside the captured decode step.
 """
 
 import copy
-import gc
 
 import pytest
 import torch
@@ -23,7 +22,7 @@ from graph_runtime.decode import DecodeEngine, TokenLayout
 from graph_runtime.encoding.prompt import PromptEmbeds
 from graph_runtime.memory import budget as budgets
 from graph_runtime.sampling.sampler import SamplingRequest, initial_noise, pack, sample
-from tests import owners
+from tests.gpu.test_gpu_memory import fresh_device  # noqa: F401 - autouse: nothing of another test's held
 from tests.owners import generator_for, loaded_for
 
 pytestmark = pytest.mark.gpu
@@ -35,15 +34,6 @@ def cuda_generator(cuda_models):
     return generator_for(cuda_models)
 
 
-@pytest.fixture(autouse=True)
-def fresh_device():
-    owners.forget_all()
-    gc.collect()
-    torch.cuda.empty_cache()
-    yield
-    owners.forget_all()
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def _request(generator, dtype, shape=(1, 8, 8)):
