@@ -335,7 +335,7 @@ def test_panel_renders_graph_entries(page, pack_folder):
     assert "prefills: 12 replayed · 1 captured · 2 eager (long prefix: 2)" in body
     assert "prefix K/V: gpu 12 · host 1 · recompute (no prefix cache, eager) 2" in body
     assert "cuda:0 · sdpa · prefix host" in body
-    assert "1.0 GiB · 20.0 GiB pinned on the host · owner released" in body
+    assert "1 captures · 3 replays · 1.0 GiB · 20 GiB pinned on the host · owner released" in body
     assert "prompt a1b2c3d4 · node 5 · step 7/40" in body
     assert re.search(r"Held\s+3\.0 GiB", body)
     assert page.errors == []
