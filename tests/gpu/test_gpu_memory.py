@@ -173,15 +173,17 @@ def test_bf16_transformer_with_the_text_encoder_off_the_gpu_fits_a_24gb_card():
 
 
 def test_a_budget_over_the_card_is_refused_before_anything_is_allocated():
-    """The bf16 DiT resident on an emulated 16 GB card, a 1024x1024 request with a 128-token prompt: refused with
-    the settings named (int8 weights among them), and nothing of the request allocated."""
+    """The bf16 DiT resident on an emulated 16 GB card, a 1024x1024 request with a 128-token prompt and its prefix
+    forced onto the GPU: refused with the settings named (int8 weights and the other prefix placements among them),
+    and nothing of the request allocated. (With `auto` the budget places the prefix elsewhere instead.)"""
     from graph_runtime.encoding.prompt import PromptEmbeds
 
     transformer = build_transformer()
     vae = build_vae()
     positive = PromptEmbeds(torch.zeros(1, 128, 4096, device="cuda", dtype=torch.bfloat16),
                             torch.zeros(1, 128, dtype=torch.bool))
-    request = SamplingRequest(positive=positive, latent_height=64, latent_width=64, sigma_preset="turbo")
+    request = SamplingRequest(positive=positive, latent_height=64, latent_width=64, sigma_preset="turbo",
+                              prefix_placement="gpu")
     torch.cuda.empty_cache()
     with emulated_card(16 * GB):
         allocated = torch.cuda.memory_allocated()
@@ -190,6 +192,7 @@ def test_a_budget_over_the_card_is_refused_before_anything_is_allocated():
         assert torch.cuda.memory_allocated() == allocated
     print(info.value)
     assert "weights mode int8" in str(info.value) and not loaded_for(transformer).engine.graphs.entries
+    assert "prefix_placement recompute" in str(info.value)
 
 
 def _copies(run) -> list[str]:
