@@ -164,6 +164,10 @@ class PrefixStore:
     def copy_from(self, other: "PrefixStore") -> None:
         """Take `other`'s prefix (a request's own store into a graph entry's)."""
         other.finish_prefill()
+        if self.placement == HOST and self.device.type == "cuda":
+            # Host rows are written by the CPU, outside stream order: a replay of the entry's previous owner may
+            # still be reading them.
+            torch.cuda.synchronize(self.device)
         for dst, src in zip(self._tensors(), other._tensors()):
             dst.copy_(src)
 
