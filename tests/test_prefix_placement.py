@@ -297,3 +297,42 @@ def test_the_sampler_runs_the_placement_it_was_given(tiny_models, generator):
         assert engine.stats.prefix_placements == {placement: 1}
     assert torch.equal(results["gpu"].latents, results["host"].latents)
     assert results["host"].stats["prefix_placements"] == {"host": 1}
+
+
+# -- core samplers on the MODEL ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("setting,placement,noted", [
+    (None, "gpu", False), ({"device": "auto", "dtype": "default"}, "gpu", False),
+    ({"device": "gpu", "dtype": "int8"}, "int8", False), ({"device": "auto", "dtype": "int4"}, "int8", True),
+    ({"device": "cpu", "dtype": "default"}, "host", False), ({"device": "cpu", "dtype": "int8"}, "host", True),
+    ({"device": "off", "dtype": "default"}, "recompute", False)])
+def test_core_cache_node_setting_maps_onto_a_placement(setting, placement, noted):
+    """ComfyUI's Qwen Image 2.1 Cache node's setting on the MODEL picks the run's placement; what cannot be followed
+    as set (int4, a quantized host prefix) is said, and a bad value is refused naming it."""
+    from graph_runtime.core_model import placement_from_options
+
+    options = {} if setting is None else {"qwen_image21_cache": setting}
+    got, note = placement_from_options(options)
+    assert got == placement and (note is not None) == noted
+    with pytest.raises(InputError, match="device"):
+        placement_from_options({"qwen_image21_cache": {"device": "disk", "dtype": "default"}})
+
+
+def test_a_core_run_keeps_its_prefixes_where_it_was_told(tiny_models, generator):
+    """A core sampling run with a host placement prefills under it and its model calls give the gpu run's
+    predictions exactly (CPU fp32)."""
+    from graph_runtime.core_model import ModelFunction, SamplingRun
+    from tests.test_core_model import source
+
+    engine = DecodeEngine(tiny_models.transformer, backend=RecordingBackend())
+    function = ModelFunction(engine)
+    prompt = source(generator.encoder.encode("a red cube"))
+    x = torch.randn(1, 64, 8, 8, generator=torch.Generator("cpu").manual_seed(0))
+    sigma = torch.full((1,), 0.8)
+    outputs = {}
+    for placement in ("gpu", "host"):
+        with torch.no_grad(), SamplingRun(engine, placement=placement) as run:
+            outputs[placement] = function(x, sigma, prompt, run=run, roles=[0])
+    assert torch.equal(outputs["gpu"], outputs["host"])
+    assert engine.stats.prefix_placements == {"gpu": 1, "host": 1}
