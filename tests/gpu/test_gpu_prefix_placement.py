@@ -89,8 +89,11 @@ def test_replay_equals_its_eager_body_for_each_placement(cuda_models, cuda_gener
         assert out["entry"].store.pinned  # the copies were asynchronous ones, recorded into the graph
 
 
-def test_host_prefix_replays_equal_the_gpu_prefix_bit_for_bit_in_bf16(cuda_models, cuda_generator):
-    """The bf16 tiny model: the host prefix's captured and replayed steps equal the gpu prefix's exactly."""
+def test_host_prefix_replays_equal_the_gpu_prefix_bit_for_bit_in_bf16(cuda_models, cuda_generator, monkeypatch):
+    """The bf16 tiny model: the host prefix's captured and replayed steps equal the gpu prefix's exactly. Both prefix
+    passes run eagerly (a short gpu prefix's pass is otherwise captured without a cuBLAS workspace, whose GEMMs may
+    round differently), so both placements hold the same prefix values and only where they live differs."""
+    monkeypatch.setattr(DecodeEngine, "captures_prefix_pass", staticmethod(lambda prefix_len: False))
     bf16 = copy.deepcopy(cuda_models.transformer).to(torch.bfloat16)
     gpu = _placed_steps(bf16, cuda_generator, "gpu", torch.bfloat16)
     host = _placed_steps(bf16, cuda_generator, "host", torch.bfloat16)
