@@ -28,9 +28,8 @@ from .layout import TokenLayout
 from .block_patches import BlockPatches, joint_prefix_rows, patched_step
 from .prefill import OwnerToken, PrefixCache, run_prefill
 from .prefix_store import GPU, PLACEMENTS, RECOMPUTE, STORED, PrefixStore, check_placement
-from .step import rope_tables
 from .stats import DecodeStats, LoggedOnce
-from .step import DecodeInputs, DecodeStep, PrefixInputs
+from .step import DecodeInputs, DecodeStep, PrefixInputs, rope_tables
 from .warm_up import warm_up
 
 logger = logging.getLogger("kvgraph")
