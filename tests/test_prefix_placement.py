@@ -336,3 +336,23 @@ def test_a_core_run_keeps_its_prefixes_where_it_was_told(tiny_models, generator)
             outputs[placement] = function(x, sigma, prompt, run=run, roles=[0])
     assert torch.equal(outputs["gpu"], outputs["host"])
     assert engine.stats.prefix_placements == {"gpu": 1, "host": 1}
+
+
+def test_refused_pinning_falls_back_to_pageable_memory_said_once(monkeypatch, caplog):
+    """Where the system refuses page-locked memory, a host prefix gets pageable memory (copied synchronously), and
+    the refusal is logged once, not once per tensor."""
+    from graph_runtime.decode import prefix_store
+
+    real_empty = torch.empty
+
+    def refusing_empty(*args, pin_memory=False, **kwargs):
+        if pin_memory:
+            raise RuntimeError("cudaHostAlloc failed: out of memory")
+        return real_empty(*args, **kwargs)
+
+    monkeypatch.setattr(prefix_store.torch, "empty", refusing_empty)
+    monkeypatch.setattr(prefix_store, "_logged", set())
+    with caplog.at_level(logging.WARNING, logger="kvgraph"):
+        made = [prefix_store._pinned_empty((2, 3), torch.float32) for _ in range(3)]
+    assert all(not pinned and tensor.shape == (2, 3) for tensor, pinned in made)
+    assert sum("pinned host memory refused" in r.getMessage() for r in caplog.records) == 1
