@@ -19,6 +19,7 @@ import torch
 from . import eligibility as why
 from .capture import DecodeGraphEntry, EntrySpec, PrefixGraph
 from .prefill import OwnerToken, PrefixCache
+from .prefix_store import release_host_cache
 from .stats import DecodeStats, LoggedOnce
 from .step import DecodeStep, PrefixInputs
 
@@ -330,9 +331,13 @@ class DecodeGraphs:
 
     def _remove(self, keys) -> None:
         """Drop these entries and their owners; once no captured graph is left, the backend's pool goes too."""
+        pinned = False
         for key in keys:
-            self.entries.pop(key, None)
+            entry = self.entries.pop(key, None)
+            pinned = pinned or getattr(entry, "host_bytes", 0) > 0
             self.owners.forget(key)
+        if pinned:
+            release_host_cache()
         if not any(isinstance(e, DecodeGraphEntry) and e.holds_graph for e in self.entries.values()):
             reset = getattr(self.backend, "reset_pool", None)
             if reset is not None:

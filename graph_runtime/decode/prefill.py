@@ -17,6 +17,7 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVLayerCache
 
 from .layout import TokenLayout
+from .prefix_store import release_host_cache
 from .step import PrefixInputs, TargetDecodeBlock, rope_tables, run_prefix_blocks
 
 
@@ -77,8 +78,11 @@ class PrefixCache:
         self.v.clear()
         self.owner = None
         self.residuals = None
+        host = self.placement == "host"
         self.store = None
         self.rows = None
+        if host:
+            release_host_cache()  # a request's own host prefix (an entry's stays with the entry)
 
 
 class _StaticPrefixLayer(QwenImage21KVLayerCache):

@@ -76,6 +76,14 @@ def _pinned_empty(shape, dtype) -> tuple[torch.Tensor, bool]:
         return torch.empty(shape, dtype=dtype), False
 
 
+def release_host_cache() -> None:
+    """Hand pinned host memory that no tensor uses any more back to the system: PyTorch's pinned-memory allocator keeps
+    freed blocks cached, so a dropped host prefix (gigabytes) would otherwise stay locked in this process."""
+    empty = getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None and torch.cuda.is_available():
+        empty()
+
+
 class PrefixStore:
     """One request's (or graph entry's) prefix K/V under a stored placement, and the working buffers a step reads."""
 
