@@ -14,6 +14,7 @@ prefix K/V inside the captured decode step.
 """
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -87,6 +88,27 @@ def test_replay_equals_its_eager_body_for_each_placement(cuda_models, cuda_gener
     assert torch.equal(out["body"], out["replayed"])
     if placement == "host":
         assert out["entry"].store.pinned  # the copies were asynchronous ones, recorded into the graph
+
+
+def _pinned_bytes() -> int:
+    """What PyTorch's pinned-memory allocator holds (its key names changed across releases)."""
+    stats = torch.cuda.host_memory_stats()
+    return stats.get("reserved_bytes.current", stats.get("allocated_bytes.current", 0))
+
+
+def test_a_dropped_host_prefix_gives_its_pinned_memory_back(cuda_models, cuda_generator):
+    """Once the host entry is released, its pinned rows leave the allocator's cache too (no locked memory kept)."""
+    from graph_runtime.decode.prefix_store import release_host_cache
+
+    release_host_cache()
+    before = _pinned_bytes()
+    out = _placed_steps(cuda_models.transformer, cuda_generator, "host", torch.float32)
+    held = out["entry"].host_bytes
+    assert held > 0 and _pinned_bytes() >= before + held
+    del out
+    gc.collect()
+    release_host_cache()  # what the release did, once the last reference (the test's) is gone
+    assert _pinned_bytes() <= before
 
 
 def test_host_prefix_replays_equal_the_gpu_prefix_bit_for_bit_in_bf16(cuda_models, cuda_generator, monkeypatch):
