@@ -97,17 +97,24 @@ def _pinned_bytes() -> int:
 
 
 def test_a_dropped_host_prefix_gives_its_pinned_memory_back(cuda_models, cuda_generator):
-    """Once the host entry is released, its pinned rows leave the allocator's cache too (no locked memory kept)."""
+    """Once the request is done and its graph entry released, the pinned rows leave PyTorch's pinned-memory cache
+    too (`DecodeGraphs` hands them back when it drops a host entry): no locked memory is kept."""
     from graph_runtime.decode.prefix_store import release_host_cache
 
     release_host_cache()
     before = _pinned_bytes()
-    out = _placed_steps(cuda_models.transformer, cuda_generator, "host", torch.float32)
-    held = out["entry"].host_bytes
+    engine = DecodeEngine(cuda_models.transformer)
+    layout, latents, embeds = _request(cuda_generator, torch.float32)
+    t = torch.full((1,), 0.9, device="cuda")
+    with torch.no_grad():
+        _, prefix = engine.prefill(layout, latents, embeds, t, mode="graph", with_target=False, placement="host")
+        assert engine.decode_step(prefix, latents, t, "graph").path == "capture"
+    held = engine.status()["host_bytes_held"]
     assert held > 0 and _pinned_bytes() >= before + held
-    del out
-    gc.collect()
-    release_host_cache()  # what the release did, once the last reference (the test's) is gone
+    prefix.release()
+    del prefix
+    engine.release()
+    torch.cuda.synchronize()
     assert _pinned_bytes() <= before
 
 
