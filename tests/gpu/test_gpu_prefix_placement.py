@@ -14,7 +14,6 @@ prefix K/V inside the captured decode step.
 """
 
 import copy
-import gc
 
 import pytest
 import torch
