@@ -201,11 +201,12 @@ def placement_bytes(d: TransformerDims, batch: int, prefix: int, target: int, pl
 
 
 def recompute_step_bytes(d: TransformerDims, batch: int, prefix: int, target: int) -> int:
-    """A step without a prefix cache: the whole joint sequence's activations, its prefix rows and its boolean
-    block-causal mask (the masked attention runs on SDPA's memory-efficient kernel, which keeps no score matrix)."""
+    """A step without a prefix cache: the whole joint sequence's activations, its prefix rows, and its block-causal
+    mask over all rows: the boolean mask and the additive bias in the activation dtype SDPA turns it into (a trace of
+    the tiny model's run shows both alive, tests/test_prefix_placement.py)."""
     rows = batch * (prefix + target)
     return (step_activation_bytes(d, rows) + batch * prefix * d.hidden * d.activation_bytes
-            + (prefix + target) ** 2)
+            + (prefix + target) ** 2 * (1 + d.activation_bytes))
 
 
 def prefill_bytes(d: TransformerDims, batch: int, prefix: int, target: int) -> int:
