@@ -140,12 +140,6 @@ class PrefixStore:
     def host_bytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self._tensors()) if self.placement == HOST else 0
 
-    def describe(self) -> dict:
-        out = {"placement": self.placement, "device_bytes": self.device_bytes, "host_bytes": self.host_bytes}
-        if self.placement == HOST:
-            out["pinned"] = self.pinned
-        return out
-
     # -- the prefill -----------------------------------------------------------------------------------------------
 
     def prefix_rows(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
