@@ -382,3 +382,17 @@ def test_the_budget_covers_a_traced_sampling_run_of_each_placement(tiny_models, 
         sample(generator.engine, request)
     print(f"{placement}: traced {trace.peak} B, estimate {need} B")
     assert trace.peak <= need
+
+
+def test_a_host_prefix_the_host_cannot_hold_is_refused_before_anything_is_allocated(tiny_models, generator):
+    """Forced `host` with less host memory than its pinned rows: refused naming the host memory and the other
+    placements, nothing run."""
+    from graph_runtime.sampling.sampler import SamplingRequest
+
+    positive = generator.encoder.encode("a red cube")
+    request = SamplingRequest(positive=positive, latent_height=8, latent_width=8, steps=2, prefix_placement="host",
+                              scheduler_config=tiny_models.scheduler_config)
+    with pytest.raises(budgets.MemoryBudgetError, match="host memory, for the pinned prefix") as info:
+        budgets.check_sampling_request(tiny_models.transformer, request, budgets.Available(1 << 40), "cuda:0",
+                                       host_free=16)
+    assert "prefix_placement int8" in str(info.value) and "prefix_placement host" not in str(info.value)

@@ -236,8 +236,10 @@ def check_sampling_request(transformer, request, available: Available | None, de
         how = "auto: the GPU prefix does not fit" if request.prefix_placement == AUTO else "as asked"
         budget.notes.append(f"prefix K/V placement {shape.prefix_placement} ({how})")
     if host_free is not None and budget.host_total > host_free:
-        budget.notes.append(f"the pinned prefix needs {gib(budget.host_total)} of host memory, more than the "
-                            f"{gib(host_free)} available")
+        # A host prefix asked for by name that the host cannot pin: refused before anything is allocated.
+        pinned = MemoryBudget(parts=list(budget.host_parts), margin=0)
+        check(pinned, host_free, "cpu", "host memory, for the pinned prefix", lambda: [
+            f"prefix_placement {p} ({why})" for p, why in PLACEMENT_OPTIONS.items() if p != shape.prefix_placement])
     image = memory.decoded_images_bytes(shape.width, shape.height, shape.batch, memory.IMAGE_BYTES_PER_PIXEL)
     if host_free is not None and image > host_free:
         budget.notes.append(f"decoding all {shape.batch} images needs {gib(image)} of host memory for the IMAGE, "
