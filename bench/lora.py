@@ -25,14 +25,13 @@ import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from graph_runtime.lora import LoraChoice, LoraFile, LoraMerge, WeightPatch
 
 from .model import build_transformer
-from .options import standalone_start
+from .options import standalone_start, write_results
 from .paths import OursPath, PathSpec
 from .runner import _prefixes, _select_scenarios
 from .scenarios import build_inputs
@@ -152,13 +151,8 @@ def main(argv=None) -> int:
             "dtype": str(dtype).removeprefix("torch."),
             "lora_weights": len(loras[0].patches), "lora_mib": loras[0].nbytes / 2**20,
             "wall_s": round(time.perf_counter() - started, 1)}
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    md, js = out / f"lora-{stamp}.md", out / f"lora-{stamp}.json"
-    md.write_text(markdown(meta, merges, steps))
-    js.write_text(json.dumps({"meta": meta, "merges": merges, "steps": steps}, indent=1) + "\n")
-    print(f"bench.lora: wrote {md} and {js}", flush=True)
+    write_results("bench.lora", args.out_dir, "lora", markdown(meta, merges, steps),
+                  {"meta": meta, "merges": merges, "steps": steps})
     return 0
 
 

@@ -3,6 +3,7 @@
 
 import datetime
 import json
+import platform
 import shlex
 import sys
 from pathlib import Path
@@ -20,6 +21,14 @@ def standalone_start(prog: str, device: str, argv) -> tuple[str, torch.dtype] | 
     used = sys.argv[1:] if argv is None else argv
     command = f"python -m {prog} " + " ".join(shlex.quote(a) for a in used)
     return command, torch.bfloat16 if device != "cpu" else torch.float32
+
+
+def standalone_meta(command: str, device: str, transformer, dtype: torch.dtype, wall_s: float, **extra) -> dict:
+    """What a stand-alone benchmark's results are headed by: when, the command, the machine, the model."""
+    return {"date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"), "command": command,
+            "device": torch.cuda.get_device_name() if device != "cpu" else platform.processor() or "cpu",
+            "torch": torch.__version__, "layers": transformer.config.num_layers, "dtype": str(dtype)[6:],
+            **extra, "wall_s": round(wall_s, 1)}
 
 
 def write_results(prog: str, out_dir, kind: str, markdown: str, payload: dict) -> None:

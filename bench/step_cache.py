@@ -39,7 +39,7 @@ from graph_runtime.sampling.sampler import SamplingRequest, sample
 from graph_runtime.sampling.step_cache import StepCacheSettings
 
 from .model import build_transformer
-from .options import standalone_start
+from .options import standalone_start, write_results
 from .scenarios import TEXT_TOKENS
 from .timing import wall_s
 
@@ -186,14 +186,9 @@ def main(argv=None) -> int:
             "torch": torch.__version__, "layers": transformer.config.num_layers, "dtype": str(dtype)[6:],
             "size": args.size, "steps": args.steps, "cache": settings.describe(),
             "wall_s": round(time.perf_counter() - started, 1)}
-    out = Path(args.out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    stamp = datetime.datetime.now(datetime.timezone.utc).strftime("%Y%m%dT%H%M%S")
-    md, js = out / f"step-cache-{stamp}.md", out / f"step-cache-{stamp}.json"
     rows_out = [{k: v for k, v in r.items() if k != "latents"} for r in rows]
-    md.write_text(markdown(meta, rows_out, summary))
-    js.write_text(json.dumps({"meta": meta, "prompts": rows_out, "summary": summary}, indent=1) + "\n")
-    print(f"bench.step_cache: wrote {md} and {js}", flush=True)
+    write_results("bench.step_cache", args.out_dir, "step-cache", markdown(meta, rows_out, summary),
+                  {"meta": meta, "prompts": rows_out, "summary": summary})
     return 0
 
 

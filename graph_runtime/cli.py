@@ -278,7 +278,7 @@ def cmd_generate(args) -> int:
             args.prompt, negative_prompt=args.negative, cfg=args.cfg, images=checked.images, width=args.width,
             height=args.height, steps=args.steps, seed=args.seed, sigma_preset=args.sigmas, decode_mode=args.decode,
             compile=args.compile == "blocks", batch_size=args.batch, reference_resolution=args.reference_resolution,
-            keep_alpha=args.keep_alpha, on_step=step_printer(run + 1),
+            keep_alpha=args.keep_alpha, on_step=step_printer(run + 1), prefix_placement=args.prefix_placement,
         )
         timings = {k: round(v, 2) if isinstance(v, float) else v for k, v in result.timings.items()}
         print(f"run {run + 1}: load {load_s:.2f} s (first run only) | " + " | ".join(
@@ -397,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--decode", choices=["auto", "graph", "eager"], default="auto",
                      help="auto: replay CUDA graphs where possible, else eager; graph: the same, warning when a step "
                           "cannot replay; eager: never capture (default: auto)")
+    gen.add_argument("--prefix-placement", choices=["auto", "gpu", "int8", "host", "recompute"], default="auto",
+                     help="where the prefix K/V live: auto (the memory budget picks the first that fits), gpu, int8, "
+                          "host (pinned memory) or recompute (no cache) (default: auto)")
     gen.add_argument("--compile", choices=["blocks", "off"], default="off",
                      help="blocks: also torch.compile the transformer blocks on CUDA (the same step time, and a "
                           "compile on the first prompt: docs/performance.md) (default: off)")

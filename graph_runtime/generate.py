@@ -54,7 +54,7 @@ class QwenImageGenerator:
                  width: int | None = None, height: int | None = None, steps: int = 40, seed: int = 0,
                  sigma_preset: str = "dynamic", decode_mode: str = "auto", compile: bool = False,
                  batch_size: int = 1, reference_resolution: int = DEFAULT_SIZE, keep_alpha: bool = False,
-                 on_step=None, on_event=None) -> GenerationResult:
+                 on_step=None, on_event=None, prefix_placement: str = "auto") -> GenerationResult:
         """`width`/`height` None: the last reference's size, or 1024. The images are RGB over white (as the ComfyUI
         nodes show them) unless `keep_alpha`. Every argument is checked before any model runs."""
         timings = {}
@@ -71,7 +71,7 @@ class QwenImageGenerator:
         request = SamplingRequest(
             positive=None, cfg=cfg, latent_height=height // 16, latent_width=width // 16, batch_size=batch_size,
             seed=seed, steps=steps, sigma_preset=sigma_preset, decode_mode=decode_mode, compile=compile,
-            scheduler_config=self.models.scheduler_config,
+            scheduler_config=self.models.scheduler_config, prefix_placement=prefix_placement,
         )
         self.encoder.check_prompt(prompt, len(images))
         if negative_prompt is not None and request.cfg > 1.0:

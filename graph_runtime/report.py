@@ -131,7 +131,9 @@ def graph_cache_fields(state: dict) -> dict:
     return {**{name: state[name] for name in GRAPH_CACHE_FIELDS}, "compiled": state.get("compiled", False),
             # the attention asked for, what each device runs, and why it runs another kernel (reason -> count)
             "attention_requested": state.get("attention_requested"), "attention": state.get("attention", {}),
-            "attention_fallbacks": state.get("attention_fallbacks", {})}
+            "attention_fallbacks": state.get("attention_fallbacks", {}),
+            # Where prefills put their prefix K/V (gpu, int8, host, recompute), and the pinned bytes entries hold.
+            "prefix_placements": state.get("prefix_placements", {}), "host_bytes_held": state.get("host_bytes_held", 0)}
 
 
 def budget_record(budget, device, available: int | None) -> dict:
@@ -157,7 +159,8 @@ def graph_cache_lines(model: dict) -> list[str]:
              + (f", skipped steps: {model['skipped_steps']} (step cache)" if model.get("skipped_steps") else "")
              + "; prefills: "
              f"{model['prefill_captures']} captured, {model['prefill_replays']} replayed, eager: "
-             f"{by_reason(model['eager_prefills']) or 'none'}"]
+             f"{by_reason(model['eager_prefills']) or 'none'}"
+             + (f"; prefix K/V: {by_reason(model['prefix_placements'])}" if model.get("prefix_placements") else "")]
     if model.get("attention_requested"):
         runs = ", ".join(f"{kernel} on {where}" for where, kernel in model.get("attention", {}).items())
         lines.append(f"  attention: {model['attention_requested']}" + (f", runs {runs}" if runs else "")
@@ -185,6 +188,8 @@ def entry_line(entry: dict) -> str:
     """One graph entry of `engine.status()["entries"]`: its shape, then its state."""
     key = entry["key"]
     shape = f"{key['branch']} batch {key['batch']}, {key['prefix_tokens']}+{key['target_tokens']} tokens"
+    if key.get("prefix_placement", "gpu") != "gpu":
+        shape += f", prefix {key['prefix_placement']}"
     if entry.get("state") == "failed":
         return f"{shape}: failed ({entry['reason']})"
     return (f"{shape}: {entry['state']}, {entry['captures']} captures, {entry['replays']} replays, "

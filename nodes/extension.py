@@ -9,6 +9,7 @@ from .controlnet import CONTROLNET_NODES
 from .encode import KVGraphTextEncode
 from .loaders import LOADER_NODES
 from .lora import LORA_NODES
+from .prefix_cache import PREFIX_CACHE_NODES
 from .sampler import KVGraphSampler
 from .save import SAVE_NODES
 from .sigmas import KVGraphSigmas
@@ -16,7 +17,7 @@ from .step_cache import STEP_CACHE_NODES
 from .vae import VAE_NODES
 
 NODE_LIST: list[type[io.ComfyNode]] = [*LOADER_NODES, *LORA_NODES, KVGraphTextEncode, KVGraphSampler, KVGraphSigmas,
-                                       *STEP_CACHE_NODES, *VAE_NODES, *SAVE_NODES, *CACHE_NODES,
+                                       *STEP_CACHE_NODES, *PREFIX_CACHE_NODES, *VAE_NODES, *SAVE_NODES, *CACHE_NODES,
                                        *CONTROLNET_NODES]
 
 

@@ -182,6 +182,7 @@ def build_request(model, positive, negative, latent, seed, steps, cfg, sigma_pre
         decode_mode=decode_mode, compile=compile == "blocks", scheduler_config=model.scheduler_config,
         control=model.control,
         step_cache=getattr(model, "step_cache", None),
+        prefix_placement=model.prefix_placement,
     )
     if model.control is not None:
         model.control.tokens(height, width)  # the VAE encodes the control images now, before any sampling

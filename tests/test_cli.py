@@ -15,6 +15,19 @@ def test_generate_with_the_built_in_tiny_model_writes_the_requested_png(tmp_path
     assert Image.open(out).size == (256, 256)
 
 
+def test_prefix_placement_option_reaches_the_run_and_equals_the_gpu_prefix(tmp_path, capsys):
+    """`--prefix-placement host` keeps the prefix in host memory (the run's statistics count it) and writes the same
+    image as the default placement (the same values, moved: bit-equal on the CPU)."""
+    images = {}
+    for placement in ("gpu", "host"):
+        out = tmp_path / f"{placement}.png"
+        assert main(["generate", "--out", str(out), "--width", "128", "--height", "128", "--steps", "3",
+                     "--prefix-placement", placement]) == 0
+        assert f'"prefix_placements": {{"{placement}": 1}}' in capsys.readouterr().out
+        images[placement] = Image.open(out).tobytes()
+    assert images["gpu"] == images["host"]
+
+
 def test_generate_from_a_diffusers_folder_and_from_single_files(tmp_path, tiny_folder, capsys):
     """Both on-disk layouts drive the same CLI; `--repeat 2` shows the manager serving the second run."""
     assert main(["make-tiny", "--comfyui-models", str(tmp_path / "models")]) == 0

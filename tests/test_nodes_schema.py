@@ -20,7 +20,7 @@ EXPECTED_NODES = {
     "KVGraphLoadDiffusers", "KVGraphLoadTransformer", "KVGraphLoadTextEncoder", "KVGraphLoadVAE", "KVGraphLoadLoRA",
     "KVGraphTextEncode", "KVGraphSampler", "KVGraphSigmas", "KVGraphVAEDecode", "KVGraphVAEEncode",
     "KVGraphSaveImage", "KVGraphCacheStatus", "KVGraphReleaseCaches", "KVGraphLoadControlNet",
-    "KVGraphApplyControlNet", "KVGraphStepCache",
+    "KVGraphApplyControlNet", "KVGraphStepCache", "KVGraphPrefixCache",
 }
 # Node ids that core ComfyUI uses for Qwen-Image-2.1 and generic loaders/samplers: ours must never take them.
 CORE_IDS = {"QwenImage21Cache", "TextEncodeQwenImage21", "KSampler", "VAEDecode", "VAEEncode", "UNETLoader",

@@ -48,7 +48,8 @@ def engine_state(**extra):
 def test_graph_cache_fields_are_the_reported_subset_in_order():
     fields = report.graph_cache_fields(engine_state(compiled=True))
     assert list(fields) == [*report.GRAPH_CACHE_FIELDS, "compiled", "attention_requested", "attention",
-                            "attention_fallbacks"] and fields["compiled"] is True
+                            "attention_fallbacks", "prefix_placements", "host_bytes_held"]
+    assert fields["compiled"] is True and fields["prefix_placements"] == {} and fields["host_bytes_held"] == 0
     assert "capture_seconds" not in fields and "compiles" not in fields
     quiet = report.graph_cache_fields(engine_state())  # an engine that does not say
     assert quiet["compiled"] is False and quiet["attention_requested"] is None and quiet["attention"] == {}
@@ -136,7 +137,8 @@ def test_available_adds_up_and_says_what_it_is_made_of():
 def test_check_available_refuses_with_what_is_available(tiny_models):
     request = types.SimpleNamespace(
         positive=types.SimpleNamespace(image_mask=torch.zeros(1, 40, dtype=torch.bool), num_image_slots=0),
-        negative=None, do_cfg=False, decode_mode="auto", latent_width=64, latent_height=64, batch_size=1)
+        negative=None, do_cfg=False, decode_mode="auto", latent_width=64, latent_height=64, batch_size=1,
+        placement=lambda: "gpu")
     plan = RequestPlan.for_request(tiny_models.transformer, request, memory.VaeDims.of(tiny_models.vae), graphs=True)
     need = plan.budget().total
     assert plan.check_available(Available(need), "cuda").total == need
@@ -195,3 +197,16 @@ def test_conditioning_to_moves_tensors_and_leaves_the_input():
     assert moved[0][0].device.type == "meta" and moved[0][1]["attention_mask"].device.type == "meta"
     assert moved[0][1]["reference_latents"][0].device.type == "meta" and moved[0][1]["image_slots"] == [2]
     assert given[0][0] is cond and given[0][1]["attention_mask"] is mask and given[0][1]["reference_latents"][0] is ref
+
+
+def test_the_status_text_names_a_placed_prefix():
+    """The prefix placements used (and a non-gpu entry's placement) are in the status text; gpu entries stay as they
+    were written."""
+    key = {"branch": "cond", "batch": 1, "prefix_tokens": 8320, "target_tokens": 4096}
+    entry = {"key": key, "state": "captured", "captures": 1, "replays": 3, "bytes": MiB, "owner_alive": True}
+    assert report.entry_line({**entry, "key": {**key, "prefix_placement": "int8"}}).startswith(
+        "cond batch 1, 8320+4096 tokens, prefix int8: captured")
+    assert "prefix" not in report.entry_line({**entry, "key": {**key, "prefix_placement": "gpu"}}).split(":")[0][-8:]
+    model = {"engine_id": "e", "model": "Tiny", "source": None, "lora": {"loras": []},
+             **report.graph_cache_fields(engine_state(prefix_placements={"gpu": 2, "recompute": 1}))}
+    assert report.graph_cache_lines(model)[0].endswith("; prefix K/V: gpu: 2, recompute: 1")

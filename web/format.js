@@ -76,7 +76,17 @@ export function formatKeyTitle(key) {
 /** The second line of a graph key: image layout, dtype, device and attention backend. */
 export function formatKeyDetail(key) {
   if (!key) return "";
-  return [formatImageShapes(key.image_shapes), key.dtype, key.device, key.backend].filter(Boolean).join(" · ");
+  const placement = key.prefix_placement ? `prefix ${key.prefix_placement}` : null;
+  return [formatImageShapes(key.image_shapes), key.dtype, key.device, key.backend, placement].filter(Boolean).join(" · ");
+}
+
+/** Where the prefills put their prefix K/V (gpu, int8, host, recompute: counts), or "" before any. */
+export function describePlacements(stats) {
+  const counts = stats?.prefix_placements || {};
+  const names = Object.keys(counts);
+  if (!names.length) return "";
+  const label = (name) => (name === "recompute" ? "recompute (no prefix cache, eager)" : name);
+  return `prefix K/V: ${names.map((name) => `${label(name)} ${counts[name]}`).join(" · ")}`;
 }
 
 /** Totals over every model in a status payload (the numbers shown at the top of the panel). */
@@ -141,6 +151,8 @@ export function describeRunSummary(d) {
   const eager = sumCounts(d.eager_steps);
   parts.push(eager ? `${eager} eager (${formatReasons(d.eager_steps)})` : "0 eager");
   if (d.skipped_steps) parts.push(`${d.skipped_steps} skipped (step cache)`);
+  const placements = Object.keys(d.prefix_placements || {}).filter((name) => name !== "gpu");
+  if (placements.length) parts.push(`prefix ${placements.join("+")}`);
   if (d.prefill_ms != null) {
     const how = sumCounts(d.eager_prefills) ? " eager" : d.prefill_captures ? " captured" : d.prefill_replays ? " replayed" : "";
     parts.push(`prefill ${formatMs(d.prefill_ms)}${how}`);

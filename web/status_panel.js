@@ -8,6 +8,7 @@
 import {
   baseName,
   describePhase,
+  describePlacements,
   describePrefills,
   formatBytes,
   formatKeyDetail,
@@ -103,8 +104,9 @@ function renderEntry(entry) {
   const detail = state === "failed"
     ? h("div", { class: "kvgraph-error" }, `failed: ${entry.reason ?? "?"}${entry.detail ? ` (${entry.detail})` : ""}`)
     : h("div", { class: "kvgraph-muted" },
-      `${entry.captures ?? 0} captures · ${entry.replays ?? 0} replays · ${formatBytes(entry.bytes)} · owner `
-      + (entry.owner_alive ? "alive (in use)" : "released"));
+      `${entry.captures ?? 0} captures · ${entry.replays ?? 0} replays · ${formatBytes(entry.bytes)} · `
+      + (entry.host_bytes ? `${formatBytes(entry.host_bytes)} pinned on the host · ` : "")
+      + "owner " + (entry.owner_alive ? "alive (in use)" : "released"));
   return h("div", { class: "kvgraph-entry", "data-state": state },
     h("div", {}, formatKeyTitle(key), h("span", { class: "kvgraph-badge" }, state)),
     h("div", { class: "kvgraph-muted" }, formatKeyDetail(key)),
@@ -155,6 +157,9 @@ function renderModel(model) {
     model.budget?.plan
       ? h("div", { class: "kvgraph-muted kvgraph-plan", "data-placement": model.budget.plan.prefix_placement },
         describePlan(model.budget.plan))
+      : null,
+    describePlacements(model)
+      ? h("div", { class: "kvgraph-muted kvgraph-placements" }, describePlacements(model))
       : null,
     entries.length
       ? entries.map(renderEntry)

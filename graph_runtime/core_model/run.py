@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..decode import DecodeEngine, PrefixCache, TokenLayout
+from ..decode import PLACEMENTS, DecodeEngine, PrefixCache, TokenLayout, check_placement
 from ..decode.block_patches import joint_prefix_rows, patched_step
 from ..decode.engine import check_mode
 from ..errors import InputError
@@ -58,11 +58,14 @@ class SamplingRun:
     `release()` (the caller holds its LoRA set merged for exactly the run's model calls this way).
     """
 
-    def __init__(self, engine: DecodeEngine, decode_mode: str = "auto", on_first_call=None, control=None):
-        """`control`: a ControlNet on the model (graph_runtime/controlnet `ControlSpec`), or None."""
+    def __init__(self, engine: DecodeEngine, decode_mode: str = "auto", on_first_call=None, control=None,
+                 placement: str = "gpu"):
+        """`control`: a ControlNet on the model (graph_runtime/controlnet `ControlSpec`), or None. `placement`:
+        where the run's prefixes keep their K/V (decode/prefix_store.py; `prefix_options.py` reads it off the MODEL)."""
         self.engine = engine
         self.control = control
         self.mode = check_mode(decode_mode)
+        self.placement = check_placement(placement, choices=PLACEMENTS)
         self.counts = RunCounts()
         self._prefixes: dict[tuple, PrefixCache] = {}
         self._graph_names: dict[tuple, str] = {}  # (branch, batch, layout signature) -> digest using that name
@@ -121,6 +124,8 @@ class SamplingRun:
         extra = {"skip": skip} if skip else {}
         if controlled:
             extra["control"] = self.control.for_branch(engine.transformer, hidden.shape[0], *target_shape)
+        if self.placement != "gpu":
+            extra["placement"] = self.placement
         _, prefix = engine.prefill(layout, joint, embeds, timestep, text_mask, branch=branch, mode=self.mode,
                                    with_target=False, **extra)
         return prefix

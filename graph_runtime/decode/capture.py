@@ -19,6 +19,7 @@ from ..free_memory import device_free_bytes
 from .eligibility import static_reason
 from .kv_format import FP8, NATIVE, Fp8KVStore, fp8_bytes
 from .prefill import PrefixCache
+from .prefix_store import GPU, PrefixStore, store_bytes
 from .step import DecodeInputs, PrefixInputs
 
 
@@ -57,14 +58,16 @@ class EntrySpec:
     device: torch.device
     # The request's per-block residuals (a ControlNet), whose static copy the entry holds too; None for none.
     residuals: object = field(default=None, compare=False)
-    kv_format: str = NATIVE  # how the K/V buffers hold values (kv_format.py)
+    kv_format: str = NATIVE  # how the K/V buffers hold values (kv_format.py); a stored placement's are native
     # fp8 only: per block, the q/k RMSNorm weights whose bound scales e4m3 q/k.
     qk_norms: tuple = field(default=(), compare=False)
+    placement: str = GPU  # where the prefix K/V live (prefix_store.py)
 
     @classmethod
     def for_request(cls, transformer, layout, batch: int, heads: int | None = None,
-                    residuals=None, kv_format: str = NATIVE) -> "EntrySpec":
-        """`heads`: the heads whose K/V the entry keeps (default all); `kv_format`: "native" or "fp8"."""
+                    residuals=None, kv_format: str = NATIVE, placement: str = GPU) -> "EntrySpec":
+        """`heads`: the heads whose K/V the entry keeps (default all); `kv_format`: "native" or "fp8" (an int8 or
+        host prefix's working buffers are native: `entry_kv_format`)."""
         config = transformer.config
         param = next(transformer.parameters())
         norms = () if kv_format != FP8 else tuple((b.attn.norm_q.weight, b.attn.norm_k.weight)
@@ -73,20 +76,27 @@ class EntrySpec:
                    heads=heads or config.num_attention_heads, head_dim=config.attention_head_dim,
                    num_blocks=len(transformer.transformer_blocks), in_channels=config.in_channels,
                    dtype=param.dtype, device=param.device, residuals=residuals, kv_format=kv_format,
-                   qk_norms=norms)
+                   qk_norms=norms, placement=placement)
 
     @property
     def static_bytes(self) -> int:
-        """What the entry's static buffers take (K/V for every block dominate: 0.5 MiB per token per branch)."""
-        kv = self.batch * (self.prefix_len + self.target_tokens) * self.heads * self.head_dim * self.num_blocks * 2
+        """What the entry's static buffers take on the device (K/V dominate: with the prefix on the GPU, 0.5 MiB
+        per token per branch)."""
+        kv, _ = store_bytes(self.placement, self.batch, self.prefix_len, self.target_tokens, self.heads,
+                            self.head_dim, self.num_blocks, self.dtype.itemsize)
         hidden = self.batch * self.target_tokens * self.in_channels
         extra = 0 if self.residuals is None else self.residuals.static_bytes(self.batch, self.prefix_len,
                                                                             self.target_tokens, self.dtype)
         if self.kv_format == FP8:
-            kv_bytes = fp8_bytes(self.batch, self.prefix_len, self.target_tokens, self.heads, self.head_dim,
-                                 self.num_blocks, self.dtype)
-            return hidden * self.dtype.itemsize + kv_bytes + extra
-        return (kv + hidden) * self.dtype.itemsize + extra
+            kv = fp8_bytes(self.batch, self.prefix_len, self.target_tokens, self.heads, self.head_dim,
+                           self.num_blocks, self.dtype)
+        return kv + hidden * self.dtype.itemsize + extra
+
+
+def entry_kv_format(step, placement: str, device=None, dtype=None) -> str:
+    """The K/V format of a graph entry for `placement`: the step's (fp8 where FlashAttention-3's FP8 forward runs)
+    for a gpu prefix; native for an int8 or host prefix, whose working buffers the store fills in the model's dtype."""
+    return step.kv_format(device, dtype) if placement == GPU else NATIVE
 
 
 class DecodeGraphEntry(CaptureRecord):
@@ -115,11 +125,16 @@ class DecodeGraphEntry(CaptureRecord):
             fp8 = None if spec.kv_format != FP8 else Fp8KVStore(
                 spec.batch, spec.prefix_len, spec.target_tokens, spec.heads, spec.head_dim, spec.num_blocks,
                 spec.dtype, spec.device, spec.qk_norms)
+            # An int8 or host prefix: the store's working buffers stand in for the per-block ones.
+            self.store = None if spec.placement == GPU else PrefixStore(
+                spec.placement, spec.batch, spec.prefix_len, spec.target_tokens, spec.heads, spec.head_dim,
+                spec.num_blocks, spec.dtype, spec.device)
+            blocks = spec.num_blocks if self.store is None else 0
             self.inputs = DecodeInputs(
                 hidden=zeros((spec.batch, spec.target_tokens, spec.in_channels), spec.dtype),
                 timestep=zeros((spec.batch,), spec.dtype),
-                k=fp8.k if fp8 else [zeros(kv_shape, spec.dtype) for _ in range(spec.num_blocks)],
-                v=fp8.v if fp8 else [zeros(kv_shape, spec.dtype) for _ in range(spec.num_blocks)],
+                k=fp8.k if fp8 else [zeros(kv_shape, spec.dtype) for _ in range(blocks)],
+                v=fp8.v if fp8 else [zeros(kv_shape, spec.dtype) for _ in range(blocks)],
                 cos=zeros(rope_shape, torch.float32),
                 sin=zeros(rope_shape, torch.float32),
                 prefix_len=spec.prefix_len,
@@ -128,6 +143,8 @@ class DecodeGraphEntry(CaptureRecord):
                 kv_format=spec.kv_format,
                 fp8=fp8,
             )
+            if self.store is not None:
+                self.inputs.extra["prefix_store"] = self.store
             if spec.residuals is not None:
                 self.inputs.extra["block_residuals"] = spec.residuals.static_copy(spec.prefix_len,
                                                                                   spec.target_tokens)
@@ -172,7 +189,13 @@ class DecodeGraphEntry(CaptureRecord):
         if residuals is not None:
             tensors += [residuals.tokens, residuals.strength, *residuals.k, *residuals.v]
         prefix_graph = self.captured_prefix.nbytes if self.captured_prefix is not None else 0
-        return sum(t.numel() * t.element_size() for t in tensors) + self.pool_bytes + prefix_graph
+        store = 0 if self.store is None else self.store.device_bytes
+        return sum(t.numel() * t.element_size() for t in tensors) + self.pool_bytes + prefix_graph + store
+
+    @property
+    def host_bytes(self) -> int:
+        """The pinned host memory a host prefix holds."""
+        return 0 if self.store is None else self.store.host_bytes
 
     def load_inputs(self, hidden: torch.Tensor, timestep: torch.Tensor, residuals=None) -> None:
         self.inputs.hidden.copy_(hidden)
@@ -191,7 +214,10 @@ class DecodeGraphEntry(CaptureRecord):
         sources = [*prefix.k, *prefix.v]
         if self._holds(sources):
             return False
-        self._write_prefix(prefix.k, prefix.v)
+        if self.store is not None:
+            self.store.copy_from(prefix.store)
+        else:
+            self._write_prefix(prefix.k, prefix.v)
         self._sources = [weakref.ref(t) for t in sources]
         self._versions = [(i, t._version) for i, t in enumerate(sources) if not t.is_inference()]
         return True

@@ -35,6 +35,8 @@ CAPTURE_FAILED = "graph capture failed"
 LONG_PREFIX = "long prefix: its pass is GPU-bound, a captured one would not be faster"
 # Other nodes' Python patches may read or change any row, so such a step runs the whole sequence (block_patches.py).
 PYTHON_PATCHES = "block or attention patches from other nodes (Python functions run on every row)"
+RECOMPUTE = "prefix placement recompute (no prefix cache: every step runs the whole joint sequence)"
+STORED_PREFIX_PASS = "int8 or host prefix (its pass keeps each block's rows as they are written)"
 
 _FLOAT_KV = (torch.bfloat16, torch.float16, torch.float32)
 

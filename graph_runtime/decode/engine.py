@@ -21,13 +21,15 @@ import torch
 from ..errors import InputError
 from . import eligibility as why
 from . import step as step_body
-from .capture import CudaGraphBackend, EntrySpec
+from .capture import CudaGraphBackend, EntrySpec, entry_kv_format
 from .eligibility import ModelGuard, Verdict
 from .graphs import DecodeGraphs, make_key
 from .layout import TokenLayout
+from .block_patches import BlockPatches, joint_prefix_rows, patched_step
 from .prefill import OwnerToken, PrefixCache, run_prefill
-from .stats import DecodeStats
-from .step import DecodeInputs, DecodeStep, PrefixInputs
+from .prefix_store import GPU, PLACEMENTS, RECOMPUTE, STORED, PrefixStore, check_placement
+from .stats import DecodeStats, LoggedOnce
+from .step import DecodeInputs, DecodeStep, PrefixInputs, rope_tables
 from .warm_up import warm_up
 
 logger = logging.getLogger("kvgraph")
@@ -65,6 +67,7 @@ class DecodeEngine:
         # The attention kernel chosen per device, and its fallbacks, are counted with the other fallbacks.
         self.stats.attention_choice = self.step.attention
         self.compiles = 0
+        self._said = LoggedOnce()  # notes (not fallbacks) logged once per engine
 
     @property
     def transformer(self):
@@ -103,7 +106,7 @@ class DecodeEngine:
     @torch.no_grad()
     def prefill(self, layout: TokenLayout, latents, encoder_hidden_states, timestep, text_mask=None,
                 branch="cond", mode="auto", with_target=True, control=None,
-                skip: frozenset = frozenset()) -> tuple[torch.Tensor | None, PrefixCache]:
+                skip: frozenset = frozenset(), placement: str = GPU) -> tuple[torch.Tensor | None, PrefixCache]:
         """Step 1. When this request can own a graph entry, the prefix goes straight into its static buffers.
 
         `with_target=False` (what the sampler does) runs only the prefix rows and returns no prediction; the caller
@@ -115,6 +118,10 @@ class DecodeEngine:
         `run(step, inputs)` is the prefix pass, and the per-block residuals it returns ride on the prefix for the
         decode steps, which then have graph entries of their own. `skip`: blocks left out of the prefix and of every
         decode step over it (a skip-layer guidance pass); such a prefix has its own graph entry.
+
+        `placement`: where the prefix K/V live (prefix_store.py): "gpu", "int8", "host" (both prefix pass only) or
+        "recompute" (no prefix pass: every decode step runs the whole joint sequence). A ControlNet's prefix stays on
+        the GPU (its pass runs the control stream beside the blocks).
         """
         if control is not None and with_target:
             raise ValueError("a ControlNet prefill runs the prefix rows only (with_target=False)")
@@ -122,22 +129,77 @@ class DecodeEngine:
             # The control stream's prefix pass runs every base block beside its own.
             raise InputError("model", "SkipLayerGuidance together with a ControlNet",
                              "one of the two on a KV-Graph model (the ControlNet's stream runs every block)")
+        placement = self._placement_for(check_placement(placement, choices=PLACEMENTS), control)
+        self.stats.prefix_placements[placement] += 1
+        if placement == RECOMPUTE:
+            return self._recompute_prefill(layout, latents, encoder_hidden_states, timestep, text_mask, branch,
+                                           with_target, skip)
         token = OwnerToken()
         entry = self._claim(token, branch, layout, latents.shape[0], layout.joint_key_valid(text_mask), mode,
-                            control, skip)
-        static_kv = None if entry is None else entry.prefill_kv()
+                            control, skip, placement)
+        store = None
+        if placement in STORED:
+            store = entry.store if entry is not None else self._own_store(placement, layout, latents)
+            logger.info("KV-Graph: %s prefix K/V of %d tokens (%s): %.2f GiB on %s, %.2f GiB pinned on the host.",
+                        placement, layout.prefix_len, branch, store.device_bytes / 2**30, store.device,
+                        store.host_bytes / 2**30)
+        static_kv = None if entry is None or store is not None else entry.prefill_kv()
         runner = self.step.run_prefix if entry is None else (lambda inputs: self._prefix_pass(entry, inputs))
+        if store is not None:
+            runner = self._stored_prefix_pass
         residuals = []
         if control is not None:
             runner = lambda inputs: residuals.append(self._controlled_prefix_pass(control, inputs))  # noqa: E731
         out, prefix = run_prefill(self.transformer, layout, latents, encoder_hidden_states, timestep, text_mask,
                                   branch, static_kv=static_kv, with_target=with_target, prefix_runner=runner,
-                                  kv_heads=self.step.kv_heads, skip=skip)
+                                  kv_heads=self.step.kv_heads, skip=skip, store=store)
         prefix.owner = token
         prefix.residuals = residuals[0] if residuals else None
         if entry is not None:
             self.graphs.bind(entry, prefix)
         return out, prefix
+
+    def _placement_for(self, placement: str, control) -> str:
+        if control is not None and placement != GPU:
+            if self._said.first("controlnet-prefix-on-gpu"):
+                logger.info("KV-Graph: a ControlNet's prefix stays on the GPU (prefix placement %s is for prefixes "
+                            "without one).", placement)
+            return GPU
+        return placement
+
+    def _own_store(self, placement: str, layout: TokenLayout, latents) -> PrefixStore:
+        """A request's own int8 or host prefix, where it holds no graph entry (its steps decode eagerly)."""
+        spec = self._entry_spec(layout, latents.shape[0], placement=placement)
+        return PrefixStore(placement, spec.batch, spec.prefix_len, spec.target_tokens, spec.heads, spec.head_dim,
+                           spec.num_blocks, latents.dtype, latents.device)
+
+    def _stored_prefix_pass(self, inputs: PrefixInputs) -> None:
+        """An int8 or host prefix's pass: eager (each block's rows are stashed as they are written), counted."""
+        if self.graphs.count_eager(why.STORED_PREFIX_PASS, prefill=True):
+            logger.info("KV-Graph: prefix pass runs eagerly: %s.", why.STORED_PREFIX_PASS)
+        self.step.run_prefix(inputs)
+
+    def _recompute_prefill(self, layout, latents, encoder_hidden_states, timestep, text_mask, branch, with_target,
+                           skip) -> tuple[torch.Tensor | None, PrefixCache]:
+        """No prefix cache: only the prefix rows before the first block are kept (a few MB), and every decode step
+        runs them with the target through every block (`_recompute_step`)."""
+        model = self.transformer
+        references = latents[:, :latents.shape[1] - layout.target_tokens]
+        rows = joint_prefix_rows(model, layout, references, encoder_hidden_states)
+        cos, sin = rope_tables(layout.rotary(model.pos_embed)[layout.prefix_len:])
+        logger.info("KV-Graph: prefix placement recompute for %s (%d prefix tokens): no prefix cache; every step "
+                    "runs the whole joint sequence eagerly.", branch, layout.prefix_len)
+        prefix = PrefixCache(branch=branch, layout=layout, k=[], v=[], cos=cos, sin=sin,
+                             key_valid=layout.joint_key_valid(text_mask), skip=frozenset(skip),
+                             placement=RECOMPUTE, rows=rows)
+        out = None
+        if with_target:
+            out = self._recompute_step(prefix, latents[:, references.shape[1]:], timestep)
+        return out, prefix
+
+    def _recompute_step(self, prefix: PrefixCache, hidden, timestep) -> torch.Tensor:
+        return patched_step(self.transformer, prefix.rows, prefix.layout, hidden, timestep, prefix.key_valid,
+                            BlockPatches(), skip=prefix.skip)
 
     def _controlled_prefix_pass(self, control, inputs: PrefixInputs):
         """A ControlNet's prefix pass: eager (once per prompt and branch), counted and logged once."""
@@ -146,7 +208,7 @@ class DecodeEngine:
         return control.run(self.step, inputs)
 
     def _claim(self, token: OwnerToken, branch: str, layout, batch: int, key_valid, mode: str, control=None,
-               skip=()):
+               skip=(), placement: str = GPU):
         """The graph entry this request's prefill writes into, or None when the request will not replay
         (ineligible, owned by another live request, failed key); its decode steps then say why."""
         if check_mode(mode) == "eager":
@@ -156,16 +218,16 @@ class DecodeEngine:
             # A controlled entry's buffers take the residuals' shapes, known only after the pass: the first decode
             # step registers it, and copies the prefix in.
             return None
-        spec = self._entry_spec(layout, batch)
+        spec = self._entry_spec(layout, batch, placement=placement)
         if not self._judge(spec.dtype, key_valid).ok:
             return None
-        key = make_key(self.step, branch, batch, layout, spec.dtype, spec.device, skip=skip)
+        key = make_key(self.step, branch, batch, layout, spec.dtype, spec.device, skip=skip, placement=placement)
         return self.graphs.claim(key, token, lambda: spec)
 
-    def _entry_spec(self, layout: TokenLayout, batch: int, residuals=None) -> EntrySpec:
+    def _entry_spec(self, layout: TokenLayout, batch: int, residuals=None, placement: str = GPU) -> EntrySpec:
         """The static buffers a graph entry of this layout and batch needs (the heads this step keeps)."""
         return EntrySpec.for_request(self.transformer, layout, batch, self.step.kv_heads, residuals,
-                                     self.step.kv_format())
+                                     entry_kv_format(self.step, placement), placement)
 
     def _prefix_pass(self, entry, inputs: PrefixInputs) -> None:
         """A claimed entry's prefix pass: replayed from its captured pass when the prefix is short (a short pass is
@@ -194,13 +256,15 @@ class DecodeEngine:
         """One decode step for `prefix`'s request: replay its graph when it may, else run eagerly and say why."""
         if check_mode(mode) == "eager":
             return self._eager(prefix, hidden, timestep, why.MODE_EAGER, mode)
-        verdict = self._judge(prefix.k[0].dtype, prefix.key_valid)
+        if prefix.placement == RECOMPUTE:
+            return self._eager(prefix, hidden, timestep, why.RECOMPUTE, mode)
+        verdict = self._judge(prefix.kv_dtype, prefix.key_valid)
         if not verdict.ok:
             return self._eager(prefix, hidden, timestep, verdict.reason, mode)
         with self.step.exclusive():  # a streamed model's slots, held before the graphs' lock
             output, path, reason = self.graphs.replay(self.step, prefix, hidden, timestep, verdict.fingerprint,
                                                       lambda: self._entry_spec(prefix.layout, prefix.batch,
-                                                                               prefix.residuals))
+                                                                               prefix.residuals, prefix.placement))
         if reason is not None:
             return self._eager(prefix, hidden, timestep, reason, mode)
         return DecodeOutcome(output, path, None)
@@ -220,13 +284,20 @@ class DecodeEngine:
 
     def _eager(self, prefix, hidden, timestep, reason, mode) -> DecodeOutcome:
         if self.graphs.count_eager(reason):
-            level = logging.WARNING if mode == "graph" and reason != why.MODE_EAGER else logging.INFO
-            logger.log(level, "KV-Graph: decoding eagerly: %s.", reason)
+            loud = (mode == "graph" and reason != why.MODE_EAGER) or reason == why.RECOMPUTE
+            logger.log(logging.WARNING if loud else logging.INFO, "KV-Graph: decoding eagerly: %s.", reason)
+        if prefix.placement == RECOMPUTE:
+            return DecodeOutcome(self._recompute_step(prefix, hidden, timestep), "eager", reason)
         attn_mask = None if prefix.key_valid is None else prefix.key_valid[:, None, None, :]
-        inputs = DecodeInputs(hidden=hidden, timestep=timestep, k=prefix.k, v=prefix.v, cos=prefix.cos,
-                              sin=prefix.sin, prefix_len=prefix.layout.prefix_len, static_kv=False,
-                              attn_mask=attn_mask, skip=prefix.skip,
-                              extra={} if prefix.residuals is None else {"block_residuals": prefix.residuals})
+        extra = {} if prefix.residuals is None else {"block_residuals": prefix.residuals}
+        k, v, static_kv = prefix.k, prefix.v, False
+        if prefix.store is not None:
+            # The same body a graph entry captures, over the request's own store (or its entry's).
+            k, v, static_kv = prefix.store.work_k, prefix.store.work_v, True
+            extra["prefix_store"] = prefix.store
+        inputs = DecodeInputs(hidden=hidden, timestep=timestep, k=k, v=v, cos=prefix.cos, sin=prefix.sin,
+                              prefix_len=prefix.layout.prefix_len, static_kv=static_kv, attn_mask=attn_mask,
+                              skip=prefix.skip, extra=extra)
         return DecodeOutcome(self.step(inputs), "eager", reason)
 
     # -- before a first prompt -------------------------------------------------------------------------------------

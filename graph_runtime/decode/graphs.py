@@ -17,8 +17,9 @@ from dataclasses import dataclass
 import torch
 
 from . import eligibility as why
-from .capture import DecodeGraphEntry, EntrySpec, PrefixGraph
+from .capture import DecodeGraphEntry, EntrySpec, PrefixGraph, entry_kv_format
 from .prefill import OwnerToken, PrefixCache
+from .prefix_store import release_host_cache
 from .stats import DecodeStats, LoggedOnce
 from .step import DecodeStep, PrefixInputs
 
@@ -49,6 +50,10 @@ class GraphKey:
     skip: tuple = ()  # blocks the step leaves out (sorted): a skip-layer guidance pass is its own graph
     # Streamed blocks (first streamed block, how many, slots): a streamed step's graph holds their uploads.
     streaming: tuple = ()
+    # Where the prefix K/V live (prefix_store.py): an int8 or host entry's step reads other buffers and runs other
+    # work (dequantization, host copies), so placements never share an entry.
+    placement: str = "gpu"
+    kv_format: str = "native"  # how the entry's K/V hold values (kv_format.py): fp8 entries read other buffers
 
     def describe(self) -> dict:
         prefix_len, target_tokens, shapes, _ = self.layout
@@ -61,6 +66,8 @@ class GraphKey:
             "dtype": self.dtype,
             "device": self.device,
             "backend": self.backend,
+            "prefix_placement": self.placement,
+            "kv_format": self.kv_format,
             **({"parallel": dict(self.parallel)} if self.parallel else {}),
             **({"residuals": f"{self.residuals[0]} #{self.residuals[1]}"} if self.residuals else {}),
             **({"skipped_blocks": list(self.skip)} if self.skip else {}),
@@ -68,13 +75,15 @@ class GraphKey:
         }
 
 
-def make_key(step: DecodeStep, branch: str, batch: int, layout, dtype, device, residuals=None, skip=()) -> GraphKey:
+def make_key(step: DecodeStep, branch: str, batch: int, layout, dtype, device, residuals=None, skip=(),
+             placement: str = "gpu") -> GraphKey:
     """`residuals`: the request's per-block residuals (a ControlNet), or None; `skip`: the blocks the step leaves
-    out."""
+    out; `placement`: where the prefix K/V live."""
     return GraphKey(branch=branch, batch=batch, layout=layout.signature, dtype=str(dtype).removeprefix("torch."),
                     device=str(device), backend=step.variant(device), parallel=step.parallel_key(),
                     residuals=() if residuals is None else residuals.graph_key(), skip=tuple(sorted(skip)),
-                    streaming=step.streaming_key())
+                    streaming=step.streaming_key(), placement=placement,
+                    kv_format=entry_kv_format(step, placement, device, dtype))
 
 
 @dataclass
@@ -175,7 +184,7 @@ class DecodeGraphs:
         key = prefix.graph_key
         if key is None:
             key = prefix.graph_key = make_key(step, prefix.branch, prefix.batch, prefix.layout, hidden.dtype,
-                                              hidden.device, prefix.residuals, prefix.skip)
+                                              hidden.device, prefix.residuals, prefix.skip, prefix.placement)
         with self.lock:
             entry = self._lookup_or_register(key, make_spec)
             if isinstance(entry, FailedEntry):
@@ -328,9 +337,13 @@ class DecodeGraphs:
 
     def _remove(self, keys) -> None:
         """Drop these entries and their owners; once no captured graph is left, the backend's pool goes too."""
+        pinned = False
         for key in keys:
-            self.entries.pop(key, None)
+            entry = self.entries.pop(key, None)
+            pinned = pinned or getattr(entry, "host_bytes", 0) > 0
             self.owners.forget(key)
+        if pinned:
+            release_host_cache()
         if not any(isinstance(e, DecodeGraphEntry) and e.holds_graph for e in self.entries.values()):
             reset = getattr(self.backend, "reset_pool", None)
             if reset is not None:
@@ -376,7 +389,9 @@ class DecodeGraphs:
                 else:
                     item.update(state="captured" if entry.graph is not None else "registered",
                                 captures=entry.captures, replays=entry.replays, bytes=entry.nbytes,
-                                owner_alive=self.owners.alive(key))
+                                host_bytes=entry.host_bytes, owner_alive=self.owners.alive(key))
                 entries.append(item)
             return {"model": self.name, "entries": entries, "bytes_held": self.bytes_held(),
+                    "host_bytes_held": sum(e.host_bytes for e in self.entries.values()
+                                           if isinstance(e, DecodeGraphEntry)),
                     "max_entries": self.max_entries, **self.stats.snapshot()}

@@ -17,6 +17,7 @@ import torch
 from diffusers.models.transformers.transformer_qwenimage21 import QwenImage21KVLayerCache
 
 from .layout import TokenLayout
+from .prefix_store import release_host_cache
 from .step import PrefixInputs, TargetDecodeBlock, rope_tables, run_prefix_blocks
 
 
@@ -46,20 +47,42 @@ class PrefixCache:
     # A stream beside the blocks whose per-block residuals its steps add (graph_runtime/controlnet), or None.
     residuals: object = None
     skip: frozenset = frozenset()  # blocks left out of the prefix pass and of every decode step over it
+    # Where the K/V live (prefix_store.py): "gpu" (`k`/`v` as above), "int8" or "host" (`k`/`v` are the store's
+    # per-block int8 or host tensors, `store` holds them and the working buffers), or "recompute" (no K/V: `rows`
+    # are the prefix rows before the first block, and every step runs the whole joint sequence).
+    placement: str = "gpu"
+    store: object = None
+    rows: torch.Tensor | None = None
 
     @property
     def batch(self) -> int:
-        return self.k[0].shape[0]
+        return (self.rows if self.rows is not None else self.k[0]).shape[0]
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype attention reads the K/V in (an int8 prefix is read dequantized)."""
+        if self.store is not None:
+            return self.store.dtype
+        return (self.rows if self.rows is not None else self.k[0]).dtype
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+        """What the prefix holds on its device (a host prefix's pinned rows not included)."""
+        if self.store is not None:
+            return self.store.device_bytes
+        tensors = (*self.k, *self.v) + (() if self.rows is None else (self.rows,))
+        return sum(t.numel() * t.element_size() for t in tensors)
 
     def release(self) -> None:
         self.k.clear()
         self.v.clear()
         self.owner = None
         self.residuals = None
+        host = self.placement == "host"
+        self.store = None
+        self.rows = None
+        if host:
+            release_host_cache()  # a request's own host prefix (an entry's stays with the entry)
 
 
 class _StaticPrefixLayer(QwenImage21KVLayerCache):
@@ -103,6 +126,7 @@ def run_prefill(
     prefix_runner=None,
     kv_heads: int | None = None,
     skip: frozenset = frozenset(),
+    store=None,
 ) -> tuple[torch.Tensor | None, PrefixCache]:
     """Run step 1. `latents` is `[B, cond_tokens + T, C]` (condition images first); returns the target rows'
     prediction `[B, T, C]` and the branch's prefix cache. `static_kv` are per-block `[B, P + T, H, D]` buffers to
@@ -115,9 +139,13 @@ def run_prefill(
     `prefix_runner(inputs)` runs them (a graph entry's captured pass, or the decode step's own pass), else they run
     eagerly. `kv_heads`: the heads whose K/V fresh buffers keep (default all; a sequence-parallel rank keeps its
     share). `skip`: blocks left out (prefix pass only), as a skip-layer guidance pass leaves them out of every row.
+    `store`: an int8 or host prefix's `PrefixStore` (prefix pass only), which keeps each block's rows as they are
+    written.
     """
     if skip and with_target:
         raise ValueError("skipped blocks need the prefix pass (with_target=False)")
+    if store is not None and with_target:
+        raise ValueError("an int8 or host prefix needs the prefix pass (with_target=False)")
     model = transformer
     device = latents.device
     batch = latents.shape[0]
@@ -145,14 +173,14 @@ def run_prefill(
         out = None
         inputs = _prefix_inputs(model, layout, joint[:, :layout.prefix_len].contiguous(),
                                 modulation[-1:].expand(batch, -1), rotary[:layout.prefix_len], key_valid, static_kv,
-                                kv_heads)
+                                kv_heads, store)
         inputs.skip = frozenset(skip)
         if prefix_runner is None:
             # No graph entry, no step to ask: the pass over the transformer's own blocks.
             run_prefix_blocks([TargetDecodeBlock(block) for block in model.transformer_blocks], inputs)
         else:
             prefix_runner(inputs)
-        k, v = list(inputs.k), list(inputs.v)
+        k, v = (list(inputs.k), list(inputs.v)) if store is None else (list(store.k), list(store.v))
 
     prefix = PrefixCache(
         branch=branch,
@@ -163,6 +191,8 @@ def run_prefill(
         sin=sin,
         key_valid=key_valid,
         skip=frozenset(skip),
+        placement="gpu" if store is None else store.placement,
+        store=store,
     )
     return out, prefix
 
@@ -185,7 +215,8 @@ def _joint_pass(model, layout, joint, modulation, rotary, key_valid, temb, stati
     return model.proj_out(joint)[:, layout.prefix_len:], layers
 
 
-def _prefix_inputs(model, layout, x, zero_modulation, rotary, key_valid, static_kv, kv_heads=None) -> PrefixInputs:
+def _prefix_inputs(model, layout, x, zero_modulation, rotary, key_valid, static_kv, kv_heads=None,
+                   store=None) -> PrefixInputs:
     """The prefix pass's inputs: each prefix row is modulated from t = 0 (diffusers' trailing modulation row) and
     attends under the prefix's block-causal mask; its block's K/V land in rows `0:P` of the given buffers (fresh
     ones when the request has no graph entry)."""
@@ -195,6 +226,11 @@ def _prefix_inputs(model, layout, x, zero_modulation, rotary, key_valid, static_
     if key_valid is not None:
         mask = mask & key_valid[:, None, None, :prefix_len]
     blocks = model.transformer_blocks
+    if store is not None:
+        rows = [store.prefix_rows(i) for i in range(len(blocks))]
+        return PrefixInputs(hidden=x, modulation=zero_modulation, cos=cos, sin=sin, mask=mask,
+                            k=[k for k, _ in rows], v=[v for _, v in rows], stash=store.stash,
+                            segments=layout.segments if key_valid is None else None)
     if static_kv is None:
         attn = blocks[0].attn
         shape = (batch, prefix_len, kv_heads or attn.heads, attn.inner_dim // attn.heads)

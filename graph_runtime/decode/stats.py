@@ -23,6 +23,8 @@ class DecodeStats:
     # Steps a step cache answered without running the transformer (graph_runtime/sampling/step_cache.py, or a core
     # sampler's step with no model call under core's EasyCache / LazyCache).
     skipped_steps: int = 0
+    # Prefills by where their prefix K/V went (prefix_store.py: gpu, int8, host, recompute).
+    prefix_placements: Counter = field(default_factory=Counter)
 
     @property
     def eager_total(self) -> int:
@@ -42,6 +44,7 @@ class DecodeStats:
             "attention": {} if self.attention_choice is None else self.attention_choice.chosen(),
             "attention_fallbacks": {} if self.attention_choice is None else dict(self.attention_choice.fallbacks),
             "skipped_steps": self.skipped_steps,
+            "prefix_placements": dict(self.prefix_placements),
         }
 
     def delta(self, before: dict) -> dict:
@@ -56,6 +59,7 @@ class DecodeStats:
             "prefill_captures": now["prefill_captures"] - before["prefill_captures"],
             "eager_prefills": _counter_delta(now["eager_prefills"], before["eager_prefills"]),
             "skipped_steps": now["skipped_steps"] - before["skipped_steps"],
+            "prefix_placements": _counter_delta(now["prefix_placements"], before.get("prefix_placements", {})),
         }
 
 

@@ -118,6 +118,9 @@ class PrefixInputs:
     v: list[torch.Tensor]
     segments: tuple | None = None  # the layout's (start, end, is_text) runs `mask` encodes; None with key padding
     skip: frozenset = frozenset()  # blocks the pass leaves out, as the decode steps of its prefix do
+    # `stash(i)` after block i wrote its rows into `k[i]`/`v[i]`: an int8 or host prefix (prefix_store.py) keeps
+    # them elsewhere, so the next block may reuse those rows.
+    stash: object = None
 
 
 # Up to this many prefix tokens (a text-only prompt) the pass is host-bound: it is captured and replayed, and its
@@ -145,6 +148,8 @@ def run_prefix_blocks(blocks, inputs: PrefixInputs) -> None:
                 x, pending = block(x, pending, inputs.modulation, inputs.cos, inputs.sin, k_rows, v_rows, 0, True,
                                    mask, kv_only=i == last)
                 stream.after(i)
+                if inputs.stash is not None:
+                    inputs.stash(i)
 
 
 class TargetDecodeBlock(torch.nn.Module):
@@ -482,16 +487,26 @@ class DecodeStep(torch.nn.Module):
         # their base block, here and nowhere else.
         residuals = inputs.extra.get("block_residuals")
         residuals = residuals.start(self, x, modulation, inputs) if residuals is not None else None
+        # An int8 or host prefix (prefix_store.py): each block's prefix rows reach a working buffer before it runs.
+        store = inputs.extra.get("prefix_store")
+        order = [i for i in range(len(self.blocks)) if i not in inputs.skip]
+        if store is not None:
+            store.begin_step(order)
         # The stream pass runs outside the wrappers, which may be compiled.
-        for i, block in enumerate(self.blocks):
-            if i in inputs.skip:
-                continue
+        for position, i in enumerate(order):
+            if store is not None:
+                store.before_block(position)
             stream.before(i)
-            x, pending = block(x, pending, modulation, inputs.cos, inputs.sin, *inputs.block_kv(i),
-                               inputs.prefix_len, inputs.static_kv, inputs.attn_mask)
+            kv = inputs.block_kv(i) if store is None else store.working(position)
+            x, pending = self.blocks[i](x, pending, modulation, inputs.cos, inputs.sin, *kv,
+                                        inputs.prefix_len, inputs.static_kv, inputs.attn_mask)
             stream.after(i)
+            if store is not None:
+                store.after_block(position)
             if residuals is not None:
                 x, pending = residuals.after_block(i, x, pending)
+        if store is not None:
+            store.end_step()
         norm_out = model.norm_out
         scale = norm_out.linear(norm_out.silu(temb).to(x.dtype))[:batch]
         fuse = self.kernels and type(norm_out.norm) is torch.nn.LayerNorm and not norm_out.norm.elementwise_affine

@@ -17,14 +17,15 @@ from .. import free_memory as free  # noqa: F401 - what a new allocation can get
 from . import budget, plan, sizes  # noqa: F401 - the modules, for callers that reach one by name
 from .budget import (  # noqa: F401
     Available, MemoryBudgetError, RequestPlan, alternatives, check, check_decoded_on_host, check_runtime_request,
-    check_sampling_request, largest_fitting_batch, largest_fitting_size, plan_request, request_shape,
+    check_sampling_request, choose_placement, largest_fitting_batch, largest_fitting_size, plan_request,
+    request_shape,
 )
 from .plan import MemoryPlan, ModelSizes, TextEncoderSize, plan_memory  # noqa: F401
 from .sizes import (  # noqa: F401 - the byte math, as `memory.<name>`
     GiB, MiB, STEP_HIDDEN_TENSORS, STEP_MLP_TENSORS, VAE_DTYPE_TENSORS, VAE_FP32_TENSORS, VAE_TILE_PIXELS,
     VAE_TILE_CACHE_FACTOR, VAE_ENCODE_BYTES_PER_PIXEL, LATENT_COPIES, MARGIN_BYTES, MARGIN_FRACTION, gib,
     module_bytes, compute_dtype, TransformerDims, VaeDims, kv_bytes_per_token, step_activation_bytes,
-    entry_buffer_bytes, prefix_graph_bytes, prefill_bytes, eager_step_bytes, vae_decode_bytes, latent_bytes,
+    entry_buffer_bytes, placement_bytes, recompute_step_bytes, prefix_graph_bytes, prefill_bytes, eager_step_bytes, vae_decode_bytes, latent_bytes,
     IMAGE_BYTES_PER_PIXEL, MASK_BYTES_PER_PIXEL, decoded_images_bytes, vae_encode_bytes, GenerationShape, MemoryBudget,
     estimate,
     fitting_estimate, available_bytes, eager_free_bytes, graph_bytes_held, graph_pool_bytes,

@@ -18,6 +18,7 @@ import torch
 from ..errors import KVGraphError
 from .. import free_memory
 from ..decode import TOKENS_PER_SLOT
+from ..decode.prefix_store import AUTO, GPU, HOST
 from . import plan as plans
 from . import sizes as memory
 from .sizes import (
@@ -72,6 +73,9 @@ def alternatives(dims: TransformerDims, shape: GenerationShape, weights: dict[st
         option("the int8 ConvRot transformer in weights mode int8 (half the weight bytes)",
                new_weights={**weights, "transformer": dims.int8_weight_bytes(weights["transformer"])},
                new_dims=dataclasses.replace(dims, int8=True))
+    for placement, why in PLACEMENT_OPTIONS.items():
+        if placement != shape.prefix_placement:
+            option(f"prefix_placement {placement} ({why})", dataclasses.replace(shape, prefix_placement=placement))
     if shape.decode_mode != "eager":
         option("decode_mode eager (no graph buffers or pool; each step ~20% slower)",
                dataclasses.replace(shape, decode_mode="eager"))
@@ -93,6 +97,25 @@ def _need(dims, shape, weights, vae, available: int, price=None) -> int:
     if price is not None:
         return price(dims, shape, weights)
     return fitting_estimate(dims, shape, weights, vae, available).total
+
+
+# What each prefix placement trades, as a refusal offers it.
+PLACEMENT_OPTIONS = {
+    "int8": "the prefix K/V int8 on the GPU, about half the bytes, within the INT8 bound",
+    "host": "the prefix K/V in pinned host memory, copied per block behind the compute",
+    "recompute": "no prefix cache: every step runs the whole sequence eagerly, several times slower",
+}
+
+
+def choose_placement(dims: TransformerDims, shape: GenerationShape, weights: dict[str, int], vae: VaeDims | None,
+                     available: int, host_free: int | None = None) -> str:
+    """What `auto` resolves to with every block resident: the memory planner's choice (plan.py `plan_memory`, the
+    one decider: the fastest placement that fits `available` and, for host, `host_free` when known; recompute only
+    where no kept prefix fits); gpu when none fits (the refusal then names them all)."""
+    sizes = plans.ModelSizes(dims, (0,) * dims.blocks, weights.get("transformer", 0), vae,
+                             tuple((k, v) for k, v in weights.items() if k not in ("transformer", "VAE")))
+    chosen = plans.plan_memory(sizes, shape, available, host_free, stream=False)
+    return chosen.prefix_placement if chosen.fits else GPU
 
 
 def largest_fitting_batch(dims, shape, weights, vae, available: int, price=None) -> int:
@@ -153,7 +176,8 @@ def request_shape(request, graphs: bool = True) -> GenerationShape:
     prefixes = tuple(int(e.image_mask.shape[-1] + (TOKENS_PER_SLOT - 1) * e.num_image_slots) for e in branches)
     mode = request.decode_mode if graphs else "eager"
     return GenerationShape(width=request.latent_width * 16, height=request.latent_height * 16,
-                           batch=request.batch_size, prefix_tokens=prefixes, decode_mode=mode)
+                           batch=request.batch_size, prefix_tokens=prefixes, decode_mode=mode,
+                           prefix_placement=request.placement())
 
 
 @dataclass
@@ -230,9 +254,18 @@ def check_sampling_request(transformer, request, available: Available | None, de
     if available is None:
         return plan.budget()
     host = host_free if host_available is None else host_available
+    if request.prefix_placement != AUTO:
+        prefix_placements = (request.prefix_placement,)  # a user's choice is the only one planned
+    if request.prefix_placement == HOST and host_free is not None:
+        _check_pinned_prefix(plan.shape, plan.dims, host_free)
     memory_plan = plan_request(transformer, plan, available.total, device, text_encoder,
                                None if host is None else host + _host_bytes(transformer),
                                stream=stream, bandwidth=bandwidth, placements=prefix_placements)
+    if memory_plan.fits or request.prefix_placement != AUTO:
+        # The run reads `auto`'s choice from the request; where nothing fits, the refusal prices the gpu prefix.
+        if request.prefix_placement == AUTO:
+            request.planned_placement = memory_plan.prefix_placement
+        plan.shape = dataclasses.replace(plan.shape, prefix_placement=memory_plan.prefix_placement)
     if text_encoder_placement is not None and memory_plan.text_encoder not in (None, text_encoder_placement):
         memory_plan.notes.append(f"the text encoder runs '{text_encoder_placement}' as set; the plan would run it "
                                  f"'{memory_plan.text_encoder}'")
@@ -240,11 +273,14 @@ def check_sampling_request(transformer, request, available: Available | None, de
         # Today's budget and refusal, exactly: a plan that keeps everything on the device is that budget.
         budget = plan.check_available(available, device, more_options)
     elif not memory_plan.fits:
-        _refuse(transformer, plan, memory_plan, available, device, more_options, stream)
+        _refuse(transformer, plan, memory_plan, available, device, more_options, stream, prefix_placements)
     else:
         budget = memory_plan.budget
     budget.plan = memory_plan
     shape = plan.shape
+    if shape.prefix_placement != GPU:
+        how = "auto: the GPU prefix does not fit" if request.prefix_placement == AUTO else "as asked"
+        budget.notes.append(f"prefix K/V placement {shape.prefix_placement} ({how})")
     image = memory.decoded_images_bytes(shape.width, shape.height, shape.batch, memory.IMAGE_BYTES_PER_PIXEL)
     if host_free is not None and image > host_free:
         budget.notes.append(f"decoding all {shape.batch} images needs {gib(image)} of host memory for the IMAGE, "
@@ -264,6 +300,17 @@ def check_sampling_request(transformer, request, available: Available | None, de
     return budget
 
 
+def _check_pinned_prefix(shape: GenerationShape, dims: TransformerDims, host_free: int) -> None:
+    """A host prefix asked for by name that the host cannot pin: refused before anything is planned or allocated,
+    naming the other placements."""
+    host = sum(memory.placement_bytes(dims, shape.batch, p, shape.target_tokens, HOST)[1]
+               for p in shape.prefix_tokens)
+    pinned = MemoryBudget(parts=[(f"pinned prefix K/V ({'+'.join(map(str, shape.prefix_tokens))} tokens)", host)],
+                          margin=0)
+    check(pinned, host_free, "cpu", "host memory, for the pinned prefix", lambda: [
+        f"prefix_placement {p} ({why})" for p, why in PLACEMENT_OPTIONS.items() if p != HOST])
+
+
 def plan_request(transformer, plan: RequestPlan, available: int, device, text_encoder=None,
                  host_available: int | None = None, stream: bool = True, bandwidth: float | None = None,
                  placements: tuple[str, ...] | None = None) -> plans.MemoryPlan:
@@ -274,7 +321,9 @@ def plan_request(transformer, plan: RequestPlan, available: int, device, text_en
     sizes = _model_sizes(transformer, plan, text_encoder)
     bandwidth = plans.default_bandwidth() if bandwidth is None else bandwidth
     if torch.device(device).type != "cuda":
-        return plans.plan_memory(sizes, plan.shape, available, None, placements=("gpu",), stream=False,
+        # The host is the device: a host prefix gains nothing there, so `auto` chooses among the others.
+        on_host = tuple(p for p in placements if p != HOST) if len(placements) > 1 else placements
+        return plans.plan_memory(sizes, plan.shape, available, None, placements=on_host, stream=False,
                                  bandwidth=bandwidth, device="CPU")
     fastest = plans.plan_memory(sizes, plan.shape, available, host_available, stream=stream, bandwidth=bandwidth,
                                 placements=placements)
@@ -298,13 +347,17 @@ def _model_sizes(transformer, plan: RequestPlan, text_encoder=None) -> plans.Mod
     return plans.ModelSizes.of(transformer, plan.vae, extra, text_encoder)
 
 
-def _refuse(transformer, plan: RequestPlan, memory_plan, available: Available, device, more_options, stream: bool):
+def _refuse(transformer, plan: RequestPlan, memory_plan, available: Available, device, more_options, stream: bool,
+            placements: tuple[str, ...] | None = None):
     """No plan fits: MemoryBudgetError with the smallest plan's needs and the settings that change them, each priced
-    as its own smallest plan among the placements built here."""
+    as its own smallest plan among the placements built here (`placements`: those the request allows; an offered
+    placement is priced alone)."""
     sizes = _model_sizes(transformer, plan)
-    built = tuple(p for p in plans.PREFIX_PLACEMENTS if p in plans.PREFIX_PLACEMENTS_BUILT)
+    allowed = plans.PREFIX_PLACEMENTS if placements is None else placements
+    asked = tuple(p for p in plans.PREFIX_PLACEMENTS if p in plans.PREFIX_PLACEMENTS_BUILT and p in allowed)
 
     def smallest(dims, shape, weights) -> int:
+        built = asked if shape.prefix_placement == plan.shape.prefix_placement else (shape.prefix_placement,)
         changed = sizes.as_int8() if dims.int8 else sizes
         changed = dataclasses.replace(changed, extra_weights=tuple(
             (k, v) for k, v in weights.items() if k not in ("transformer", "VAE")))

@@ -34,15 +34,16 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..decode.prefix_store import HOST, PLACEMENTS, STORED, working_slots
 from ..report import block_sizes
 from .sizes import (
     MARGIN_BYTES, MARGIN_FRACTION, GenerationShape, GiB, MemoryBudget, TransformerDims, VaeDims, estimate, gib,
-    kv_bytes_per_token, module_bytes, prefill_bytes,
+    kv_bytes_per_token, module_bytes, placement_bytes,
 )
 
-PREFIX_PLACEMENTS = ("gpu", "int8", "host", "recompute")  # fastest first: the order ties are broken in
-# What the runtime can carry out today. The branch that builds a placement adds its name here.
-PREFIX_PLACEMENTS_BUILT = frozenset({"gpu"})
+PREFIX_PLACEMENTS = PLACEMENTS  # fastest first: the order ties are broken in
+# What the runtime carries out (decode/prefix_store.py builds every placement).
+PREFIX_PLACEMENTS_BUILT = frozenset(PREFIX_PLACEMENTS)
 # Whether streamed blocks replay inside the captured decode graph (else a streamed load steps eagerly, uploads not
 # overlapped with compute: the step estimate then adds the whole upload time).
 STREAMED_GRAPH_BUILT = True
@@ -62,9 +63,9 @@ DEVICE_BYTES_PER_S = 0.4e12
 
 # The int8 prefix: one byte per value, plus one fp32 scale per token, head, block and K/V.
 INT8_SCALE_BYTES = 4
-# bf16 working buffers of one block's prefix K/V (the largest branch): the int8 prefix dequantizes into one; the host
-# prefix double-buffers, one being read by attention while the next block's copy lands.
-PREFIX_WORK_BUFFERS = {"int8": 1, "host": 2}
+# bf16 working buffers of one block's K/V (the largest branch), as the prefix store allocates them: the int8 prefix
+# dequantizes into one; the host prefix double-buffers, one being read by attention while the next block's copy lands.
+PREFIX_WORK_BUFFERS = {p: working_slots(p) for p in STORED}
 # The text encoder streamed by layer: this many layers' weights on the GPU at once.
 TE_SLOTS = 2
 
@@ -319,56 +320,37 @@ def _int8_kv_bytes_per_token(d: TransformerDims) -> int:
     return 2 * d.blocks * (d.hidden + d.heads * INT8_SCALE_BYTES)
 
 
-def _work_buffer_bytes(d: TransformerDims, shape: GenerationShape, placement: str) -> int:
-    """The bf16 working buffers of one block's prefix K/V (the largest branch; branches run one at a time)."""
-    one_block = shape.batch * max(shape.prefix_tokens) * kv_bytes_per_token(d) // d.blocks
-    return PREFIX_WORK_BUFFERS.get(placement, 0) * one_block
-
-
 def _gpu_budget(sizes: ModelSizes, shape: GenerationShape, resident: int, slots: int, placement: str,
                 vae_tiled: bool) -> MemoryBudget:
-    d, batch, target = sizes.dims, shape.batch, shape.target_tokens
     weights = {"transformer": sizes.other_bytes + sum(sizes.block_bytes[:resident])}
     if sizes.vae is not None:
         weights["VAE"] = sizes.vae.weight_bytes
     weights.update(dict(sizes.extra_weights))
-    # Today's budget (the whole plan's, exactly), then the parts this plan changes.
-    base = estimate(d, shape, weights, sizes.vae, vae_tiled)
+    # The budget of the placement with every block resident (sizes.estimate: the prefix by `placement_bytes`, the
+    # one byte model of the placements), then the streamed blocks' slots in place of their weights.
+    base = estimate(sizes.dims, dataclasses.replace(shape, prefix_placement=placement), weights, sizes.vae,
+                    vae_tiled)
+    if resident == sizes.blocks:
+        return base
     parts = []
     for label, n in base.parts:
-        if label == "transformer weights" and resident < sizes.blocks:
-            parts.append((f"transformer weights ({resident} of {sizes.blocks} blocks)", n))
+        parts.append((f"transformer weights ({resident} of {sizes.blocks} blocks)" if label == "transformer weights"
+                      else label, n))
+        if label == "transformer weights":
             streamed = sizes.block_bytes[resident:]
             parts.append((f"streaming slots ({min(slots, len(streamed))} blocks)",
                           min(slots, len(streamed)) * max(streamed)))
-        elif label.startswith("prefix K/V"):
-            tokens = sum(batch * p for p in shape.prefix_tokens)
-            if placement == "gpu":
-                parts.append((label, n))
-            elif placement == "int8":
-                parts.append((label.replace("prefix K/V", "prefix K/V int8"), tokens * _int8_kv_bytes_per_token(d)))
-            if placement in PREFIX_WORK_BUFFERS:
-                parts.append((f"prefix working buffers ({PREFIX_WORK_BUFFERS[placement]} blocks, bf16)",
-                              _work_buffer_bytes(d, shape, placement)))
-        elif placement == "recompute" and label.startswith("graph "):
-            continue  # no cached prefix: nothing to replay against
-        elif placement == "recompute" and label.startswith("largest eager phase"):
-            # Every step runs the whole joint sequence, as the prefill does with the target rows added.
-            steps = [prefill_bytes(d, batch, p + target, 0) for p in shape.prefix_tokens]
-            parts.append((label.replace("largest eager phase (", "largest eager phase (recomputed steps or "),
-                          max([n, *steps])))
-        else:
-            parts.append((label, n))
     need = sum(n for _, n in parts)
-    return MemoryBudget(parts=parts, margin=int(MARGIN_BYTES + MARGIN_FRACTION * need), vae_tiled=vae_tiled)
+    return dataclasses.replace(base, parts=parts, margin=int(MARGIN_BYTES + MARGIN_FRACTION * need),
+                               notes=list(base.notes), host_parts=list(base.host_parts))
 
 
 def _host_parts(sizes: ModelSizes, shape: GenerationShape, resident: int, placement: str) -> list[tuple[str, int]]:
     parts = []
     if resident < sizes.blocks:
         parts.append((f"streamed blocks ({sizes.blocks - resident})", sum(sizes.block_bytes[resident:])))
-    if placement == "host":
-        parts.append(("prefix K/V", sum(shape.batch * p for p in shape.prefix_tokens) * kv_bytes_per_token(sizes.dims)))
+    if placement == HOST:
+        parts.append(("prefix K/V", _host_prefix_bytes(sizes, shape)))
     if sizes.text_encoder is not None:
         parts.append(("text encoder (held)", sizes.text_encoder.bytes))  # its pinned copy, or its weights on the CPU
     return parts
@@ -398,14 +380,21 @@ def compute_ms(sizes: ModelSizes, shape: GenerationShape, placement: str) -> flo
 def upload_bytes(sizes: ModelSizes, shape: GenerationShape, resident: int, placement: str) -> int:
     """Bytes copied from the host each step: the streamed blocks once per CFG branch, a host prefix once."""
     total = shape.branches * sum(sizes.block_bytes[resident:])
-    if placement == "host":
-        total += sum(shape.batch * p for p in shape.prefix_tokens) * kv_bytes_per_token(sizes.dims)
+    if placement == HOST:
+        total += _host_prefix_bytes(sizes, shape)
     return total
+
+
+def _host_prefix_bytes(sizes: ModelSizes, shape: GenerationShape) -> int:
+    """A host prefix's pinned rows, every branch (`placement_bytes`' host side)."""
+    return sum(placement_bytes(sizes.dims, shape.batch, p, shape.target_tokens, HOST)[1]
+               for p in shape.prefix_tokens)
 
 
 def _candidate(sizes, shape, resident, slots, placement, vae_tiled, bandwidth, available, host_available,
                streamed_graphs: bool) -> MemoryPlan:
     overlapped = streamed_graphs or resident == sizes.blocks
+    shape = dataclasses.replace(shape, prefix_placement=placement)
     if not overlapped:
         # Streamed blocks without graphs: every step runs eagerly (no graph buffers or pool, an eager step's memory).
         shape = dataclasses.replace(shape, decode_mode="eager")

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import free_memory as free
-from ..decode import DecodeEngine
+from ..decode import DecodeEngine, store_bytes
+from ..decode.prefix_store import GPU, HOST, RECOMPUTE
 from ..report import GiB, MiB, compute_dtype, gib, module_bytes  # noqa: F401 - re-exported as memory.<name>
 
 
@@ -177,6 +178,37 @@ def prefix_graph_bytes(d: TransformerDims, batch: int, prefix: int) -> int:
             + batch * prefix * prefix)
 
 
+def placement_bytes(d: TransformerDims, batch: int, prefix: int, target: int, placement: str,
+                    graphs: bool = True) -> tuple[int, int]:
+    """`(device bytes, host bytes)` one branch's prefix K/V take under `placement` (decode/prefix_store.py), with
+    the graph entry's other static buffers when `graphs`:
+
+    - gpu: every block's K and V rows, prefix and target (0.5 MiB per token at full size in bf16);
+    - int8: one byte per value plus an fp32 scale per token and head (about 0.27 MiB per prefix token), and one
+      working K and V buffer of `prefix + target` rows for all blocks;
+    - host: the prefix rows in pinned host memory (the gpu figure, on the host), two working buffers on the device;
+    - recompute: nothing kept (every step runs the whole sequence: `recompute_step_bytes`).
+    """
+    device, host = store_bytes(placement, batch, prefix, target, d.heads, d.head_dim, d.blocks, d.activation_bytes)
+    if graphs and placement != RECOMPUTE:
+        # The entry's hidden, timestep and RoPE buffers; its target K/V rows are in `device` already.
+        device += entry_buffer_bytes(d, batch, prefix, target) - batch * target * kv_bytes_per_token(d)
+        if placement == GPU:
+            device += prefix_graph_bytes(d, batch, prefix)  # a stored prefix's pass is never captured
+    elif placement == GPU:
+        device -= batch * target * kv_bytes_per_token(d)  # an eager request keeps only its prefix rows
+    return device, host
+
+
+def recompute_step_bytes(d: TransformerDims, batch: int, prefix: int, target: int) -> int:
+    """A step without a prefix cache: the whole joint sequence's activations, its prefix rows, and its block-causal
+    mask over all rows: the boolean mask and the additive bias in the activation dtype SDPA turns it into (a trace of
+    the tiny model's run shows both alive, tests/test_prefix_placement.py)."""
+    rows = batch * (prefix + target)
+    return (step_activation_bytes(d, rows) + batch * prefix * d.hidden * d.activation_bytes
+            + (prefix + target) ** 2 * (1 + d.activation_bytes))
+
+
 def prefill_bytes(d: TransformerDims, batch: int, prefix: int, target: int) -> int:
     """The prefill's transient memory: the joint rows it scatters (and their sources), the prefix pass's
     activations and its mask."""
@@ -231,6 +263,7 @@ class GenerationShape:
     batch: int = 1
     prefix_tokens: tuple[int, ...] = (128,)
     decode_mode: str = "auto"
+    prefix_placement: str = GPU  # where the prefix K/V live (decode/prefix_store.py); never "auto" here
     # Bytes per pixel of the decoded images the request keeps on this device until it ends (the command line's
     # images, on the CPU); 0 where they go elsewhere (ComfyUI's VAE decode node checks its own batch).
     decoded_bytes_per_pixel: int = 0
@@ -253,6 +286,12 @@ class MemoryBudget:
     vae_tiled: bool = False
     notes: list[str] = field(default_factory=list)
     plan: object = None  # the memory plan the request runs under (plan.py `MemoryPlan`), where one was made
+    host_parts: list[tuple[str, int]] = field(default_factory=list)  # held in host memory (a host prefix's rows)
+    prefix_placement: str = GPU
+
+    @property
+    def host_total(self) -> int:
+        return sum(n for _, n in self.host_parts)
 
     @property
     def need(self) -> int:
@@ -267,11 +306,13 @@ class MemoryBudget:
 
     def describe(self) -> str:
         items = ", ".join(f"{label} {n / GiB:.2f}" for label, n in self.parts if n)
-        return f"{gib(self.total)} ({items}, margin {self.margin / GiB:.2f} GiB)"
+        host = "".join(f", and {label} {n / GiB:.2f} GiB on the host" for label, n in self.host_parts if n)
+        return f"{gib(self.total)} ({items}, margin {self.margin / GiB:.2f} GiB){host}"
 
     def as_dict(self) -> dict:
         return {"total_bytes": self.total, "margin_bytes": self.margin, "vae_tiled": self.vae_tiled,
                 "parts": {label: n for label, n in self.parts}, "notes": list(self.notes),
+                "prefix_placement": self.prefix_placement, "host_parts": {label: n for label, n in self.host_parts},
                 "plan": self.plan.as_dict() if self.plan is not None else None}
 
 
@@ -280,6 +321,9 @@ def estimate(dims: TransformerDims, shape: GenerationShape, weights: dict[str, i
     """The budget of one request. `weights`: label -> bytes of every model that must be on the device during it
     (the transformer's and the VAE's, and the text encoder's where its placement keeps it there)."""
     batch, target = shape.batch, shape.target_tokens
+    placement = shape.prefix_placement
+    if placement != GPU:
+        return _estimate_placed(dims, shape, weights, vae, vae_tiled)
     kv = kv_bytes_per_token(dims)
     parts = [(f"{label} weights", n) for label, n in weights.items()]
     branches = f", {shape.branches} CFG branches" if shape.branches > 1 else ""
@@ -306,6 +350,42 @@ def estimate(dims: TransformerDims, shape: GenerationShape, weights: dict[str, i
     parts.append((label + (" or eager steps)" if shape.decode_mode == "eager" else ")"), max(eager_phases)))
     need = sum(n for _, n in parts)
     return MemoryBudget(parts=parts, margin=int(MARGIN_BYTES + MARGIN_FRACTION * need), vae_tiled=vae_tiled)
+
+
+def _estimate_placed(dims: TransformerDims, shape: GenerationShape, weights: dict[str, int], vae: VaeDims | None,
+                     vae_tiled: bool) -> MemoryBudget:
+    """The budget with the prefix K/V placed int8, on the host or not kept (`recompute`): `placement_bytes` per
+    branch instead of the bf16 prefix and the entries' buffers."""
+    batch, target, placement = shape.batch, shape.target_tokens, shape.prefix_placement
+    graphs = shape.decode_mode != "eager" and placement != RECOMPUTE
+    placed = [placement_bytes(dims, batch, p, target, placement, graphs) for p in shape.prefix_tokens]
+    parts = [(f"{label} weights", n) for label, n in weights.items()]
+    branches = f", {shape.branches} CFG branches" if shape.branches > 1 else ""
+    tokens = f"{'+'.join(map(str, shape.prefix_tokens))} tokens{branches}"
+    if placement != RECOMPUTE:
+        parts.append((f"prefix K/V {placement} ({tokens}; working buffers" + (" and graph buffers)" if graphs else ")"),
+                      sum(device for device, _ in placed)))
+    parts.append((f"latents (batch {batch})", latent_bytes(dims, batch, target, shape.branches)))
+    if shape.decoded_bytes_per_pixel:
+        parts.append((f"decoded images ({batch}x {shape.width}x{shape.height})",
+                      decoded_images_bytes(shape.width, shape.height, batch, shape.decoded_bytes_per_pixel)))
+    if graphs:
+        parts.append(("graph pool", step_activation_bytes(dims, batch * target)))
+    phases = [vae_decode_bytes(vae, shape.width, shape.height, vae_tiled)] if vae is not None else []
+    if placement == RECOMPUTE:
+        phases += [recompute_step_bytes(dims, batch, p, target) for p in shape.prefix_tokens]
+        label = "largest eager phase (whole-sequence steps" + (" or VAE decode)" if vae is not None else ")")
+    else:
+        phases += [prefill_bytes(dims, batch, p, target) for p in shape.prefix_tokens]
+        if not graphs:
+            phases += [step_activation_bytes(dims, batch * target)]
+        label = "largest eager phase (prefill" + (" or VAE decode" if vae is not None else "") + (
+            " or eager steps)" if not graphs else ")")
+    parts.append((label, max(phases)))
+    need = sum(n for _, n in parts)
+    host = [(f"pinned prefix K/V ({tokens})", sum(h for _, h in placed))] if placement == HOST else []
+    return MemoryBudget(parts=parts, margin=int(MARGIN_BYTES + MARGIN_FRACTION * need), vae_tiled=vae_tiled,
+                        host_parts=host, prefix_placement=placement)
 
 
 def fitting_estimate(dims, shape, weights, vae, available: int) -> MemoryBudget:

@@ -8,6 +8,7 @@ and under CFG parallelism the two branches' predictions are exchanged once per s
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -18,6 +19,8 @@ from ..decode.capture import CudaGraphBackend
 from .comm import Comm
 from .plan import BRANCHES, ParallelPlan
 from .ulysses import RehearsingBackend, UlyssesDecodeStep, UlyssesExchange
+
+logger = logging.getLogger("kvgraph")
 
 # A branch that another CFG group computes: the path its outcomes report on this rank.
 REMOTE = "remote"
@@ -86,6 +89,7 @@ class ParallelEngine:
                                   backend=RehearsingBackend(inner, self.exchange), step=step)
         self.cfg = cfg
         self.watch = watch
+        self._placement_said = False
 
     # What the sampling loop reads of an engine.
     @property
@@ -110,11 +114,17 @@ class ParallelEngine:
         return self.local.release()
 
     def prefill(self, layout, latents, encoder_hidden_states, timestep, text_mask=None, branch="cond", mode="auto",
-                with_target=False, control=None) -> tuple[None, PrefixCache | RemoteBranch]:
+                with_target=False, control=None, placement="gpu") -> tuple[None, PrefixCache | RemoteBranch]:
         """This rank's share of `branch`'s prefix pass, or a `RemoteBranch` when another CFG group runs it.
-        `control` is the single-device engine's argument: a ControlNet is refused before sampling on several devices."""
+        `control` is the single-device engine's argument: a ControlNet is refused before sampling on several devices.
+        `placement`: each rank keeps its share of the heads' prefix K/V on its GPU (the Ulysses step reads no prefix
+        store), so another placement falls back to that, logged once."""
         if control is not None:
             raise ValueError("a ControlNet's prefix pass runs on one device")
+        if placement != "gpu" and not self._placement_said:
+            self._placement_said = True
+            logger.warning("KV-Graph: prefix placement %s is for one GPU; on several, each rank keeps its share of "
+                           "the prefix K/V on its GPU.", placement)
         if with_target:
             raise ValueError("a parallel prefill runs the prefix rows only (with_target=False)")
         if branch not in self.plan.branches(self.rank, BRANCHES):

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from ..decode import DecodeEngine, PrefixCache, TokenLayout
+from ..decode.prefix_store import AUTO, GPU, check_placement
 from ..encoding.prompt import PromptEmbeds
 from ..errors import InputError
 from ..validation import check_cfg, check_count, check_denoise, check_finite, check_positions, check_seed
@@ -64,6 +65,10 @@ class SamplingRequest:
     # The memory plan the request runs under (memory/plan.py `MemoryPlan`, set by the memory check): where its
     # prefix K/V lives (`prefix_placement`) and how many blocks stay resident. None: everything on the device.
     memory_plan: object = None
+    # Where the prefix K/V live (decode/prefix_store.py): "auto" lets the memory plan choose (`planned_placement`,
+    # set by graph_runtime/memory's check), or one of "gpu", "int8", "host", "recompute" (planned as the only one).
+    prefix_placement: str = "auto"
+    planned_placement: str | None = None
 
     def __post_init__(self):
         """Every sampling setting is checked here, once, where a request is built (by the sampler node, the generator
@@ -78,8 +83,16 @@ class SamplingRequest:
         self.seed = check_seed(self.seed)
         self.cfg = check_cfg(self.cfg)
         self.denoise = check_denoise(self.denoise)
+        check_placement(self.prefix_placement)
         if self.step_cache is not None and not isinstance(self.step_cache, StepCacheSettings):
             raise InputError("step_cache", type(self.step_cache).__name__, "StepCacheSettings or None")
+
+    def placement(self) -> str:
+        """The prefix placement the run uses: the one asked for, else the budget's choice, else "gpu" (no budget
+        was made: nothing reports free memory)."""
+        if self.prefix_placement != AUTO:
+            return self.prefix_placement
+        return self.planned_placement or GPU
 
     @property
     def do_cfg(self) -> bool:
@@ -223,7 +236,8 @@ def _prefill(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, prefixe
         branch = None if control is None else control.for_branch(engine.transformer, req.batch_size,
                                                                  req.latent_height, req.latent_width)
         _, prefixes[name] = engine.prefill(layout, hidden, embeds, timestep, text_mask, branch=name,
-                                           mode=req.decode_mode, with_target=False, control=branch)
+                                           mode=req.decode_mode, with_target=False, control=branch,
+                                           placement=req.placement())
 
 
 def _denoise_step(engine: DecodeEngine, req: SamplingRequest, run: _Prepared, prefixes: dict[str, PrefixCache],

@@ -25,7 +25,7 @@ import comfy.patcher_extension
 import comfy.supported_models_base
 
 from ...graph_runtime.comfy_interop.latents import LATENT_CHANNELS, latent_stats, normalized_to_raw, raw_to_normalized
-from ...graph_runtime.core_model import ModelFunction, PrefixSource, SamplingRun
+from ...graph_runtime.core_model import ModelFunction, PrefixSource, SamplingRun, placement_from_options
 from ...graph_runtime.core_model.model_function import PATCHES_WITH_CONTROL
 from ...graph_runtime.core_model.step_cache import StepsWithoutCalls
 from ...graph_runtime.decode.attention import AUTO as AUTO_ATTENTION
@@ -275,7 +275,12 @@ def sampling_run_wrapper(executor, noise, latent_image, sampler, sigmas, *args, 
     if control is not None:
         control.tokens(*latent_image.shape[-2:])  # the VAE encodes before the first model call, not inside a step
     engine = model.loaded.use_attention(patcher.attachments.get(ATTENTION, AUTO_ATTENTION))
-    run = SamplingRun(engine, on_first_call=lambda: model.loaded.loras_in_use(loras), control=control)
+    # Core's Qwen Image 2.1 Cache node on the MODEL says where the prefixes live.
+    placement, note = placement_from_options(options)
+    if note is not None:
+        logger.info("KV-Graph: Qwen Image 2.1 Cache on a KV-Graph MODEL: prefix placement %s (%s).", placement, note)
+    run = SamplingRun(engine, on_first_call=lambda: model.loaded.loras_in_use(loras), control=control,
+                      placement=placement)
     prompt_id, node_id = events.executing_ids()
     total = max(0, int(sigmas.shape[-1]) - 1)
     steps = StepsWithoutCalls(run, engine.stats)

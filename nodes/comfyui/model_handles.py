@@ -154,6 +154,7 @@ class TransformerHandle(ModelHandle):
     control: object = None  # a ControlSpec from KV-Graph Apply ControlNet (graph_runtime/controlnet), or None
     step_cache: object = None  # StepCacheSettings from a KV-Graph Step Cache node: the sampler skips predictable steps
     attention: str = AUTO_ATTENTION  # the decode step's attention kernel (decode/attention.py); the loader's input
+    prefix_placement: str = "auto"  # from a KV-Graph Prefix Cache node: where the sampler keeps the prefix K/V
 
     def with_attention(self, attention: str) -> "TransformerHandle":
         """The same loaded model, decoded with the attention kernel `attention` (this handle is left as it is): a
@@ -201,6 +202,10 @@ class TransformerHandle(ModelHandle):
     def with_step_cache(self, settings) -> "TransformerHandle":
         """The same loaded model, sampled with a step cache of `settings` (this handle is left as it is)."""
         return dataclasses.replace(self, step_cache=settings, base=self.base or self)
+
+    def with_prefix_placement(self, placement: str) -> "TransformerHandle":
+        """The same loaded model, sampled with its prefix K/V kept under `placement` (this handle is left as is)."""
+        return dataclasses.replace(self, prefix_placement=placement, base=self.base or self)
 
     def with_lora(self, choice) -> "TransformerHandle":
         """The same loaded model with `choice` added to its LoRA chain (this handle is left as it is)."""

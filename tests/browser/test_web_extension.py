@@ -296,8 +296,11 @@ def test_panel_renders_graph_entries(page, pack_folder):
                 gpu_bytes: 15 * 2 ** 30, step_ms: 262.4 } },
             attention_requested: 'fp8', attention: { 'cuda:0 bfloat16': 'fa3' },
             attention_fallbacks: { 'FP8 attention runs in bf16: this FlashAttention-3 build has no FP8 forward': 1 },
+            prefix_placements: { gpu: 12, host: 1, recompute: 2 },
             entries: [
                 { key, state: 'captured', captures: 1, replays: 38, bytes: 3 * 2 ** 30, owner_alive: true },
+                { key: { ...key, prefix_placement: 'host' }, state: 'captured', captures: 1, replays: 3,
+                  bytes: 2 ** 30, host_bytes: 20 * 2 ** 30, owner_alive: false },
                 { key: { ...key, branch: 'uncond' }, state: 'failed', reason: 'allocation failed',
                   detail: 'CUDA out of memory' },
             ] }],
@@ -326,7 +329,7 @@ def test_panel_renders_graph_entries(page, pack_folder):
     }""", pack_folder)
     assert text["panels"] == 1
     assert text["polled"] >= 1 and text["afterUnmount"] == 0
-    assert text["states"] == ["captured", "failed"]
+    assert text["states"] == ["captured", "captured", "failed"]
     body = text["text"]
     assert "cond · batch 1 · 1100 prefix + 4096 target tokens" in body
     assert "cond 32×32; target 64×64 · torch.bfloat16 · cuda:0 · sdpa" in body
@@ -337,6 +340,9 @@ def test_panel_renders_graph_entries(page, pack_folder):
             "15 GiB GPU · step ~262 ms (estimate)") in body
     assert "39 eager · 5 skipped (step cache) · " in body and "Skipped steps" in body
     assert "prefills: 12 replayed · 1 captured · 2 eager (long prefix: 2)" in body
+    assert "prefix K/V: gpu 12 · host 1 · recompute (no prefix cache, eager) 2" in body
+    assert "cuda:0 · sdpa · prefix host" in body
+    assert "1 captures · 3 replays · 1.0 GiB · 20 GiB pinned on the host · owner released" in body
     assert "prompt a1b2c3d4 · node 5 · step 7/40" in body
     assert "attention fp8 (runs fa3)" in body
     assert "attention fallback: FP8 attention runs in bf16: this FlashAttention-3 build has no FP8 forward: 1" in body

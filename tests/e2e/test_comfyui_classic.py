@@ -63,7 +63,7 @@ def test_real_server_schema_matches_the_examples(server):
     assert {"KVGraphSampler", "KVGraphSigmas", "KVGraphTextEncode", "KVGraphLoadTransformer",
             "KVGraphLoadTextEncoder", "KVGraphLoadVAE", "KVGraphLoadDiffusers", "KVGraphLoadLoRA", "KVGraphVAEDecode",
             "KVGraphVAEEncode", "KVGraphSaveImage", "KVGraphCacheStatus", "KVGraphReleaseCaches",
-            "KVGraphLoadControlNet", "KVGraphApplyControlNet", "KVGraphStepCache"} == ours
+            "KVGraphLoadControlNet", "KVGraphApplyControlNet", "KVGraphStepCache", "KVGraphPrefixCache"} == ours
     sampler = info["KVGraphSampler"]["input"]
     assert sampler["required"]["steps"][1]["default"] == 40 and sampler["required"]["cfg"][1]["default"] == 1.0
     for name in EXAMPLES:
@@ -113,6 +113,27 @@ def test_queueing_again_reuses_the_loaded_model_and_its_manager(server):
     assert again["eager_steps"]["no CUDA"] >= first["eager_steps"]["no CUDA"] + steps
     loaded = {item["kind"]: item["loads"] for item in server.status()["loaded"] if "diffusers" not in item["source"]}
     assert loaded == {"transformer": 1, "text_encoder": 1, "vae": 1}
+
+
+def test_the_prefix_cache_node_places_the_prefix(server):
+    """A KV-Graph Prefix Cache node between the loader and the sampler: the run keeps its prefix where the node says
+    (a host prefix, then no cache), the status route counts each prefill under its placement, and recompute's eager
+    steps are counted under their reason."""
+    loaded = [m for m in server.status()["models"] if (m["source"] or "").endswith(T_FILE)]
+    before = loaded[0]["prefix_placements"] if loaded else {}
+    for placement, seed in (("host", 401), ("recompute", 402)):
+        prompt = load_api_workflow(EXAMPLES[0], seed=seed)
+        sampler = node_of(prompt, "KVGraphSampler")
+        prompt["900"] = {"class_type": "KVGraphPrefixCache",
+                         "inputs": {"model": sampler["inputs"]["model"], "placement": placement}}
+        sampler["inputs"]["model"] = ["900", 0]
+        entry = server.run(prompt)
+        assert len(server.output_images(entry)) == 1
+    status = transformer_status(server)
+    placements = status["prefix_placements"]
+    # One prefill per CFG branch of each run.
+    assert placements["host"] - before.get("host", 0) == placements["recompute"] - before.get("recompute", 0) >= 1
+    assert any("recompute" in reason for reason in status["eager_steps"])
 
 
 def test_interrupt_during_sampling_then_the_next_prompt_runs(server):

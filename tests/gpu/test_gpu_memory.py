@@ -173,16 +173,19 @@ def test_bf16_transformer_with_the_text_encoder_off_the_gpu_fits_a_24gb_card():
 
 
 def test_a_budget_over_the_card_is_planned_or_refused_before_anything_is_allocated():
-    """The bf16 DiT resident on an emulated 16 GB card, a 1024x1024 request with a 128-token prompt: too big for a
-    whole load, it gets a streamed memory plan that fits (it was refused before plans); a batch of 64 fits no plan and
-    is refused with the settings named (int8 weights among them). Neither check allocates anything."""
+    """The bf16 DiT resident on an emulated 16 GB card, a 1024x1024 request with a 128-token prompt and its prefix
+    forced onto the GPU: too big for a whole load, it gets a streamed memory plan that fits and keeps the forced
+    placement (the planner decides resident blocks; a user's placement is the only one it plans, so the prefix-place
+    branch's refusal of this request no longer happens); a batch of 64 fits no plan and is refused with the settings
+    named (int8 weights and the other prefix placements among them). Neither check allocates anything."""
     from graph_runtime.encoding.prompt import PromptEmbeds
 
     transformer = build_transformer()
     vae = build_vae()
     positive = PromptEmbeds(torch.zeros(1, 128, 4096, device="cuda", dtype=torch.bfloat16),
                             torch.zeros(1, 128, dtype=torch.bool))
-    request = SamplingRequest(positive=positive, latent_height=64, latent_width=64, sigma_preset="turbo")
+    request = SamplingRequest(positive=positive, latent_height=64, latent_width=64, sigma_preset="turbo",
+                              prefix_placement="gpu")
     torch.cuda.empty_cache()
     big = SamplingRequest(positive=positive, latent_height=64, latent_width=64, sigma_preset="turbo", batch_size=64)
     with emulated_card(16 * GB):
@@ -194,7 +197,9 @@ def test_a_budget_over_the_card_is_planned_or_refused_before_anything_is_allocat
         assert torch.cuda.memory_allocated() == allocated
     print(budget.plan.describe())
     print(info.value)
+    assert budget.plan.prefix_placement == "gpu"
     assert "no memory plan fits" in str(info.value) and "weights mode int8" in str(info.value)
+    assert "prefix_placement recompute" in str(info.value)
     assert not loaded_for(transformer).engine.graphs.entries
 
 
