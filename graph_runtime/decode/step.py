@@ -19,6 +19,9 @@ layers and weight swaps are seen), with the per-step host work hoisted out:
 - A streamed model (a partial load, graph_runtime/streaming.py) has some blocks' weights on the host: the loops
   below run a `stream_slots.StreamPass` (a no-op without streamed blocks), started before any other work so the
   first uploads overlap it, whose copy-stream uploads and events are captured with the step.
+- An int8 or host prefix (`prefix_store.py`) is not in per-block buffers: the step's `PrefixStore` brings each block's
+  prefix rows into a working buffer before the block runs (dequantized, or copied from pinned memory one block ahead)
+  and the block attends over that buffer; the stream slots' uploads and the store's copies run beside each other.
 - Attention runs the kernel `attention.py` chose for the step's device when the step first ran there
   (FlashAttention-3 on Hopper where installed, SDPA elsewhere): one seam, `TargetDecodeBlock.attention`.
 - FP8 blocks (`graph_runtime/fp8`, Linears converted with `apply_precision`): where a norm or the SwiGLU product

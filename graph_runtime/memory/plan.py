@@ -21,9 +21,11 @@ the GPU is exactly today's budget (sizes.estimate), so whatever fitted before is
 (not even every block streamed, the prefix recomputed and the text encoder on the CPU), `plan_memory` returns the
 smallest plan with `fits` False, for the refusal to quote.
 
-The runtime reads the decisions off the plan (`resident_blocks`, `prefix_placement`); where a mechanism is not built
-yet (PREFIX_PLACEMENTS_BUILT, STREAMED_GRAPH_BUILT) the plan still says what it would do, and the caller decides what
-runs (budget.py `check_sampling_request`).
+The runtime reads the decisions off the plan (`resident_blocks`, `prefix_placement`: the sampler's request carries it
+as `planned_placement`). A placement's GPU and host bytes are the prefix store's (sizes.py `placement_bytes`, through
+`sizes.estimate`), so the plan prices what the runtime allocates. Every placement is built (PREFIX_PLACEMENTS_BUILT);
+a user's forced placement is planned alone (`placements=(choice,)`), and budget.py `check_sampling_request` is the one
+caller that decides what runs.
 """
 
 from __future__ import annotations
