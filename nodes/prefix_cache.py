@@ -24,14 +24,15 @@ class KVGraphPrefixCache(io.ComfyNode):
             category=SAMPLING,
             description=(
                 "Where the KV-Graph Sampler keeps the prompt's prefix K/V (text and reference images), computed once "
-                "and read by every step. Without this node (or with auto) the memory budget decides: on the GPU "
-                "where the request fits, else int8, else pinned host memory, else no cache."
+                "and read by every step. Without this node (or with auto) the memory plan decides: the fastest "
+                "placement that fits the card (blocks streamed where needed), no cache only where no kept prefix "
+                "fits. A placement set here is the only one planned."
             ),
             inputs=[
                 Transformer.Input("model", tooltip="A KV-Graph transformer (from a loader or KV-Graph Load LoRA)."),
                 io.Combo.Input("placement", options=list(PLACEMENT_CHOICES), default="auto",
-                               tooltip="auto: the memory budget picks (gpu, int8, host, recompute: the first that "
-                                       "fits). gpu: bf16 on the GPU (fastest; 0.5 MiB a token). int8: int8 on the "
+                               tooltip="auto: the memory plan picks the fastest that fits (recompute only where no "
+                                       "other does). gpu: bf16 on the GPU (fastest; 0.5 MiB a token). int8: int8 on the "
                                        "GPU with per-token scales, about half the memory, within the INT8 bound. "
                                        "host: pinned host memory, copied block by block behind the compute. "
                                        "recompute: no cache, every step runs the whole sequence eagerly (slowest, "

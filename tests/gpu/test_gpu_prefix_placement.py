@@ -169,6 +169,9 @@ def _two_prompts(transformer, placement: str, card_bytes: int) -> list:
             request = SamplingRequest(positive=positive, reference_latents=references, latent_height=64,
                                       latent_width=64, sigma_preset="turbo", seed=seed, prefix_placement=placement)
             budget = budgets.check_runtime_request(loaded, request)
+            # As the command line runs it: the plan's resident blocks on the GPU, the others streamed.
+            request.memory_plan = budget.plan
+            loaded.follow_plan(torch.device("cuda"), budget.plan)
             result = sample(loaded.engine, request)
             print(budget.describe(), budget.notes, result.stats)
             results.append((request, budget, result))
@@ -188,7 +191,8 @@ def _int8_transformer():
 @pytest.mark.parametrize("placement,card_gb", [("auto", 24), ("int8", 40)])
 def test_ten_references_at_1024_run_and_replay_on_a_capped_card(placement, card_gb):
     """10 references at 1024x1024 (41 k prefix tokens, 21 GB of bf16 prefix K/V): on an emulated 24 GB card `auto`
-    places the prefix off the GPU layout and the prompt runs; int8 forced on 40 GB; both replay every step after the
+    (the memory planner) places the prefix off the GPU layout, streaming blocks where its plan does, and the prompt
+    runs; int8 forced on 40 GB; both replay every step after the
     first prompt's capture, and the second queued prompt captures nothing."""
     transformer = _int8_transformer()
     (first_request, budget, first), (_, _, second) = _two_prompts(transformer, placement, card_gb * GB)
