@@ -223,3 +223,23 @@ def test_another_text_encoders_conditioning_is_refused_by_name(comfy_env, setup)
     with pytest.raises(errors.InputError, match=r"width 768.*Qwen-Image-2.1 conditioning of width 64"):
         model.model.extra_conds(cross_attn=torch.zeros(1, 77, 768), pooled_output=torch.zeros(1, 768),
                                 prompt_type="negative")
+
+
+def test_core_cache_placement_is_what_the_models_memory_estimate_prices(comfy_env, setup):
+    """Core's Qwen Image 2.1 Cache setting on the MODEL (dtype int8: the int8 placement) is kept as set: during the
+    sampling call (where core asks the model what it needs before loading it) `memory_required` prices the int8
+    prefix, less than the bf16 one (its single working buffer against every block's target rows); outside a run it
+    prices the GPU prefix again, and the run prefills int8."""
+    handle, model, positive, _, latent = setup
+    patched = model.clone()
+    patched.model_options.setdefault("transformer_options", {})["qwen_image21_cache"] = {"device": "gpu",
+                                                                                         "dtype": "int8"}
+    shape, conds = [1, 64, 64, 64], {"kvgraph_prefix": [[4096 + 128]]}
+    outside = model.model.memory_required(shape, conds)
+    seen = []
+    core_sample(comfy_env, patched, positive, latent, sigmas_node(comfy_env, patched, latent), 1,
+                lambda options: seen.append(model.model.memory_required(shape, conds)))
+    assert seen and all(need == seen[0] for need in seen) and seen[0] < outside
+    assert model.model.memory_required(shape, conds) == outside
+    assert handle.loaded.engine.stats.prefix_placements["int8"] >= 1
+

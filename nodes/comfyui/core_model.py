@@ -29,6 +29,7 @@ from ...graph_runtime.core_model import ModelFunction, PrefixSource, SamplingRun
 from ...graph_runtime.core_model.model_function import PATCHES_WITH_CONTROL
 from ...graph_runtime.core_model.step_cache import StepsWithoutCalls
 from ...graph_runtime.decode.attention import AUTO as AUTO_ATTENTION
+from ...graph_runtime.decode.prefix_store import GPU
 from ...graph_runtime.core_model.patches import check_supported, read_patches
 from ...graph_runtime.errors import InputError, KVGraphError
 from ...graph_runtime.memory import GenerationShape, TransformerDims, compute_dtype, estimate
@@ -102,6 +103,9 @@ class QwenImage21KVModel(comfy.model_base.BaseModel):
         # The engine is looked up at each use: the loaded model keeps one per attention kernel (loaded.py).
         self.model_function = ModelFunction(lambda: loaded.engine)
         self._ignored = set()
+        # The prefix placement of the sampling run in progress (core's Qwen Image 2.1 Cache on the MODEL, set by
+        # `sampling_run_wrapper` around core's sampling, whose memory estimate reads it); gpu outside a run.
+        self.prefix_placement = GPU
 
     @property
     def engine(self):
@@ -135,8 +139,9 @@ class QwenImage21KVModel(comfy.model_base.BaseModel):
         prefixes = tuple(int(s[0]) for s in cond_shapes.get(PREFIX, []) if s and int(s[0]) > 1)
         prefixes = prefixes or (DEFAULT_PREFIX_TOKENS,)
         batch = max(1, int(input_shape[0]) // len(prefixes))
+        # The run's placement as set (the only one planned: memory/plan.py prices a whole plan with sizes.estimate).
         shape = GenerationShape(width=int(input_shape[-1]) * 16, height=int(input_shape[-2]) * 16, batch=batch,
-                                prefix_tokens=prefixes)
+                                prefix_tokens=prefixes, prefix_placement=self.prefix_placement)
         return estimate(TransformerDims.of(self.diffusion_model), shape, {}).total
 
     def _apply_model(self, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options={}, **kwargs):
@@ -287,9 +292,12 @@ def sampling_run_wrapper(executor, noise, latent_image, sampler, sigmas, *args, 
     with in_flight.sampling(model.loaded, prompt_id, node_id, total) as record:
         args, kwargs = _with_progress(args, kwargs, record, steps.step_done)
         options[RUN] = run
+        # Core's memory estimate (inside this call, before it loads the MODEL) prices the placement the run keeps.
+        model.prefix_placement = placement
         try:
             return executor(noise, latent_image, sampler, sigmas, *args, **kwargs)
         finally:
+            model.prefix_placement = GPU
             options.pop(RUN, None)
             run.release()
             logger.info("KV-Graph: core sampling run on %s: %s", engine.name,
