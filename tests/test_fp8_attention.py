@@ -255,3 +255,23 @@ def test_one_block_attends_in_fp8_within_e4m3_rounding(tiny_models, kernels):
     for fp8, ref, which in ((store.k[0], k16, 1), (store.v[0], v16, 2)):
         back = fp8.float() * store.scales[0, which][:, None]
         assert ((back - ref).abs() <= ref.abs() * 2 ** -4 + store.scales[0, which][:, None] * 2 ** -9).all()
+
+
+def test_a_stored_prefix_entry_keeps_native_kv_and_its_own_key(hopper, monkeypatch):
+    """An int8 or host prefix's entry reads the store's working buffers in the model's dtype, so on an `fp8` step its
+    K/V format is native while a gpu prefix's is fp8; graph keys carry the format and the placement, so the entries
+    never share buffers or graphs."""
+    from graph_runtime.decode.capture import entry_kv_format
+
+    monkeypatch.setattr(attention, "probe_fp8", lambda forward, device: None)
+    model = random_tiny_transformer(dict(TINY_TRANSFORMER, attention_head_dim=64, axes_dims_rope=(16, 24, 24)))
+    model = model.to(torch.bfloat16)  # the engine holds its model weakly
+    step = DecodeEngine(model, attention="fp8").step
+    step.attention = AttentionChoice("fp8", loader=lambda: (_fa3_on_cpu, None))
+    cuda = torch.device("cuda:0")
+    assert [entry_kv_format(step, p, cuda, torch.bfloat16) for p in ("gpu", "int8", "host")] == [
+        "fp8", "native", "native"]
+    layout = type("Layout", (), {"signature": (4, 8, ((1, 2, 4),), ()), "prefix_len": 4, "target_tokens": 8})()
+    keys = {p: make_key(step, "cond", 1, layout, torch.bfloat16, cuda, placement=p) for p in ("gpu", "host")}
+    assert (keys["gpu"].kv_format, keys["host"].kv_format) == ("fp8", "native") and keys["gpu"] != keys["host"]
+    assert keys["host"].describe()["kv_format"] == "native"

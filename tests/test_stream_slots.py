@@ -277,3 +277,32 @@ def test_a_pass_holds_the_slots_until_it_ends_even_on_an_exception(model):
     expected, _ = _generate(DecodeEngine(model), *inputs)
     got, _ = _generate(DecodeEngine(m), *inputs)
     assert all(torch.equal(a, b) for a, b in zip(expected, got))
+
+
+@pytest.mark.parametrize("placement", ["int8", "host"])
+def test_a_streamed_step_with_a_stored_prefix_equals_the_whole_models(model, placement):
+    """The stream slots' uploads and the prefix store's per-block hooks run in one step: with 2 of 5 blocks resident
+    through 2 slots, an int8 or host prefix's prefill and its captured and replayed steps equal the whole model's
+    with the same placement exactly (CPU fp32: the same ops on the same values), and the graph key carries the
+    streaming and the placement."""
+    inputs = _inputs(model)
+
+    def run(engine):
+        layout, embeds, latents = inputs
+        with torch.no_grad():
+            _, prefix = engine.prefill(layout, latents, embeds, torch.tensor([0.9]), with_target=False,
+                                       placement=placement)
+            outcomes = [engine.decode_step(prefix, latents, torch.tensor([t])) for t in (0.9, 0.6)]
+        return [o.output for o in outcomes], [o.path for o in outcomes]
+
+    whole = copy.deepcopy(model)  # engines hold their model weakly
+    expected, _ = run(DecodeEngine(whole, backend=_Recording()))
+    streamed = copy.deepcopy(model)
+    _capturable(BlockStreamer(streamed, "cpu", plan_with(streamed, 2, 2)).start())
+    engine = DecodeEngine(streamed, backend=_Recording())
+    got, paths = run(engine)
+    assert paths == ["capture", "replay"]
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
+    key = next(iter(engine.graphs.entries))
+    assert key.streaming == (2, LAYERS - 2, 2) and key.placement == placement and key.kv_format == "native"
