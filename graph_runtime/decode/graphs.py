@@ -47,7 +47,7 @@ class GraphKey:
     parallel: tuple = ()
     residuals: tuple = ()  # a ControlNet's part (which net, where its weights are): its stream is captured work
     skip: tuple = ()  # blocks the step leaves out (sorted): a skip-layer guidance pass is its own graph
-    # Streamed blocks (first streamed block, how many, slots): a streamed step's graph holds their uploads.
+    # Streamed blocks (their indices, slots): a streamed step's graph holds their uploads.
     streaming: tuple = ()
 
     def describe(self) -> dict:
@@ -64,7 +64,7 @@ class GraphKey:
             **({"parallel": dict(self.parallel)} if self.parallel else {}),
             **({"residuals": f"{self.residuals[0]} #{self.residuals[1]}"} if self.residuals else {}),
             **({"skipped_blocks": list(self.skip)} if self.skip else {}),
-            **({"streamed_blocks": self.streaming[1], "stream_slots": self.streaming[2]} if self.streaming else {}),
+            **({"streamed_blocks": list(self.streaming[0]), "stream_slots": self.streaming[1]} if self.streaming else {}),
         }
 
 
