@@ -86,6 +86,39 @@ class _Layout:
         for start, _nbytes, members in self.regions:
             self._point(buffer, start, members)
 
+    def runs(self, tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+        """The byte ranges of this layout that hold exactly `tensors`' storages, merged where they are adjacent: a
+        submodule's weights (a decoder layer's) are one range. A storage shared with a tensor outside `tensors` is
+        refused: its part could not move alone."""
+        wanted = {id(t) for t in tensors}
+        runs: list[list[int]] = []
+        for start, nbytes, members in self.regions:
+            inside = [id(m[0]) in wanted for m in members]
+            if any(inside) and not all(inside):
+                raise ValueError("a storage is shared between the part and the rest of the module")
+            if all(inside):
+                end = start + -(-nbytes // ALIGNMENT) * ALIGNMENT
+                if runs and runs[-1][1] == start:
+                    runs[-1][1] = end
+                else:
+                    runs.append([start, end])
+        return [(a, b) for a, b in runs]
+
+    def point_runs_at(self, runs: list[tuple[int, int]], buffer: torch.Tensor) -> None:
+        """Point the tensors of `runs` (host offsets) at `buffer`, which holds those runs packed end to end."""
+        placed = 0
+        for a, b in runs:
+            for start, _nbytes, members in self.regions:
+                if a <= start < b:
+                    self._point(buffer, placed + start - a, members)
+            placed += b - a
+
+    def point_runs_back(self, runs: list[tuple[int, int]], host: torch.Tensor) -> None:
+        for a, b in runs:
+            for start, _nbytes, members in self.regions:
+                if a <= start < b:
+                    self._point(host, start, members)
+
     @staticmethod
     def _point(buffer, start, members) -> None:
         storage = buffer.untyped_storage()
@@ -147,6 +180,7 @@ class PinnedWeights:
         self._host_owner = None  # keeps the page-locked allocation alive (and unlocks it last)
         self._device_buffer: torch.Tensor | None = None
         self.pinned = False
+        self.pin_failure: str | None = None  # why a wanted pinning failed (host_copy fell back to pageable)
         self.last_load_seconds = None
         self.last_offload_seconds = None
         self._log = log
@@ -238,12 +272,62 @@ class PinnedWeights:
         self._device_buffer = None
         self.last_offload_seconds = time.perf_counter() - start
 
+    def part(self, tensors: list[torch.Tensor]) -> WeightsPart:
+        """The part of this host copy that holds `tensors` (every storage they use, and nothing else's), to move on
+        its own (layer_stream.py)."""
+        if self._layout is None:
+            raise TypeError(f"no host copy to take a part of: {self.fallback_reason}")
+        self._check_still_ours()
+        return WeightsPart(self, tensors)
+
     def _check_still_ours(self) -> None:
         """Before a load: the tensors must still view the host copy, or another mover took over since."""
         if self._device_buffer is None and not self._layout.points_into(self._host):
             logger.warning("KV-Graph: %s weights were moved outside their pinned copy; taking a new host copy.",
                            type(self._module).__name__)
             self._adopt(self.pinned)
+
+
+class WeightsPart:
+    """One part of a module's host copy (a decoder layer, or everything outside the layers) that visits the device on
+    its own: `load()` copies its ranges of the host copy into one fresh device buffer, queued on the current stream
+    (pinned: without blocking the host), and points its tensors there; `offload()` points them back and drops the
+    buffer. No second host copy is made. The whole module must stay offloaded meanwhile."""
+
+    def __init__(self, owner: "PinnedWeights", tensors: list[torch.Tensor]):
+        self._owner = owner
+        self.runs = owner._layout.runs(tensors)  # noqa: SLF001 - the part is the owner's own view
+        self.nbytes = sum(b - a for a, b in self.runs)
+        self._device_buffer: torch.Tensor | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._device_buffer is not None
+
+    def load(self, device=None) -> None:
+        owner = self._owner
+        if owner.loaded:
+            raise RuntimeError("the whole module is loaded: its parts cannot move on their own")
+        device = torch.device(device) if device is not None else owner.device
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        placed = 0
+        for a, b in self.runs:
+            buffer[placed:placed + b - a].copy_(owner._host[a:b], non_blocking=owner.pinned)  # noqa: SLF001
+            placed += b - a
+        owner._layout.point_runs_at(self.runs, buffer)  # noqa: SLF001
+        self._device_buffer = buffer
+
+    def used_on(self, stream) -> None:
+        """The device copy is read on `stream` too (it was copied on another): its memory is not reused before
+        `stream` is done with it."""
+        if self._device_buffer is not None and self._device_buffer.is_cuda:
+            self._device_buffer.record_stream(stream)
+
+    def offload(self) -> None:
+        if self._device_buffer is None:
+            return
+        self._owner._layout.point_runs_back(self.runs, self._owner._host)  # noqa: SLF001
+        self._device_buffer = None
 
 
 class BlockResidency:
@@ -258,26 +342,22 @@ class BlockResidency:
         raise NotImplementedError
 
 
-class StreamedBlock(BlockResidency):
-    """One block of a partial load (streaming.py) whose weights live on the host and visit the device while it runs.
-    The instance is the block's forward pre-hook (`block_on_device` finds it there); `after` is its forward hook."""
+class ResidencyHooks(BlockResidency):
+    """A module's forward pre-hook (the instance) and forward hook (`after`) that call `arrive()` before its run and
+    `leave()` after it. A run entered again inside its own run (a wrapper calling it), or from another thread, arrives
+    once and leaves when the last run ends. `remove()` takes the hooks off (and leaves, if a run was cut short)."""
 
-    def __init__(self, block: torch.nn.Module, device: torch.device, pin: bool):
-        # The host copy is packed from wherever the weights are now (a block of a whole load: straight from the
-        # device, with no second host copy on the way).
-        weights = PinnedWeights(block, device, pin=pin, log=False)
-        self.pin_failure = weights.fallback_reason if pin else None
-        if weights.fallback_reason is not None and pin:
-            weights = PinnedWeights(block, device, pin=False, log=False)  # a pageable copy: still no copy back
-        if weights.fallback_reason is not None:
-            block.to("cpu")  # tensor subclasses: moved whole each way by `module.to`
-        self.weights = weights
-        # Runs of this block in progress: one entered again inside its own run (a wrapper calling it), or from another
-        # thread, loads once and is dropped when the last run ends.
+    def __init__(self, module: torch.nn.Module):
         self._depth = 0
         self._lock = threading.Lock()
-        self.handles = (block.register_forward_pre_hook(self),
-                        block.register_forward_hook(self.after, always_call=True))
+        self.handles = (module.register_forward_pre_hook(self),
+                        module.register_forward_hook(self.after, always_call=True))
+
+    def arrive(self) -> None:
+        raise NotImplementedError
+
+    def leave(self) -> None:
+        raise NotImplementedError
 
     def __call__(self, module, args) -> None:
         self.enter()
@@ -289,13 +369,13 @@ class StreamedBlock(BlockResidency):
         with self._lock:
             self._depth += 1
             if self._depth == 1:
-                self.weights.load(wait=False)
+                self.arrive()
 
     def exit(self) -> None:
         with self._lock:
             self._depth -= 1
             if self._depth == 0:
-                self.weights.offload()
+                self.leave()
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -303,7 +383,38 @@ class StreamedBlock(BlockResidency):
         with self._lock:
             if self._depth:
                 self._depth = 0
-                self.weights.offload()
+                self.leave()
+
+
+def host_copy(module: torch.nn.Module, device, pin: bool) -> PinnedWeights:
+    """`module`'s own host copy, packed from wherever its weights are now (a block of a whole load: straight from the
+    device, with no second host copy on the way): pinned where `pin` and possible, else pageable (still no copy
+    back); tensor subclasses keep no copy (the module is moved whole each way by `module.to`). The copy's
+    `pin_failure` says why a wanted pinning failed."""
+    weights = PinnedWeights(module, device, pin=pin, log=False)
+    pin_failure = weights.fallback_reason if pin else None
+    if weights.fallback_reason is not None and pin:
+        weights = PinnedWeights(module, device, pin=False, log=False)
+    if weights.fallback_reason is not None:
+        module.to("cpu")
+    weights.pin_failure = pin_failure
+    return weights
+
+
+class StreamedBlock(ResidencyHooks):
+    """One block of a partial load (streaming.py) whose weights live on the host and visit the device while it runs.
+    The instance is the block's forward pre-hook (`block_on_device` finds it there); `after` is its forward hook."""
+
+    def __init__(self, block: torch.nn.Module, device: torch.device, pin: bool):
+        self.weights = host_copy(block, device, pin)
+        self.pin_failure = self.weights.pin_failure
+        super().__init__(block)
+
+    def arrive(self) -> None:
+        self.weights.load(wait=False)
+
+    def leave(self) -> None:
+        self.weights.offload()
 
 
 def block_on_device(block: torch.nn.Module):
