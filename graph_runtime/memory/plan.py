@@ -53,6 +53,7 @@ TE_OFFLOAD = "gpu while encoding, then offload"
 TE_STREAMED = "streamed by layer"
 TE_CPU = "cpu"
 TE_PLACEMENTS = (TE_GPU, TE_OFFLOAD, TE_STREAMED, TE_CPU)  # best first
+TE_AUTO = "auto"  # a user's choice, not a placement: run the plan's placement
 
 DEFAULT_SLOTS = 2
 # A conservative host-to-device rate for pinned copies: PCIe 4.0 x16 moves about twice this, PCIe 3.0 x16 a bit more.
@@ -558,7 +559,7 @@ def plan_memory(sizes: ModelSizes, shape: GenerationShape, available: int, host_
 
 
 __all__ = [
-    "DEFAULT_H2D_BYTES_PER_S", "DEFAULT_SLOTS", "MemoryPlan", "ModelSizes", "PREFIX_PLACEMENTS",
+    "DEFAULT_H2D_BYTES_PER_S", "DEFAULT_SLOTS", "TE_AUTO", "MemoryPlan", "ModelSizes", "PREFIX_PLACEMENTS",
     "PREFIX_PLACEMENTS_BUILT", "STEP_MS", "STREAMED_GRAPH_BUILT", "TE_CPU", "TE_GPU", "TE_OFFLOAD", "TE_PLACEMENTS",
     "TE_STREAMED", "TextEncoderSize", "compute_ms", "default_bandwidth", "plan_memory", "request_shape",
     "text_encoder_placement",
