@@ -56,29 +56,35 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Layout:
-    """Where each distinct storage sits in the packed buffers, and how each tensor views its storage."""
+    """Where each region of the tensors' storages sits in the packed buffers, and how each tensor views its region.
+
+    A region is the bytes of one storage that one group of overlapping tensors views: usually a whole storage, but
+    tensors packed side by side in one buffer (a module packed here before) are a region each, so a part of the module
+    (`WeightsPart`) can move without the rest."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         self.tensors = tensors
-        # Per distinct storage: (offset, nbytes, [(tensor, storage_offset, size, stride), ...]).
+        # Per region: (offset, nbytes, [(tensor, storage_offset within the region, size, stride), ...]).
         self.regions: list[tuple[int, int, list]] = []
-        index: dict[int, int] = {}
-        offset = 0
+        self._sources: list[int] = []  # per region: its first byte in its storage
+        by_storage: dict[int, list[torch.Tensor]] = {}
         for t in tensors:
-            key = t.untyped_storage().data_ptr()
-            if key not in index:
-                index[key] = len(self.regions)
-                nbytes = t.untyped_storage().nbytes()
-                self.regions.append((offset, nbytes, []))
-                offset += -(-nbytes // ALIGNMENT) * ALIGNMENT
-            self.regions[index[key]][2].append((t, t.storage_offset(), tuple(t.shape), tuple(t.stride())))
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+        offset = 0
+        for group in by_storage.values():
+            for lo, hi, members in _regions_of(group):
+                self.regions.append((offset, hi - lo, [
+                    (t, t.storage_offset() - lo // t.element_size(), tuple(t.shape), tuple(t.stride()))
+                    for t in members]))
+                self._sources.append(lo)
+                offset += -(-(hi - lo) // ALIGNMENT) * ALIGNMENT
         self.nbytes = offset
 
     def move_into(self, buffer: torch.Tensor) -> None:
         """Copy every storage into its region of `buffer` (uint8, `nbytes`) and point its tensors there, one
         storage at a time, so each old storage can be freed before the next is copied."""
-        for start, nbytes, members in self.regions:
-            buffer[start:start + nbytes].copy_(_as_bytes(members[0][0]))
+        for (start, nbytes, members), lo in zip(self.regions, self._sources):
+            buffer[start:start + nbytes].copy_(_as_bytes(members[0][0])[lo:lo + nbytes])
             self._point(buffer, start, members)
 
     def point_at(self, buffer: torch.Tensor) -> None:
@@ -135,6 +141,27 @@ class _Layout:
                 if t.device != buffer.device or t.data_ptr() != base + start + storage_offset * t.element_size():
                     return False
         return True
+
+
+def _regions_of(group: list[torch.Tensor]) -> list[tuple[int, int, list]]:
+    """The byte ranges [lo, hi) of one storage that `group` (tensors viewing it) covers, overlapping views merged,
+    with their tensors. Views at offsets that a region's start would misalign keep the whole storage as one region."""
+    spans = []
+    for t in group:
+        size = t.element_size()
+        extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+        spans.append((t.storage_offset() * size, (t.storage_offset() + extent) * size, t))
+    spans.sort(key=lambda span: span[0])
+    merged: list[list] = []
+    for lo, hi, t in spans:
+        if merged and lo < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+            merged[-1][2].append(t)
+        else:
+            merged.append([lo, hi, [t]])
+    if any((t.storage_offset() * t.element_size() - lo) % t.element_size() for lo, _hi, ts in merged for t in ts):
+        return [(0, group[0].untyped_storage().nbytes(), list(group))]
+    return [(lo, hi, ts) for lo, hi, ts in merged]
 
 
 def _pin(buffer: torch.Tensor) -> None:
