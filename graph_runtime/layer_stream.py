@@ -68,7 +68,8 @@ class LayerStream:
                 f" ({weights.pin_failure or weights.fallback_reason})"
                 if (weights.pin_failure or weights.fallback_reason) else "")
         self._copy_stream = None
-        self._ready: dict[int, torch.cuda.Event] = {}
+        self._ready: dict[int, torch.cuda.Event] = {}  # uploads queued on the copy stream, by layer
+        self._done: list[torch.cuda.Event] = []  # the compute of layers that left, not yet waited for
         self._hooks: list[_LayerHooks] = []
         self._lock = threading.Lock()
 
@@ -124,6 +125,13 @@ class LayerStream:
         part = self.parts[index]
         if self._copy_stream is None or part.loaded:
             return
+        # The host runs ahead of the GPU: without this wait it would queue uploads of layers far ahead while the
+        # memory of those that left is still read, and the device would hold many layers. Waiting for the layers that
+        # left (all but the one now running) keeps `ahead + 1` layers there; the GPU still has the running layer's
+        # compute to overlap this upload with.
+        for event in self._done:
+            event.synchronize()
+        self._done.clear()
         with torch.cuda.stream(self._copy_stream):
             part.load(self.device)
             event = torch.cuda.Event()
@@ -134,6 +142,10 @@ class LayerStream:
         with self._lock:
             # Dropped at once: the caching allocator reuses the memory only after the compute queued on it (the copy
             # stream's buffers were marked used on the compute stream when they arrived).
+            if self._copy_stream is not None:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+                self._done.append(event)
             self.parts[index].offload()
 
     def stop(self) -> None:
@@ -145,6 +157,7 @@ class LayerStream:
             self._copy_stream.synchronize()  # no upload still writes a buffer about to be dropped
         with self._lock:
             self._ready.clear()
+            self._done.clear()
             for part in self.parts:
                 part.offload()
             self.outside.offload()
