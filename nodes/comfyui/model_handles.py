@@ -247,19 +247,29 @@ class TextEncoderHandle(ModelHandle):
         placement = placement or self.placement
         in_flight.begin_use(self)  # a release of models meanwhile waits for `after_encode`
         try:
-            if placement == TE_STREAMED and self.patcher.loaded_size() == 0 and self.streams_here():
-                mm.free_memory(need_bytes, self.patcher.load_device)
-                weights = self.patcher.placement or self._pageable_copy()
-                self._stream = layer_stream(self.module, self.patcher.load_device, weights).start()
-            elif placement == TE_CPU and self.placement == TE_AUTO:
-                pass  # the plan's choice for this encode: on the host copy, where the weights are between encodes
-            else:
+            # An encoder already loaded whole (ComfyUI put it there) encodes whole; `auto`'s cpu encodes on the host
+            # copy, where the weights are between encodes.
+            streamed = (placement == TE_STREAMED and self.patcher.loaded_size() == 0 and self.streams_here()
+                        and self._start_stream(need_bytes))
+            if not streamed and not (placement == TE_CPU and self.placement == TE_AUTO):
                 self.ensure_loaded()
             self.running = placement
         except BaseException:
             self._stop_stream()
             in_flight.end_use(self)
             raise
+
+    def _start_stream(self, need_bytes: int) -> bool:
+        weights = self.patcher.placement or self._pageable_copy()
+        try:
+            stream = layer_stream(self.module, self.patcher.load_device, weights)
+        except TypeError as exc:  # no host copy to take layers from (tensor subclasses), or no decoder layers
+            logger.warning("KV-Graph: the text encoder cannot stream by layer (%s); it loads whole for this encode.",
+                           exc)
+            return False
+        mm.free_memory(need_bytes, self.patcher.load_device)
+        self._stream = stream.start()
+        return True
 
     def streams_here(self) -> bool:
         """Whether streaming by layer moves anything: not where the encoder's device is its host (the CPU)."""
