@@ -11,7 +11,7 @@ import logging
 import pytest
 import torch
 
-from graph_runtime.encoding.decoder_layers import decoder_layer_bytes, decoder_layers
+from graph_runtime.text_encoder_layers import decoder_layer_bytes, decoder_layers
 from graph_runtime.encoding.prompt import PromptEncoder
 from graph_runtime.encoding.streamed import layer_stream, streamed_by_layer
 from graph_runtime.memory import plan as plans

@@ -17,7 +17,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from comfy_fake.fixtures import comfy_env  # noqa: E402,F401
 
-from graph_runtime.encoding.decoder_layers import decoder_layers  # noqa: E402
+from graph_runtime.text_encoder_layers import decoder_layers  # noqa: E402
 from graph_runtime.memory import plan as plans  # noqa: E402
 
 TE_FILE = "qwen3vl_8b_bf16.safetensors"

@@ -10,7 +10,7 @@ import torch
 
 from ..layer_stream import LayerStream
 from ..placement import PinnedWeights
-from .decoder_layers import decoder_layers
+from ..text_encoder_layers import decoder_layers
 
 # Layers uploaded ahead of the one running: one, so an upload overlaps a layer's compute with two layers on the device.
 AHEAD = 1

@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..encoding.decoder_layers import decoder_layer_bytes
+from ..text_encoder_layers import decoder_layer_bytes
 from ..report import block_sizes
 from .sizes import (
     MARGIN_BYTES, MARGIN_FRACTION, GenerationShape, GiB, MemoryBudget, TransformerDims, VaeDims, estimate, gib,

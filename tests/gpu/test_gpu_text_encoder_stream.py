@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from bench.placement import build_text_encoder
-from graph_runtime.encoding.decoder_layers import decoder_layers
+from graph_runtime.text_encoder_layers import decoder_layers
 from graph_runtime.encoding.prompt import PromptEncoder
 from graph_runtime.encoding.streamed import streamed_by_layer
 from graph_runtime.memory import plan as plans

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..report import module_bytes
+from .report import module_bytes
 
 
 def decoder_layers(text_encoder: torch.nn.Module) -> torch.nn.ModuleList | None:
