@@ -142,11 +142,12 @@ class LayerStream:
         with self._lock:
             # Dropped at once: the caching allocator reuses the memory only after the compute queued on it (the copy
             # stream's buffers were marked used on the compute stream when they arrived).
+            self.parts[index].offload()
             if self._copy_stream is not None:
+                # Recorded after the free, so once it completes the allocator's own event for that memory has too.
                 event = torch.cuda.Event()
                 event.record(torch.cuda.current_stream(self.device))
                 self._done.append(event)
-            self.parts[index].offload()
 
     def stop(self) -> None:
         """Remove the hooks and point every tensor back at the host copy."""
