@@ -78,3 +78,40 @@ def test_full_size_streamed_encode_fits_a_small_card_and_equals_the_whole():
     assert peak <= budget
     assert peak <= size.outside_bytes + 2 * size.layer_bytes + size.encode_bytes(tokens)
     assert torch.equal(whole, streamed)
+
+
+def test_the_handle_streams_from_its_pinned_copy_and_leaves_it_as_it_was(tiny_parts):
+    """The text encoder handle of the nodes (fake ComfyUI on the GPU), placement 'streamed by layer': the encode
+    streams from the handle's own pinned copy (no second host copy), the embeddings are on the GPU and the decoder
+    layers on the host between layer runs, the conditioning equals the whole encode's bit for bit, and afterwards
+    every weight is back at its host address with no hook left."""
+    import copy
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1]))
+    from comfy_fake.fixtures import close_env, make_env
+
+    env = make_env(device="cuda")
+    try:
+        handles = sys.modules[env.pack.__name__ + ".nodes.comfyui.model_handles"]
+        module = copy.deepcopy(tiny_parts["text_encoder"]).float()
+        encoder = PromptEncoder(module, tiny_parts["processor"])
+        module.to("cuda")
+        whole = encoder.encode(PROMPT, device=torch.device("cuda"))
+        handle = handles.TextEncoderHandle.create("text_encoder", module, "test", "fp32", "cuda", "cpu",
+                                                  processor=tiny_parts["processor"], placement="streamed by layer")
+        assert handle.patcher.placement is not None and handle.patcher.placement.pinned
+        host_ptrs = [p.data_ptr() for p in module.parameters()]
+        handle.before_encode("streamed by layer", 0)
+        try:
+            assert module.model.language_model.embed_tokens.weight.is_cuda
+            assert all(not p.is_cuda for p in decoder_layers(module).parameters())
+            streamed = handle.encoder.encode(PROMPT, device=handle.encode_device)
+        finally:
+            handle.after_encode()
+        assert torch.equal(whole.embeds, streamed.embeds)
+        assert [p.data_ptr() for p in module.parameters()] == host_ptrs
+        assert all(not layer._forward_pre_hooks for layer in decoder_layers(module))  # noqa: SLF001
+    finally:
+        close_env(env)
