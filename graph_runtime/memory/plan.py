@@ -83,10 +83,10 @@ EAGER_FACTOR = 1.2  # an eager step against a replayed one (docs/memory.md: "eac
 # this fraction of a bf16 one.
 STANDARD_TEXT_ENCODER_BYTES = {"bf16": int(15.2 * GiB), "int8": int(8.8 * GiB)}
 INT8_TEXT_ENCODER_FRACTION = 8.8 / 15.2
-# The decoder layers' share of an unmeasured text encoder's bytes: Qwen3-VL-8B's 36 layers (q/o 4096x4096, k/v
-# 4096x1024, MLP 3x4096x12288) are 12.9 GiB of its 15.2 GiB bf16 file; the rest (embeddings, vision tower, norm) stays
-# on the GPU when it streams by layer.
-STANDARD_LAYER_SHARE = 12.9 / 15.2
+# The decoder layers' share of an unmeasured text encoder's bytes: Qwen3-VL-8B built on the meta device in bf16 has 36
+# layers of 368 MiB (12.94 GiB) in 15.17 GiB; the rest (embeddings 1.16 GiB, vision tower 1.07 GiB, norm) stays on the
+# GPU when it streams by layer.
+STANDARD_LAYER_SHARE = 12.94 / 15.17
 
 
 def default_bandwidth() -> float:
