@@ -6,6 +6,8 @@ The CONDITIONING is in core ComfyUI's Qwen-Image-2.1 format (vision rows dropped
 
 from __future__ import annotations
 
+import torch
+
 import comfy.model_management as mm
 from comfy_api.latest import io
 
@@ -150,6 +152,8 @@ class KVGraphTextEncode(io.ComfyNode):
             device = text_encoder.encode_device
             positive = encoder.encode(prompt, vision_images, device=device)
             negative = encoder.encode(negative_prompt or "", vision_images, device=device, name="negative_prompt")
+        except torch.OutOfMemoryError as exc:
+            raise text_encoder.out_of_memory(exc) from exc
         finally:
             text_encoder.after_encode()
 

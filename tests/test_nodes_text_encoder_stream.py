@@ -151,3 +151,21 @@ def test_a_forced_placement_wins_and_the_log_says_what_the_plan_would_do(comfy_e
 def test_an_unknown_placement_is_refused_naming_the_choices(comfy_env):
     with pytest.raises(Exception, match="text_encoder_placement.*auto.*streamed by layer"):
         load(comfy_env, "streamed")
+
+
+def test_an_encode_out_of_memory_names_the_placement_and_what_uses_less(comfy_env, monkeypatch):
+    """An encode that runs out of device memory fails with an error naming the placement it ran and the placements
+    that need less; the stream is stopped and the next encode runs."""
+    handle = load(comfy_env, "streamed by layer")
+    monkeypatch.setattr(handle, "streams_here", lambda: True)
+    original = handle.encoder.encode
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(handle.encoder, "encode", oom)
+    with pytest.raises(RuntimeError, match="placement 'streamed by layer'.*'cpu'"):
+        encode(comfy_env, handle)
+    assert handle._stream is None and handle.running is None  # noqa: SLF001
+    monkeypatch.setattr(handle.encoder, "encode", original)
+    assert cond(encode(comfy_env, handle))[0].shape[0] == 1

@@ -271,6 +271,14 @@ class TextEncoderHandle(ModelHandle):
         self._stream = stream.start()
         return True
 
+    def out_of_memory(self, exc: BaseException) -> RuntimeError:
+        """The error for an encode that ran out of device memory, naming the placement it ran and what uses less."""
+        running = self.running or self.placement
+        return RuntimeError(
+            f"KV-Graph: the text encoder ran out of memory on {self.patcher.load_device} while encoding with placement "
+            f"'{running}' ({self.source}): {exc}. Free memory (close other models), or set the loader's "
+            "text_encoder_placement to 'streamed by layer' (two of its layers on the GPU at a time) or 'cpu'.")
+
     def streams_here(self) -> bool:
         """Whether streaming by layer moves anything: not where the encoder's device is its host (the CPU)."""
         return not same_device(self.patcher.load_device, self.patcher.offload_device)
