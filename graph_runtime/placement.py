@@ -19,8 +19,12 @@ hold references stay consistent.
 Where pinning is impossible or pointless (no CUDA, a CPU target, tensor subclasses, page-locking refused), the
 module moves with ordinary `module.to()` calls instead; the reason is logged once and kept in `fallback_reason`.
 
+A part of the module (`PinnedWeights.part`: a decoder layer, or everything outside the layers) can visit the device on
+its own from its ranges of the same host copy (`WeightsPart`): the text encoder streamed by layer (layer_stream.py).
+
 A transformer block of a partial load (streaming.py) streamed the eager way keeps its own host copy the same way:
-`StreamedBlock` loads it before the block runs and drops it after, and `block_on_device` does that for code that runs
+`StreamedBlock` loads it before the block runs and drops it after (forward hooks: `ResidencyHooks`, which the text
+encoder's streamed layers use too), and `block_on_device` does that for code that runs
 the block's parts without calling the block (for blocks in device slots, stream_slots.py, it fills the block's slot).
 """
 
