@@ -16,9 +16,9 @@ import torch
 import comfy.model_management as mm
 
 from ...graph_runtime import memory
+from ...graph_runtime.memory import plan as plans
 from ...graph_runtime.report import budget_record
 from . import model_cache
-from ...graph_runtime.memory import plan as plans
 from .model_handles import TE_AUTO, TE_GPU, TE_STREAMED, same_device
 
 logger = logging.getLogger("kvgraph")
@@ -150,7 +150,8 @@ def encode_placement(text_encoder, tokens: int) -> tuple[str, int]:
         _say_once((id(text_encoder), chosen, planned),
                   f"KV-Graph: text encoder placement auto runs '{planned}' ({room}).")
         return planned, need
-    if planned in (TE_STREAMED, plans.TE_CPU) and plans.TE_PLACEMENTS.index(planned) > plans.TE_PLACEMENTS.index(chosen):
+    smaller = plans.TE_PLACEMENTS.index(planned) > plans.TE_PLACEMENTS.index(chosen)
+    if planned in (TE_STREAMED, plans.TE_CPU) and smaller:
         _say_once((id(text_encoder), chosen, planned),
                   f"KV-Graph: the text encoder runs '{chosen}' as set; the memory plan would run it '{planned}' "
                   f"({room}).")

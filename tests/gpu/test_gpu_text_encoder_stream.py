@@ -74,7 +74,8 @@ def test_full_size_streamed_encode_fits_a_small_card_and_equals_the_whole():
     finally:
         torch.cuda.set_per_process_memory_fraction(1.0, device)
     print(f"streamed encode: peak {peak / 2**30:.2f} GiB, plan {budget / 2**30:.2f} GiB, outside "
-          f"{size.outside_bytes / 2**30:.2f} GiB, layer {size.layer_bytes / 2**20:.0f} MiB, whole {size.bytes / 2**30:.1f} GiB")
+          f"{size.outside_bytes / 2**30:.2f} GiB, layer {size.layer_bytes / 2**20:.0f} MiB, "
+          f"whole {size.bytes / 2**30:.1f} GiB")
     assert peak <= budget
     assert peak <= size.outside_bytes + 2 * size.layer_bytes + size.encode_bytes(tokens)
     assert torch.equal(whole, streamed)
