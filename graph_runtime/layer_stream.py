@@ -5,9 +5,10 @@ layers on the device for the run (embeddings, final norm, the vision tower: smal
 visits the device just before it runs, from its part of the same host copy (placement.WeightsPart: no second host
 copy), and leaves right after, through its forward hooks (placement.ResidencyHooks, as streaming.py's eager blocks
 do). Where the device is a CUDA device and the host copy is pinned, layer i+1's upload is queued on a copy stream
-while layer i computes, and layer i+1's kernels wait for it by an event; so at most `ahead + 1` layers are on the
-device at once. Otherwise (no CUDA, a pageable host copy) each layer is uploaded when it is reached, in order on
-the compute stream: the same results, no overlap; the reason is logged once.
+while layer i computes, and layer i+1's kernels wait for it by an event (after the last layer, the first one's upload
+starts, for the next forward); the host waits for the layers that left before it queues an upload, so at most
+`ahead + 1` layers are on the device at once. Otherwise (no CUDA, a pageable host copy) each layer is uploaded when it
+is reached, in order on the compute stream: the same results, no overlap; the reason is logged once.
 
 The hooks and the device copies go with `stop()`: the module is then exactly as before `start()`, every tensor
 pointing at its host copy.
@@ -102,6 +103,8 @@ class LayerStream:
                       f"overlapped with compute: {self.overlap_reason}.")
         self.outside.load(self.device)
         try:
+            with self._lock:
+                self._prefetch(0)  # in the copy stream's memory pool, as every later layer (no-op when synchronous)
             self._hooks = [_LayerHooks(self, i, layer) for i, layer in enumerate(self.layers)]
         except BaseException:
             self.stop()
@@ -118,8 +121,9 @@ class LayerStream:
                 part.used_on(compute)
             elif not part.loaded:
                 part.load(self.device)  # queued on the compute stream, before the layer's kernels
-            for ahead in range(index + 1, min(index + 1 + self.ahead, len(self.parts))):
-                self._prefetch(ahead)
+            # The next layers; after the last, the first ones again (the next forward: the negative prompt's encode).
+            for step in range(1, min(self.ahead, len(self.parts) - 1) + 1):
+                self._prefetch((index + step) % len(self.parts))
 
     def _prefetch(self, index: int) -> None:
         part = self.parts[index]
