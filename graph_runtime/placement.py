@@ -19,8 +19,12 @@ hold references stay consistent.
 Where pinning is impossible or pointless (no CUDA, a CPU target, tensor subclasses, page-locking refused), the
 module moves with ordinary `module.to()` calls instead; the reason is logged once and kept in `fallback_reason`.
 
+A part of the module (`PinnedWeights.part`: a decoder layer, or everything outside the layers) can visit the device on
+its own from its ranges of the same host copy (`WeightsPart`): the text encoder streamed by layer (layer_stream.py).
+
 A transformer block of a partial load (streaming.py) streamed the eager way keeps its own host copy the same way:
-`StreamedBlock` loads it before the block runs and drops it after, and `block_on_device` does that for code that runs
+`StreamedBlock` loads it before the block runs and drops it after (forward hooks: `ResidencyHooks`, which the text
+encoder's streamed layers use too), and `block_on_device` does that for code that runs
 the block's parts without calling the block (for blocks in device slots, stream_slots.py, it fills the block's slot).
 """
 
@@ -56,35 +60,74 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Layout:
-    """Where each distinct storage sits in the packed buffers, and how each tensor views its storage."""
+    """Where each region of the tensors' storages sits in the packed buffers, and how each tensor views its region.
+
+    A region is the bytes of one storage that one group of overlapping tensors views: usually a whole storage, but
+    tensors packed side by side in one buffer (a module packed here before) are a region each, so a part of the module
+    (`WeightsPart`) can move without the rest."""
 
     def __init__(self, tensors: list[torch.Tensor]):
         self.tensors = tensors
-        # Per distinct storage: (offset, nbytes, [(tensor, storage_offset, size, stride), ...]).
+        # Per region: (offset, nbytes, [(tensor, storage_offset within the region, size, stride), ...]).
         self.regions: list[tuple[int, int, list]] = []
-        index: dict[int, int] = {}
-        offset = 0
+        self._sources: list[int] = []  # per region: its first byte in its storage
+        by_storage: dict[int, list[torch.Tensor]] = {}
         for t in tensors:
-            key = t.untyped_storage().data_ptr()
-            if key not in index:
-                index[key] = len(self.regions)
-                nbytes = t.untyped_storage().nbytes()
-                self.regions.append((offset, nbytes, []))
-                offset += -(-nbytes // ALIGNMENT) * ALIGNMENT
-            self.regions[index[key]][2].append((t, t.storage_offset(), tuple(t.shape), tuple(t.stride())))
+            by_storage.setdefault(t.untyped_storage().data_ptr(), []).append(t)
+        offset = 0
+        for group in by_storage.values():
+            for lo, hi, members in _regions_of(group):
+                self.regions.append((offset, hi - lo, [
+                    (t, t.storage_offset() - lo // t.element_size(), tuple(t.shape), tuple(t.stride()))
+                    for t in members]))
+                self._sources.append(lo)
+                offset += -(-(hi - lo) // ALIGNMENT) * ALIGNMENT
         self.nbytes = offset
 
     def move_into(self, buffer: torch.Tensor) -> None:
         """Copy every storage into its region of `buffer` (uint8, `nbytes`) and point its tensors there, one
         storage at a time, so each old storage can be freed before the next is copied."""
-        for start, nbytes, members in self.regions:
-            buffer[start:start + nbytes].copy_(_as_bytes(members[0][0]))
+        for (start, nbytes, members), lo in zip(self.regions, self._sources):
+            buffer[start:start + nbytes].copy_(_as_bytes(members[0][0])[lo:lo + nbytes])
             self._point(buffer, start, members)
 
     def point_at(self, buffer: torch.Tensor) -> None:
         """Make every tensor a view of its region of `buffer` (its `.data` swapped, its identity kept)."""
         for start, _nbytes, members in self.regions:
             self._point(buffer, start, members)
+
+    def runs(self, tensors: list[torch.Tensor]) -> list[tuple[int, int]]:
+        """The byte ranges of this layout that hold exactly `tensors`' storages, merged where they are adjacent: a
+        submodule's weights (a decoder layer's) are one range. A storage shared with a tensor outside `tensors` is
+        refused: its part could not move alone."""
+        wanted = {id(t) for t in tensors}
+        runs: list[list[int]] = []
+        for start, nbytes, members in self.regions:
+            inside = [id(m[0]) in wanted for m in members]
+            if any(inside) and not all(inside):
+                raise ValueError("a storage is shared between the part and the rest of the module")
+            if all(inside):
+                end = start + -(-nbytes // ALIGNMENT) * ALIGNMENT
+                if runs and runs[-1][1] == start:
+                    runs[-1][1] = end
+                else:
+                    runs.append([start, end])
+        return [(a, b) for a, b in runs]
+
+    def point_runs_at(self, runs: list[tuple[int, int]], buffer: torch.Tensor) -> None:
+        """Point the tensors of `runs` (host offsets) at `buffer`, which holds those runs packed end to end."""
+        placed = 0
+        for a, b in runs:
+            for start, _nbytes, members in self.regions:
+                if a <= start < b:
+                    self._point(buffer, placed + start - a, members)
+            placed += b - a
+
+    def point_runs_back(self, runs: list[tuple[int, int]], host: torch.Tensor) -> None:
+        for a, b in runs:
+            for start, _nbytes, members in self.regions:
+                if a <= start < b:
+                    self._point(host, start, members)
 
     @staticmethod
     def _point(buffer, start, members) -> None:
@@ -102,6 +145,27 @@ class _Layout:
                 if t.device != buffer.device or t.data_ptr() != base + start + storage_offset * t.element_size():
                     return False
         return True
+
+
+def _regions_of(group: list[torch.Tensor]) -> list[tuple[int, int, list]]:
+    """The byte ranges [lo, hi) of one storage that `group` (tensors viewing it) covers, overlapping views merged,
+    with their tensors. Views at offsets that a region's start would misalign keep the whole storage as one region."""
+    spans = []
+    for t in group:
+        size = t.element_size()
+        extent = 1 + sum((n - 1) * st for n, st in zip(t.shape, t.stride())) if t.numel() else 0
+        spans.append((t.storage_offset() * size, (t.storage_offset() + extent) * size, t))
+    spans.sort(key=lambda span: span[0])
+    merged: list[list] = []
+    for lo, hi, t in spans:
+        if merged and lo < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+            merged[-1][2].append(t)
+        else:
+            merged.append([lo, hi, [t]])
+    if any((t.storage_offset() * t.element_size() - lo) % t.element_size() for lo, _hi, ts in merged for t in ts):
+        return [(0, group[0].untyped_storage().nbytes(), list(group))]
+    return [(lo, hi, ts) for lo, hi, ts in merged]
 
 
 def _pin(buffer: torch.Tensor) -> None:
@@ -147,6 +211,7 @@ class PinnedWeights:
         self._host_owner = None  # keeps the page-locked allocation alive (and unlocks it last)
         self._device_buffer: torch.Tensor | None = None
         self.pinned = False
+        self.pin_failure: str | None = None  # why a wanted pinning failed (host_copy fell back to pageable)
         self.last_load_seconds = None
         self.last_offload_seconds = None
         self._log = log
@@ -238,12 +303,62 @@ class PinnedWeights:
         self._device_buffer = None
         self.last_offload_seconds = time.perf_counter() - start
 
+    def part(self, tensors: list[torch.Tensor]) -> WeightsPart:
+        """The part of this host copy that holds `tensors` (every storage they use, and nothing else's), to move on
+        its own (layer_stream.py)."""
+        if self._layout is None:
+            raise TypeError(f"no host copy to take a part of: {self.fallback_reason}")
+        self._check_still_ours()
+        return WeightsPart(self, tensors)
+
     def _check_still_ours(self) -> None:
         """Before a load: the tensors must still view the host copy, or another mover took over since."""
         if self._device_buffer is None and not self._layout.points_into(self._host):
             logger.warning("KV-Graph: %s weights were moved outside their pinned copy; taking a new host copy.",
                            type(self._module).__name__)
             self._adopt(self.pinned)
+
+
+class WeightsPart:
+    """One part of a module's host copy (a decoder layer, or everything outside the layers) that visits the device on
+    its own: `load()` copies its ranges of the host copy into one fresh device buffer, queued on the current stream
+    (pinned: without blocking the host), and points its tensors there; `offload()` points them back and drops the
+    buffer. No second host copy is made. The whole module must stay offloaded meanwhile."""
+
+    def __init__(self, owner: "PinnedWeights", tensors: list[torch.Tensor]):
+        self._owner = owner
+        self.runs = owner._layout.runs(tensors)  # noqa: SLF001 - the part is the owner's own view
+        self.nbytes = sum(b - a for a, b in self.runs)
+        self._device_buffer: torch.Tensor | None = None
+
+    @property
+    def loaded(self) -> bool:
+        return self._device_buffer is not None
+
+    def load(self, device=None) -> None:
+        owner = self._owner
+        if owner.loaded:
+            raise RuntimeError("the whole module is loaded: its parts cannot move on their own")
+        device = torch.device(device) if device is not None else owner.device
+        buffer = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        placed = 0
+        for a, b in self.runs:
+            buffer[placed:placed + b - a].copy_(owner._host[a:b], non_blocking=owner.pinned)  # noqa: SLF001
+            placed += b - a
+        owner._layout.point_runs_at(self.runs, buffer)  # noqa: SLF001
+        self._device_buffer = buffer
+
+    def used_on(self, stream) -> None:
+        """The device copy is read on `stream` too (it was copied on another): its memory is not reused before
+        `stream` is done with it."""
+        if self._device_buffer is not None and self._device_buffer.is_cuda:
+            self._device_buffer.record_stream(stream)
+
+    def offload(self) -> None:
+        if self._device_buffer is None:
+            return
+        self._owner._layout.point_runs_back(self.runs, self._owner._host)  # noqa: SLF001
+        self._device_buffer = None
 
 
 class BlockResidency:
@@ -258,26 +373,22 @@ class BlockResidency:
         raise NotImplementedError
 
 
-class StreamedBlock(BlockResidency):
-    """One block of a partial load (streaming.py) whose weights live on the host and visit the device while it runs.
-    The instance is the block's forward pre-hook (`block_on_device` finds it there); `after` is its forward hook."""
+class ResidencyHooks(BlockResidency):
+    """A module's forward pre-hook (the instance) and forward hook (`after`) that call `arrive()` before its run and
+    `leave()` after it. A run entered again inside its own run (a wrapper calling it), or from another thread, arrives
+    once and leaves when the last run ends. `remove()` takes the hooks off (and leaves, if a run was cut short)."""
 
-    def __init__(self, block: torch.nn.Module, device: torch.device, pin: bool):
-        # The host copy is packed from wherever the weights are now (a block of a whole load: straight from the
-        # device, with no second host copy on the way).
-        weights = PinnedWeights(block, device, pin=pin, log=False)
-        self.pin_failure = weights.fallback_reason if pin else None
-        if weights.fallback_reason is not None and pin:
-            weights = PinnedWeights(block, device, pin=False, log=False)  # a pageable copy: still no copy back
-        if weights.fallback_reason is not None:
-            block.to("cpu")  # tensor subclasses: moved whole each way by `module.to`
-        self.weights = weights
-        # Runs of this block in progress: one entered again inside its own run (a wrapper calling it), or from another
-        # thread, loads once and is dropped when the last run ends.
+    def __init__(self, module: torch.nn.Module):
         self._depth = 0
         self._lock = threading.Lock()
-        self.handles = (block.register_forward_pre_hook(self),
-                        block.register_forward_hook(self.after, always_call=True))
+        self.handles = (module.register_forward_pre_hook(self),
+                        module.register_forward_hook(self.after, always_call=True))
+
+    def arrive(self) -> None:
+        raise NotImplementedError
+
+    def leave(self) -> None:
+        raise NotImplementedError
 
     def __call__(self, module, args) -> None:
         self.enter()
@@ -289,13 +400,13 @@ class StreamedBlock(BlockResidency):
         with self._lock:
             self._depth += 1
             if self._depth == 1:
-                self.weights.load(wait=False)
+                self.arrive()
 
     def exit(self) -> None:
         with self._lock:
             self._depth -= 1
             if self._depth == 0:
-                self.weights.offload()
+                self.leave()
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -303,7 +414,38 @@ class StreamedBlock(BlockResidency):
         with self._lock:
             if self._depth:
                 self._depth = 0
-                self.weights.offload()
+                self.leave()
+
+
+def host_copy(module: torch.nn.Module, device, pin: bool) -> PinnedWeights:
+    """`module`'s own host copy, packed from wherever its weights are now (a block of a whole load: straight from the
+    device, with no second host copy on the way): pinned where `pin` and possible, else pageable (still no copy
+    back); tensor subclasses keep no copy (the module is moved whole each way by `module.to`). The copy's
+    `pin_failure` says why a wanted pinning failed."""
+    weights = PinnedWeights(module, device, pin=pin, log=False)
+    pin_failure = weights.fallback_reason if pin else None
+    if weights.fallback_reason is not None and pin:
+        weights = PinnedWeights(module, device, pin=False, log=False)
+    if weights.fallback_reason is not None:
+        module.to("cpu")
+    weights.pin_failure = pin_failure
+    return weights
+
+
+class StreamedBlock(ResidencyHooks):
+    """One block of a partial load (streaming.py) whose weights live on the host and visit the device while it runs.
+    The instance is the block's forward pre-hook (`block_on_device` finds it there); `after` is its forward hook."""
+
+    def __init__(self, block: torch.nn.Module, device: torch.device, pin: bool):
+        self.weights = host_copy(block, device, pin)
+        self.pin_failure = self.weights.pin_failure
+        super().__init__(block)
+
+    def arrive(self) -> None:
+        self.weights.load(wait=False)
+
+    def leave(self) -> None:
+        self.weights.offload()
 
 
 def block_on_device(block: torch.nn.Module):

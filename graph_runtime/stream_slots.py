@@ -1,6 +1,7 @@
 """Fixed device slots for the streamed blocks of a partial load, and the upload protocol a step runs over them.
 
-A partial load (streaming.py) keeps the first blocks resident and streams the others from the host every step.
+A partial load (streaming.py) keeps some blocks resident and streams the others (spread over the step) from the
+host every step.
 `SlotStreamer` gives the streamed blocks a fixed place on the device: two (or three) slot buffers, each as large as
 the largest streamed block's weights. Every tensor of a streamed block (an int8 ConvRot layer's int8 `weight` and
 fp32 `weight_scale`, an FP8 Linear's e4m3 weight and scale, plain bf16 weights) is packed into one host buffer with
@@ -145,7 +146,7 @@ class SlotStreamer:
 
     def graph_key(self) -> tuple:
         """What a captured step's key carries about streaming: which blocks stream, through how many slots."""
-        return (self.order[0], len(self.order), self.slot_count)
+        return (tuple(self.order), self.slot_count)
 
     # -- the protocol ---------------------------------------------------------------------------------------------
 

@@ -58,9 +58,9 @@ def check_slots(slots) -> int:
 
 @dataclass(frozen=True)
 class StreamPlan:
-    """Which blocks stay on the device under a byte budget: the first `resident_blocks` of `blocks`; the others
-    take turns in `slots` device buffers of `largest_block` bytes each (0: the eager way, one block's copy at a
-    time)."""
+    """Which blocks stay on the device under a byte budget: `resident_blocks` of `blocks`; the others (`streamed`,
+    spread over the step) take turns in `slots` device buffers of `largest_block` bytes each (0: the eager way, one
+    block's copy at a time)."""
 
     budget: int  # bytes the caller may put on the device
     total: int  # bytes of the whole transformer
@@ -73,6 +73,11 @@ class StreamPlan:
     @property
     def streamed_blocks(self) -> int:
         return self.blocks - self.resident_blocks
+
+    @property
+    def streamed(self) -> tuple[int, ...]:
+        """The indices of the streamed blocks (`streamed_indices`)."""
+        return streamed_indices(self.blocks, self.streamed_blocks)
 
     @property
     def buffer_bytes(self) -> int:
@@ -93,6 +98,17 @@ class StreamPlan:
                 f"({gib(self.resident)} stays on the device)")
 
 
+def streamed_indices(blocks: int, streamed: int) -> tuple[int, ...]:
+    """Which of `blocks` blocks stream when `streamed` of them do: spread evenly over the step, the last block
+    among them. A streamed block's upload can only start once the block that used its slot before has run, so
+    streamed blocks in a row leave the copy stream waiting on each other while the resident blocks before them
+    ran with the link idle; spread out, each upload runs behind the resident blocks between them, and the step
+    costs about max(its compute, the uploads) instead of the resident blocks' compute plus the uploads."""
+    if not 0 <= streamed <= blocks:
+        raise ValueError(f"streamed blocks {streamed} is out of range: expected 0 to {blocks}")
+    return tuple((j + 1) * blocks // streamed - 1 for j in range(streamed)) if streamed else ()
+
+
 def _buffers(slots: int, streamed: int) -> int:
     return max(1, min(slots, streamed)) if streamed else 0
 
@@ -110,8 +126,9 @@ def plan_stream(transformer: torch.nn.Module, budget: float, slots: int = DEFAUL
     # never more slot bytes, so the first count from the top that fits is the answer).
     count = 0
     for resident_blocks in range(len(sizes) - 1, -1, -1):
-        rest = sizes[resident_blocks:]
-        need = outside + sum(sizes[:resident_blocks]) + _buffers(slots, len(rest)) * max(rest)
+        streamed = set(streamed_indices(len(sizes), len(sizes) - resident_blocks))
+        rest = [size for i, size in enumerate(sizes) if i in streamed]
+        need = outside + sum(sizes) - sum(rest) + _buffers(slots, len(rest)) * max(rest)
         if need <= budget:
             count = resident_blocks
             break
@@ -120,16 +137,18 @@ def plan_stream(transformer: torch.nn.Module, budget: float, slots: int = DEFAUL
 
 def plan_with(transformer: torch.nn.Module, resident_blocks: int, slots: int = DEFAULT_SLOTS,
               budget: float | None = None) -> StreamPlan | None:
-    """The plan that keeps the first `resident_blocks` blocks on the device (a planner that decided the count
-    itself, graph_runtime/memory); None when that is every block. `budget` defaults to what the plan puts there."""
+    """The plan that keeps `resident_blocks` blocks on the device and streams the others (`streamed_indices`), for a
+    planner that decided the count itself (graph_runtime/memory); None when that is every block. `budget` defaults
+    to what the plan puts there."""
     slots = check_slots(slots)
     total, sizes = block_sizes(transformer)
     if not 0 <= resident_blocks <= len(sizes):
         raise ValueError(f"resident_blocks {resident_blocks} is out of range: expected 0 to {len(sizes)}")
     if resident_blocks == len(sizes):
         return None
-    resident = total - sum(sizes[resident_blocks:])
-    largest = max(sizes[resident_blocks:])
+    rest = [sizes[i] for i in streamed_indices(len(sizes), len(sizes) - resident_blocks)]
+    resident = total - sum(rest)
+    largest = max(rest)
     budget = resident + _buffers(slots, len(sizes) - resident_blocks) * largest if budget is None else budget
     return StreamPlan(budget=int(budget), total=total, resident=resident, resident_blocks=resident_blocks,
                       blocks=len(sizes), largest_block=largest, slots=slots)
@@ -182,23 +201,24 @@ class BlockStreamer:
 
     def start(self) -> "BlockStreamer":
         blocks = list(self.transformer.transformer_blocks)
-        resident = self.plan.resident_blocks
+        streamed_at = set(self.plan.streamed)
         # Streamed blocks first: if they were on the device (a whole load before), their memory is free before the
         # rest arrives.
         streamed = []
         try:
             if self.plan.slots:
                 try:
-                    self.slots = SlotStreamer({i: blocks[i] for i in range(resident, len(blocks))}, self.device,
+                    self.slots = SlotStreamer({i: blocks[i] for i in sorted(streamed_at)}, self.device,
                                               self.plan.slots, self.pin)
                 except TypeError as exc:  # tensor subclasses (GGUF): moved whole each way, the eager way
                     logger.info("KV-Graph: streamed blocks cannot use device slots (%s); they are copied one at a "
                                 "time and their steps run eagerly.", exc)
             if self.slots is None:
-                for block in blocks[resident:]:
-                    streamed.append(StreamedBlock(block, self.device, self.pin))
-            for block in blocks[:resident]:
-                block.to(self.device)
+                for i in sorted(streamed_at):
+                    streamed.append(StreamedBlock(blocks[i], self.device, self.pin))
+            for i, block in enumerate(blocks):
+                if i not in streamed_at:
+                    block.to(self.device)
             for child in self.transformer.children():
                 if child is not self.transformer.transformer_blocks:
                     child.to(self.device)
@@ -232,5 +252,6 @@ class BlockStreamer:
         for s in streamed:
             s.remove()
         if device is not None:
-            for block in list(self.transformer.transformer_blocks)[self.plan.resident_blocks:]:
-                block.to(device)
+            blocks = list(self.transformer.transformer_blocks)
+            for i in self.plan.streamed:
+                blocks[i].to(device)

@@ -6,6 +6,8 @@ The CONDITIONING is in core ComfyUI's Qwen-Image-2.1 format (vision rows dropped
 
 from __future__ import annotations
 
+import torch
+
 import comfy.model_management as mm
 from comfy_api.latest import io
 
@@ -15,6 +17,7 @@ from ..graph_runtime.comfy_interop.pixels import check_image, comfy_image_to_pil
 from ..graph_runtime.encoding.images import prepare_references
 from ..graph_runtime.errors import InputError
 from ..graph_runtime.validation import MAX_REFERENCES, check_size
+from .comfyui.memory import encode_placement
 from .comfyui.model_handles import TextEncoderHandle, VAEHandle, expect_handle
 from .comfyui.types import CONDITIONING, TextEncoder, Vae
 from .vae import encode_raw
@@ -143,11 +146,14 @@ class KVGraphTextEncode(io.ComfyNode):
         # Both texts are checked before the text encoder is loaded onto the device.
         encoder.check_prompt(prompt, len(images), "prompt")
         encoder.check_prompt(negative_prompt or "", len(images), "negative_prompt")
-        text_encoder.before_encode()
+        tokens = max(encoder.token_bound(p, vision_images) for p in (prompt, negative_prompt or ""))
+        text_encoder.before_encode(*encode_placement(text_encoder, tokens))
         try:
-            positive = encoder.encode(prompt, vision_images, device=encoder.device)
-            negative = encoder.encode(negative_prompt or "", vision_images, device=encoder.device,
-                                      name="negative_prompt")
+            device = text_encoder.encode_device
+            positive = encoder.encode(prompt, vision_images, device=device)
+            negative = encoder.encode(negative_prompt or "", vision_images, device=device, name="negative_prompt")
+        except torch.OutOfMemoryError as exc:
+            raise text_encoder.out_of_memory(exc) from exc
         finally:
             text_encoder.after_encode()
 

@@ -30,7 +30,7 @@ from ..graph_runtime.parallel import GPUS_HELP, check_gpus
 from ..graph_runtime.parallel.plan import check_heads
 from ..graph_runtime.quantized import KEEP_INT8, QUANTIZED_MODES, check_mode, int8_modules
 from .comfyui import model_cache, model_files
-from .comfyui.model_handles import TE_OFFLOAD, TE_PLACEMENTS, TextEncoderHandle, TransformerHandle, VAEHandle
+from .comfyui.model_handles import TE_AUTO, TE_PLACEMENTS, TextEncoderHandle, TransformerHandle, VAEHandle
 from .comfyui.types import DTYPE_TOOLTIP, DTYPES, LOADERS, TextEncoder, Transformer, Vae
 
 logger = logging.getLogger("kvgraph")
@@ -46,10 +46,15 @@ VAE_FILE = "qwen_image_2.1_vae_bf16.safetensors"
 PLACEMENT_TOOLTIP = (
     "Where the Qwen3-VL text encoder (16.3 GB in bf16, 9.4 GB int8) lives. On a CUDA GPU it keeps one pinned copy "
     "in host RAM (the encoder's size, page-locked): loading copies from it, offloading just drops the GPU copy. "
-    "'gpu while encoding, then offload' (default): in VRAM only while a changed prompt is encoded; the upload from "
+    "'auto' (default): the memory plan's choice for each encode: 'gpu while encoding, then offload' where the whole "
+    "encoder fits in VRAM for the encode, else 'streamed by layer', else 'cpu' (the log says which). "
+    "'gpu while encoding, then offload': in VRAM only while a changed prompt is encoded; the upload from "
     "the pinned copy costs a fraction of a second per changed prompt, seconds without it (docs/memory.md); no VRAM "
     "between prompts. 'always gpu': stays in VRAM (its full size) for instant re-encoding; ComfyUI still unloads it "
-    "(instantly) when another model needs the room. 'cpu': encodes on the CPU: no VRAM and no pinned RAM, "
+    "(instantly) when another model needs the room. 'streamed by layer': for cards that cannot hold the whole "
+    "encoder: only its embeddings, vision tower and two of its 36 decoder layers are in VRAM while it encodes "
+    "(about 3 GB in bf16), each layer uploaded from the pinned copy while the one before it computes; the same "
+    "result, slower per changed prompt. 'cpu': encodes on the CPU: no VRAM and no pinned RAM, "
     "seconds to minutes per changed prompt."
 )
 
@@ -132,7 +137,7 @@ def _int8_input():
 
 
 def _placement_input():
-    return io.Combo.Input("text_encoder_placement", options=list(TE_PLACEMENTS), default=TE_OFFLOAD,
+    return io.Combo.Input("text_encoder_placement", options=list(TE_PLACEMENTS), default=TE_AUTO,
                           tooltip=PLACEMENT_TOOLTIP)
 
 

@@ -364,6 +364,10 @@ def test_a_built_placement_is_planned_and_a_forced_one_is_kept(meta_transformer,
     assert plan.fits and plan.runnable and plan.prefix_placement != "gpu" and budget.total == plan.gpu_bytes
     assert budget.total <= 24 * GiB
     assert any(f"runs '{plans.TE_GPU}' as set" in note for note in plan.notes)
+    auto = budgets.check_sampling_request(
+        meta_transformer, request, budgets.Available(24 * GiB), "cuda", vae, host_available=HOST,
+        text_encoder=plans.TextEncoderSize.standard(), text_encoder_placement=plans.TE_AUTO)
+    assert not any("as set" in note for note in auto.plan.notes)  # auto runs the plan's placement: nothing to note
     forced = budgets.check_sampling_request(meta_transformer, request, budgets.Available(24 * GiB), "cuda", vae,
                                             host_available=HOST, prefix_placements=("host",))
     assert forced.plan.prefix_placement == "host" and forced.plan.fits

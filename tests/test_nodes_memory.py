@@ -128,10 +128,10 @@ def test_placement_tooltip_states_the_costs(comfy_env):
     changed prompt), and points to the page with the measured times."""
     schema = comfy_env.nodes["KVGraphLoadTextEncoder"].define_schema()
     placement = next(i for i in schema.inputs if i.id == "text_encoder_placement")
-    assert len(placement.options) == 3
+    assert len(placement.options) == 5
     for choice in placement.options:
         assert f"'{choice}'" in placement.tooltip, choice
-    for cost in ("host RAM", "VRAM", "pinned", "per changed prompt", "docs/memory.md"):
+    for cost in ("host RAM", "VRAM", "pinned", "per changed prompt", "docs/memory.md", "two of its 36 decoder layers"):
         assert cost in placement.tooltip
 
 

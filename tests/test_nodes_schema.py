@@ -157,10 +157,13 @@ def test_attention_input_is_an_optional_combo_defaulting_to_auto(comfy_env, node
 
 
 def test_text_encoder_placement_options(comfy_env):
+    """Both loaders offer auto (the default: the memory plan's placement) and streamed by layer beside the three
+    placements workflows saved before them hold, which stay valid values."""
     for node_id in ("KVGraphLoadTextEncoder", "KVGraphLoadDiffusers"):
         placement = inputs_by_id(comfy_env, node_id)["text_encoder_placement"]
-        assert placement.options == ["gpu while encoding, then offload", "always gpu", "cpu"]
-        assert placement.default == "gpu while encoding, then offload"
+        assert placement.options == ["auto", "gpu while encoding, then offload", "always gpu", "streamed by layer",
+                                     "cpu"]
+        assert placement.default == "auto"
 
 
 def test_diffusers_loader_lists_pipeline_folders(comfy_env):

@@ -22,7 +22,7 @@ from graph_runtime.lora.merge import LoraChoice, LoraMerge
 from graph_runtime.lora.tiny import write_tiny_lora
 from graph_runtime.placement import ALIGNMENT, block_on_device
 from graph_runtime.stream_slots import streamer_of
-from graph_runtime.streaming import BlockStreamer, plan_with
+from graph_runtime.streaming import BlockStreamer, plan_with, streamed_indices
 from graph_runtime.tiny import TINY_TRANSFORMER, random_tiny_transformer
 
 LAYERS = 5
@@ -94,28 +94,30 @@ def test_a_streamed_step_equals_the_whole_models_bit_for_bit(model, resident, sl
     for a, b in zip(expected, got):
         assert torch.equal(a, b)
     key = next(iter(engine.graphs.entries))
-    assert key.streaming == (resident, LAYERS - resident, slots)
+    assert key.streaming == (streamed_indices(LAYERS, LAYERS - resident), slots)
 
 
 def test_streamed_blocks_parameters_are_views_of_their_slot(model):
     """Every tensor of a streamed block lies inside slot `position % slots`; blocks `slots` apart share addresses,
     resident blocks keep their own storage, and the slots hold exactly the largest streamed block's bytes."""
     m = copy.deepcopy(model)
-    streamer = BlockStreamer(m, "cpu", plan_with(m, 1, 2)).start()
+    plan = plan_with(m, 1, 2)
+    streamer = BlockStreamer(m, "cpu", plan).start()
     slots = streamer.slots.slots
+    streamed = [m.transformer_blocks[i] for i in plan.streamed]
     # Each tensor starts at an aligned offset: a slot is the block's bytes plus under one alignment unit per tensor.
-    tensors = len(list(m.transformer_blocks[1].parameters()))
+    tensors = len(list(streamed[0].parameters()))
     largest = streamer.plan.largest_block
     assert len(slots) == 2 and all(largest <= s.numel() < largest + ALIGNMENT * tensors for s in slots)
     assert streamer.buffer_bytes == 2 * slots[0].numel()
-    for position, block in enumerate(m.transformer_blocks[1:]):
+    for position, block in enumerate(streamed):
         slot = slots[position % 2]
         lo, hi = slot.data_ptr(), slot.data_ptr() + slot.numel()
         for t in (*block.parameters(), *block.buffers()):
             assert lo <= t.data_ptr() and t.data_ptr() + t.numel() * t.element_size() <= hi
-    first, third = m.transformer_blocks[1], m.transformer_blocks[3]
+    first, third = streamed[0], streamed[2]
     assert first.attn.to_q.weight.data_ptr() == third.attn.to_q.weight.data_ptr()
-    resident = m.transformer_blocks[0].attn.to_q.weight
+    resident = next(b for i, b in enumerate(m.transformer_blocks) if i not in plan.streamed).attn.to_q.weight
     assert not any(s.data_ptr() <= resident.data_ptr() < s.data_ptr() + s.numel() for s in slots)
 
 

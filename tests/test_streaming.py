@@ -19,7 +19,7 @@ from graph_runtime.decode.prefill import run_prefill
 from graph_runtime.loaded import LoadedTransformer
 from graph_runtime.memory import module_bytes
 from graph_runtime.placement import block_on_device
-from graph_runtime.streaming import BlockStreamer, plan_stream, plan_with
+from graph_runtime.streaming import BlockStreamer, plan_stream, plan_with, streamed_indices
 from graph_runtime.tiny import TINY_TRANSFORMER, random_tiny_transformer
 
 ATOL = 1e-6
@@ -105,10 +105,11 @@ def test_streamed_steps_equal_the_whole_models(model, with_target):
     inputs = _layout_and_inputs(model)
     expected = _generate(DecodeEngine(whole), *inputs, with_target=with_target)
     outside, blocks = _sizes(streamed)
-    streamer = BlockStreamer(streamed, "cpu", plan_with(streamed, 2, slots=0)).start()
+    plan = plan_with(streamed, 2, slots=0)
+    streamer = BlockStreamer(streamed, "cpu", plan).start()
     assert streamer.active and not streamer.pinned  # CPU: an ordinary host copy
     # Every streamed block's first Linear, each time it runs: True when it reads the device copy, not the host's.
-    visits = {i: [] for i in range(2, LAYERS)}
+    visits = {i: [] for i in plan.streamed}
     for i in visits:
         to_q = streamed.transformer_blocks[i].attn.to_q
         host = to_q.weight.data_ptr()
@@ -128,8 +129,10 @@ def test_a_streamed_block_has_its_weights_on_the_device_only_while_it_runs(model
     copy; after it, again exactly at their host copy, also when the block raised. A resident block is never moved."""
     m = copy.deepcopy(model)
     outside, blocks = _sizes(m)
-    streamer = BlockStreamer(m, "cpu", plan_with(m, 1, slots=0)).start()
-    resident, streamed = m.transformer_blocks[0], m.transformer_blocks[1]
+    plan = plan_with(m, 1, slots=0)
+    streamer = BlockStreamer(m, "cpu", plan).start()
+    kept = next(i for i in range(LAYERS) if i not in plan.streamed)
+    resident, streamed = m.transformer_blocks[kept], m.transformer_blocks[plan.streamed[0]]
     host = streamed.attn.to_q.weight.data_ptr()
     seen = []
     streamed.attn.to_q.register_forward_pre_hook(lambda mod, args: seen.append(mod.weight.data_ptr()))
@@ -171,3 +174,28 @@ def test_the_owner_keeps_one_streamer_per_plan_and_says_when_a_plan_is_new(model
     loaded.stop_streaming()
     assert loaded.streaming is None and loaded.streamer is None
     assert all(not b._forward_pre_hooks for b in m.transformer_blocks)
+
+
+def test_streamed_blocks_are_spread_over_the_step_and_end_with_the_last():
+    """`streamed_indices` picks as many blocks as asked, distinct and in order, spread evenly (no two streamed blocks
+    in a row while a resident one could sit between them) with the last block among them; a plan's streamed blocks
+    are those, and the others stay on the device."""
+    assert streamed_indices(32, 0) == ()
+    assert streamed_indices(32, 32) == tuple(range(32))
+    for blocks in (5, 32, 60):
+        for count in range(1, blocks + 1):
+            chosen = streamed_indices(blocks, count)
+            assert len(set(chosen)) == count and list(chosen) == sorted(chosen) and chosen[-1] == blocks - 1
+            if 2 * count <= blocks:
+                assert all(b - a >= 2 for a, b in zip(chosen, chosen[1:]))
+    with pytest.raises(ValueError, match="out of range"):
+        streamed_indices(4, 5)
+    torch.manual_seed(0)
+    model = random_tiny_transformer({**TINY_TRANSFORMER, "num_layers": LAYERS}).requires_grad_(False)
+    plan = plan_with(model, 2, slots=2)
+    assert plan.streamed == streamed_indices(LAYERS, LAYERS - 2)
+    streamer = BlockStreamer(model, "cpu", plan).start()
+    try:
+        assert sorted(streamer.slots.order) == list(plan.streamed)
+    finally:
+        streamer.stop()

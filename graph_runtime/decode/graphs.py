@@ -48,7 +48,7 @@ class GraphKey:
     parallel: tuple = ()
     residuals: tuple = ()  # a ControlNet's part (which net, where its weights are): its stream is captured work
     skip: tuple = ()  # blocks the step leaves out (sorted): a skip-layer guidance pass is its own graph
-    # Streamed blocks (first streamed block, how many, slots): a streamed step's graph holds their uploads.
+    # Streamed blocks (their indices, slots): a streamed step's graph holds their uploads.
     streaming: tuple = ()
     # Where the prefix K/V live (prefix_store.py): an int8 or host entry's step reads other buffers and runs other
     # work (dequantization, host copies), so placements never share an entry.
@@ -71,7 +71,7 @@ class GraphKey:
             **({"parallel": dict(self.parallel)} if self.parallel else {}),
             **({"residuals": f"{self.residuals[0]} #{self.residuals[1]}"} if self.residuals else {}),
             **({"skipped_blocks": list(self.skip)} if self.skip else {}),
-            **({"streamed_blocks": self.streaming[1], "stream_slots": self.streaming[2]} if self.streaming else {}),
+            **({"streamed_blocks": list(self.streaming[0]), "stream_slots": self.streaming[1]} if self.streaming else {}),
         }
 
 

@@ -107,6 +107,12 @@ class PromptEncoder:
         text_tokens = sum(1 for i in ids[self.drop_idx:] if i != self.image_token_id)
         check_prompt_tokens(name, len(prompt), text_tokens)
 
+    def token_bound(self, prompt: str, images=()) -> int:
+        """About the tokens one encode of `prompt` with `images` (PIL) runs: the template's, plus one per 32x32 pixels
+        of each image (Qwen3-VL's 16-pixel patches, merged 2x2), rounded up: for sizing the encode before it runs."""
+        ids = self.tokens.ids(*prompt_template(prompt, len(images)))
+        return len(ids) + sum(-(-img.width // 32) * -(-img.height // 32) for img in images)
+
     @torch.no_grad()
     def encode(self, prompts: str | list[str], images: list | None = None, device=None,
                name: str = "prompt") -> PromptEmbeds:

@@ -266,7 +266,8 @@ def check_sampling_request(transformer, request, available: Available | None, de
         if request.prefix_placement == AUTO:
             request.planned_placement = memory_plan.prefix_placement
         plan.shape = dataclasses.replace(plan.shape, prefix_placement=memory_plan.prefix_placement)
-    if text_encoder_placement is not None and memory_plan.text_encoder not in (None, text_encoder_placement):
+    if (text_encoder_placement not in (None, plans.TE_AUTO)
+            and memory_plan.text_encoder not in (None, text_encoder_placement)):
         memory_plan.notes.append(f"the text encoder runs '{text_encoder_placement}' as set; the plan would run it "
                                  f"'{memory_plan.text_encoder}'")
     if memory_plan.whole or device.type != "cuda":

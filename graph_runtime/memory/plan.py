@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..decode.prefix_store import HOST, PLACEMENTS, STORED, working_slots
+from ..text_encoder_layers import decoder_layer_bytes
 from ..report import block_sizes
 from .sizes import (
     MARGIN_BYTES, MARGIN_FRACTION, GenerationShape, GiB, MemoryBudget, TransformerDims, VaeDims, estimate, gib,
@@ -55,6 +56,7 @@ TE_OFFLOAD = "gpu while encoding, then offload"
 TE_STREAMED = "streamed by layer"
 TE_CPU = "cpu"
 TE_PLACEMENTS = (TE_GPU, TE_OFFLOAD, TE_STREAMED, TE_CPU)  # best first
+TE_AUTO = "auto"  # a user's choice, not a placement: run the plan's placement
 
 DEFAULT_SLOTS = 2
 # A conservative host-to-device rate for pinned copies: PCIe 4.0 x16 moves about twice this, PCIe 3.0 x16 a bit more.
@@ -84,6 +86,10 @@ EAGER_FACTOR = 1.2  # an eager step against a replayed one (docs/memory.md: "eac
 # this fraction of a bf16 one.
 STANDARD_TEXT_ENCODER_BYTES = {"bf16": int(15.2 * GiB), "int8": int(8.8 * GiB)}
 INT8_TEXT_ENCODER_FRACTION = 8.8 / 15.2
+# The decoder layers' share of an unmeasured text encoder's bytes: Qwen3-VL-8B built on the meta device in bf16 has 36
+# layers of 368 MiB (12.94 GiB) in 15.17 GiB; the rest (embeddings 1.16 GiB, vision tower 1.07 GiB, norm) stays on the
+# GPU when it streams by layer.
+STANDARD_LAYER_SHARE = 12.94 / 15.17
 
 
 def default_bandwidth() -> float:
@@ -109,10 +115,30 @@ class TextEncoderSize:
     layers: int = 36
     hidden: int = 4096
     mlp_hidden: int = 12288
+    largest_layer: int | None = None  # measured (`of`); else the standard file's share
+    outside: int | None = None  # bytes outside the decoder layers, measured; else the standard file's share
 
     @property
     def layer_bytes(self) -> int:
-        return -(-self.bytes // self.layers)
+        """The largest decoder layer's bytes."""
+        if self.largest_layer is not None:
+            return self.largest_layer
+        return -(-int(self.bytes * STANDARD_LAYER_SHARE) // self.layers)
+
+    @property
+    def outside_bytes(self) -> int:
+        """What stays on the GPU while it streams by layer: everything outside the decoder layers."""
+        if self.outside is not None:
+            return self.outside
+        return max(0, self.bytes - self.layers * self.layer_bytes)
+
+    def gpu_bytes(self, placement: str, tokens: int) -> int:
+        """The GPU bytes one encode of `tokens` needs under `placement`: the weights there and its activations."""
+        if placement == TE_CPU:
+            return 0
+        if placement == TE_STREAMED:
+            return self.outside_bytes + min(TE_SLOTS, self.layers) * self.layer_bytes + self.encode_bytes(tokens)
+        return self.bytes + self.encode_bytes(tokens)
 
     def encode_bytes(self, tokens: int) -> int:
         """One encode's activations (as a transformer block's: 8 hidden + 3 MLP rows per token, bf16) and margin."""
@@ -127,8 +153,11 @@ class TextEncoderSize:
         config = getattr(module, "config", None)
         text = getattr(config, "text_config", config)
         int8 = any(p.dtype == torch.int8 for p in module.parameters())
-        return cls(module_bytes(module), "int8" if int8 else "bf16",
-                   layers=int(getattr(text, "num_hidden_layers", 36) or 36),
+        total, layers = decoder_layer_bytes(module)
+        return cls(total, "int8" if int8 else "bf16",
+                   largest_layer=max(layers) if layers else None,
+                   outside=total - sum(layers) if layers else None,
+                   layers=len(layers) or int(getattr(text, "num_hidden_layers", 36) or 36),
                    hidden=int(getattr(text, "hidden_size", 4096) or 4096),
                    mlp_hidden=int(getattr(text, "intermediate_size", 12288) or 12288))
 
@@ -217,6 +246,7 @@ class MemoryPlan:
     host_available: int | None = None
     text_encoder: str | None = None
     text_encoder_suggestion: str | None = None
+    text_encoder_gpu_bytes: int = 0  # what the encode needs on the GPU under `text_encoder` (TextEncoderSize.gpu_bytes)
     fits: bool = True
     notes: list[str] = field(default_factory=list)
     device: str = "GPU"  # what the plan's device is called in its description
@@ -280,7 +310,9 @@ class MemoryPlan:
         """The decisions: blocks, prefix, text encoder, VAE decode."""
         te = ""
         if self.text_encoder is not None:
-            te = f"; text encoder {self.text_encoder}" + (
+            needs = f", {gib(self.text_encoder_gpu_bytes)} on the {self.device} while encoding" if (
+                self.text_encoder_gpu_bytes) else ""
+            te = f"; text encoder {self.text_encoder}{needs}" + (
                 f" ({self.text_encoder_suggestion})" if self.text_encoder_suggestion else "")
         return f"transformer {self._blocks_text()}; {self._prefix_text()}{te}; VAE decode {self.vae_decode}"
 
@@ -303,6 +335,7 @@ class MemoryPlan:
             "blocks": self.blocks, "resident_blocks": self.resident_blocks, "streamed_blocks": self.streamed_blocks,
             "slots": self.slots if self.streamed_blocks else 0, "prefix_placement": self.prefix_placement,
             "text_encoder": self.text_encoder, "text_encoder_suggestion": self.text_encoder_suggestion,
+            "text_encoder_gpu_bytes": self.text_encoder_gpu_bytes,
             "vae_decode": self.vae_decode,
             "gpu_bytes": self.gpu_bytes, "host_bytes": self.host_bytes, "available_bytes": self.available,
             "host_available_bytes": self.host_available,
@@ -416,23 +449,28 @@ def _fits(plan: MemoryPlan, available: int, host_available: int | None) -> bool:
 # -- the text encoder --------------------------------------------------------------------------------------------------
 
 
-def _text_encoder_placement(te: TextEncoderSize, sampling_bytes: int, tokens: int, available: int) -> str:
-    if sampling_bytes + te.bytes <= available:
+def text_encoder_placement(te: TextEncoderSize, tokens: int, available: int, sampling_bytes: int | None = None) -> str:
+    """Where the text encoder runs an encode of `tokens` with `available` GPU bytes: beside the request's
+    `sampling_bytes` where both fit (None: not considered, the encode decides alone), alone while it encodes, streamed
+    by layer (its outside part and TE_SLOTS layers), or on the CPU."""
+    if sampling_bytes is not None and sampling_bytes + te.bytes <= available:
         return TE_GPU  # stays next to the transformer and its graphs
-    if te.bytes + te.encode_bytes(tokens) <= available:
-        return TE_OFFLOAD  # alone on the GPU while it encodes (ComfyUI unloads the transformer for it)
-    if TE_SLOTS * te.layer_bytes + te.encode_bytes(tokens) <= available:
-        return TE_STREAMED
+    for placement in (TE_OFFLOAD, TE_STREAMED):  # alone on the GPU (ComfyUI unloads the transformer for it), streamed
+        if te.gpu_bytes(placement, tokens) <= available:
+            return placement
     return TE_CPU
 
 
 def _text_encoder(plan: MemoryPlan, te: TextEncoderSize, available: int) -> tuple[str, str | None]:
     tokens = plan.shape.batch * max(plan.shape.prefix_tokens)  # an upper bound of the encoder's own tokens
-    placement = _text_encoder_placement(te, plan.gpu_bytes, tokens, available)
+    placement = text_encoder_placement(te, tokens, available, plan.gpu_bytes)
     if te.precision == "int8" or placement == TE_GPU:
         return placement, None
-    smaller = dataclasses.replace(te, bytes=int(te.bytes * INT8_TEXT_ENCODER_FRACTION), precision="int8")
-    better = _text_encoder_placement(smaller, plan.gpu_bytes, tokens, available)
+    smaller = dataclasses.replace(
+        te, bytes=int(te.bytes * INT8_TEXT_ENCODER_FRACTION), precision="int8",
+        largest_layer=None if te.largest_layer is None else int(te.largest_layer * INT8_TEXT_ENCODER_FRACTION),
+        outside=None if te.outside is None else int(te.outside * INT8_TEXT_ENCODER_FRACTION))
+    better = text_encoder_placement(smaller, tokens, available, plan.gpu_bytes)
     if TE_PLACEMENTS.index(better) < TE_PLACEMENTS.index(placement):
         return placement, f"an int8 text encoder file (about {gib(smaller.bytes)}) would run '{better}'"
     return placement, None
@@ -509,12 +547,15 @@ def plan_memory(sizes: ModelSizes, shape: GenerationShape, available: int, host_
             best.notes.append(f"the VAE decode is tiled: a whole one needs {gib(whole.gpu_bytes)}")
     if sizes.text_encoder is not None:
         best.text_encoder, best.text_encoder_suggestion = _text_encoder(best, sizes.text_encoder, available)
+        best.text_encoder_gpu_bytes = sizes.text_encoder.gpu_bytes(
+            best.text_encoder, best.shape.batch * max(best.shape.prefix_tokens))
     return best
 
 
 __all__ = [
-    "DEFAULT_H2D_BYTES_PER_S", "DEFAULT_SLOTS", "MemoryPlan", "ModelSizes", "PREFIX_PLACEMENTS",
+    "DEFAULT_H2D_BYTES_PER_S", "DEFAULT_SLOTS", "TE_AUTO", "MemoryPlan", "ModelSizes", "PREFIX_PLACEMENTS",
     "PREFIX_PLACEMENTS_BUILT", "STEP_MS", "STREAMED_GRAPH_BUILT", "TE_CPU", "TE_GPU", "TE_OFFLOAD", "TE_PLACEMENTS",
     "TE_STREAMED", "TextEncoderSize", "compute_ms", "default_bandwidth", "plan_memory", "request_shape",
+    "text_encoder_placement",
     "upload_bytes",
 ]

@@ -9,14 +9,20 @@ every other model ComfyUI could unload from it + the decode graphs the pack hold
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 import comfy.model_management as mm
 
 from ...graph_runtime import memory
+from ...graph_runtime.memory import plan as plans
 from ...graph_runtime.report import budget_record
 from . import model_cache
-from .model_handles import TE_GPU, same_device
+from .model_handles import TE_AUTO, TE_GPU, TE_STREAMED, same_device
+
+logger = logging.getLogger("kvgraph")
+_said: set = set()
 
 
 def free_bytes(device) -> int | None:
@@ -118,3 +124,41 @@ def check_request(model, request, device) -> memory.MemoryBudget:
         text_encoder_placement=None if text_encoder is None else text_encoder.placement)
     reported.last_budget = budget_record(budget, device, None if available is None else available.total)
     return budget
+
+
+def encode_placement(text_encoder, tokens: int) -> tuple[str, int]:
+    """The placement one encode of about `tokens` runs, and the GPU bytes a streamed one needs (its outside part, the
+    layers in flight, the activations). `auto`: the memory plan's placement (plan.text_encoder_placement) for what
+    ComfyUI can give the encode: the free memory, the encoder's own loaded bytes and every other model it can
+    unload. A forced choice runs as set; where the plan would place the encoder in less memory, the log says so
+    once."""
+    device = text_encoder.patcher.load_device
+    size = plans.TextEncoderSize.of(text_encoder.module)
+    need = size.gpu_bytes(TE_STREAMED, tokens)
+    chosen = text_encoder.placement
+    if not text_encoder.streams_here():  # a CPU device: the weights are there already, nothing to place
+        return (plans.TE_OFFLOAD if chosen == TE_AUTO else chosen), need
+    free = free_bytes(device)
+    if free is None:
+        return (plans.TE_OFFLOAD if chosen == TE_AUTO else chosen), need
+    available = (free + int(text_encoder.patcher.loaded_size())
+                 + _unloadable_bytes(device, keep=(text_encoder,)))
+    planned = plans.text_encoder_placement(size, tokens, available)
+    room = (f"{memory.gib(size.gpu_bytes(planned, tokens))} of {memory.gib(available)} on {device} for "
+            f"{tokens} tokens")
+    if chosen == TE_AUTO:
+        _say_once((id(text_encoder), chosen, planned),
+                  f"KV-Graph: text encoder placement auto runs '{planned}' ({room}).")
+        return planned, need
+    smaller = plans.TE_PLACEMENTS.index(planned) > plans.TE_PLACEMENTS.index(chosen)
+    if planned in (TE_STREAMED, plans.TE_CPU) and smaller:
+        _say_once((id(text_encoder), chosen, planned),
+                  f"KV-Graph: the text encoder runs '{chosen}' as set; the memory plan would run it '{planned}' "
+                  f"({room}).")
+    return chosen, need
+
+
+def _say_once(key, message: str) -> None:
+    if key not in _said:
+        _said.add(key)
+        logger.info(message)

@@ -22,7 +22,9 @@ import comfy.model_management as mm
 from ...graph_runtime.decode.attention import AUTO as AUTO_ATTENTION, check_attention
 from ...graph_runtime.encoding.prompt import PromptEncoder
 from ...graph_runtime.errors import InputError
+from ...graph_runtime.encoding.streamed import layer_stream
 from ...graph_runtime.memory import gib, module_bytes
+from ...graph_runtime.memory.plan import TE_AUTO, TE_CPU, TE_GPU, TE_OFFLOAD, TE_STREAMED
 from ...graph_runtime.placement import PinnedWeights
 from ...graph_runtime.loaded import LoadedTransformer
 from ...graph_runtime.report import storage_text
@@ -32,10 +34,9 @@ from .patcher import FullLoadPatcher, ModuleHost, same_device  # noqa: F401 - sa
 
 logger = logging.getLogger("kvgraph")
 
-TE_OFFLOAD = "gpu while encoding, then offload"
-TE_GPU = "always gpu"
-TE_CPU = "cpu"
-TE_PLACEMENTS = (TE_OFFLOAD, TE_GPU, TE_CPU)
+# The choices of the loaders' `text_encoder_placement`: `auto` (the default) runs the memory plan's placement for each
+# encode (nodes/comfyui/memory.py `encode_placement`); the others are the plan's placements, forced.
+TE_PLACEMENTS = (TE_AUTO, TE_OFFLOAD, TE_GPU, TE_STREAMED, TE_CPU)
 
 
 @dataclass(eq=False)  # handles are compared and hashed by identity, like the models they hold
@@ -224,8 +225,11 @@ class TransformerHandle(ModelHandle):
 @dataclass(eq=False)
 class TextEncoderHandle(ModelHandle):
     processor: object = None
-    placement: str = TE_OFFLOAD
+    placement: str = TE_AUTO
     _encoder: PromptEncoder | None = None
+    _stream: object = None  # the LayerStream of an encode streamed by layer, while it runs
+    _pageable: PinnedWeights | None = None  # the host copy streamed from where no pinned one could be made
+    running: str | None = None  # the placement the encode in progress runs
     pinned_host_copy = True  # nothing writes the encoder's weights: an offload can just drop the GPU copy
 
     @property
@@ -234,15 +238,66 @@ class TextEncoderHandle(ModelHandle):
             self._encoder = PromptEncoder(self.module, self.processor)
         return self._encoder
 
-    def before_encode(self) -> None:
+    @property
+    def encode_device(self) -> torch.device:
+        """Where the encode in progress computes."""
+        return self._stream.device if self._stream is not None else self.encoder.device
+
+    def before_encode(self, placement: str | None = None, need_bytes: int = 0) -> None:
+        """Put the encoder where `placement` (default: the loader's choice; `auto` is resolved by the caller) says
+        for one encode. Streamed by layer: ComfyUI first frees `need_bytes` (the outside part, the layers in flight,
+        the encode's activations) on the device."""
         from ...graph_runtime import in_flight
 
+        placement = placement or self.placement
         in_flight.begin_use(self)  # a release of models meanwhile waits for `after_encode`
         try:
-            self.ensure_loaded()
+            # An encoder already loaded whole (ComfyUI put it there) encodes whole; `auto`'s cpu encodes on the host
+            # copy, where the weights are between encodes.
+            streamed = (placement == TE_STREAMED and self.patcher.loaded_size() == 0 and self.streams_here()
+                        and self._start_stream(need_bytes))
+            if not streamed and not (placement == TE_CPU and self.placement == TE_AUTO):
+                self.ensure_loaded()
+            self.running = placement
         except BaseException:
+            self._stop_stream()
             in_flight.end_use(self)
             raise
+
+    def _start_stream(self, need_bytes: int) -> bool:
+        weights = self.patcher.placement or self._pageable_copy()
+        try:
+            stream = layer_stream(self.module, self.patcher.load_device, weights)
+        except TypeError as exc:  # no host copy to take layers from (tensor subclasses), or no decoder layers
+            logger.warning("KV-Graph: the text encoder cannot stream by layer (%s); it loads whole for this encode.",
+                           exc)
+            return False
+        mm.free_memory(need_bytes, self.patcher.load_device)
+        self._stream = stream.start()
+        return True
+
+    def out_of_memory(self, exc: BaseException) -> RuntimeError:
+        """The error for an encode that ran out of device memory, naming the placement it ran and what uses less."""
+        running = self.running or self.placement
+        return RuntimeError(
+            f"KV-Graph: the text encoder ran out of memory on {self.patcher.load_device} while encoding with placement "
+            f"'{running}' ({self.source}): {exc}. Free memory (close other models), or set the loader's "
+            "text_encoder_placement to 'streamed by layer' (two of its layers on the GPU at a time) or 'cpu'.")
+
+    def streams_here(self) -> bool:
+        """Whether streaming by layer moves anything: not where the encoder's device is its host (the CPU)."""
+        return not same_device(self.patcher.load_device, self.patcher.offload_device)
+
+    def _pageable_copy(self) -> PinnedWeights:
+        if self._pageable is None:
+            self._pageable = PinnedWeights(self.module, self.patcher.load_device, pin=False, log=False)
+        return self._pageable
+
+    def _stop_stream(self) -> None:
+        stream, self._stream = self._stream, None
+        if stream is not None:
+            stream.stop()
+            mm.soft_empty_cache()
 
     def after_encode(self) -> None:
         from ...graph_runtime import in_flight
@@ -250,9 +305,12 @@ class TextEncoderHandle(ModelHandle):
         # The 8B text encoder is 16 GB in bf16: by default it leaves the GPU as soon as the prompt is encoded, so
         # the transformer and its graphs never have to compete with it.
         try:
-            if self.placement == TE_OFFLOAD:
+            if self._stream is not None:
+                self._stop_stream()
+            elif self.running != TE_GPU:
                 self.offload()
         finally:
+            self.running = None
             in_flight.end_use(self)
 
 

@@ -128,6 +128,7 @@ class FakeComfy:
         self.sent = []  # (event, data) per send_sync
         self.recipients = []  # the sid of each send_sync, in the same order (None: every connected browser)
         self.load_calls = []  # kwargs of each load_models_gpu call
+        self.free_calls = []  # (memory_required, device) of each free_memory call
         self.free_memory = None  # what get_free_memory reports (bytes); None: the device's own figure
         # Bytes load_models_gpu lets each model hold on its device when not forced to load it whole (ComfyUI's
         # lowvram figure); None: no limit (ComfyUI's 1e32).
@@ -245,7 +246,11 @@ class FakeComfy:
             # ComfyUI's: the patchers loaded, optionally only those the running prompt uses (all of them here).
             return [m.model for m in mm.current_loaded_models]
 
+        def free_memory(memory_required, device, keep_loaded=()):
+            fake.free_calls.append((memory_required, torch.device(device)))
+
         mm.load_models_gpu = load_models_gpu
+        mm.free_memory = free_memory
         mm.loaded_models = loaded_models
         mm.get_free_memory = get_free_memory
         mm.processing_interrupted = processing_interrupted

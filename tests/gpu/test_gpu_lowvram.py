@@ -34,7 +34,7 @@ from graph_runtime.encoding.prompt import PromptEmbeds  # noqa: E402
 from graph_runtime.loaded import LoadedTransformer  # noqa: E402
 from graph_runtime.memory import module_bytes  # noqa: E402
 from graph_runtime.sampling.sampler import SamplingRequest, sample  # noqa: E402
-from graph_runtime.streaming import plan_with  # noqa: E402
+from graph_runtime.streaming import plan_with, streamed_indices  # noqa: E402
 from graph_runtime.tiny import TINY_TRANSFORMER, random_tiny_transformer  # noqa: E402
 
 pytestmark = pytest.mark.gpu
@@ -79,7 +79,9 @@ def _assert_slots_hold_the_streamed_blocks(loaded, model, resident=RESIDENT):
     streamer = loaded.streamer
     slots = streamer.slots
     assert streamer.pinned and slots is not None and slots.graph_reason is None
-    for position, block in enumerate(list(model.transformer_blocks)[resident:]):
+    blocks = list(model.transformer_blocks)
+    streamed = streamed_indices(len(blocks), len(blocks) - resident)
+    for position, block in enumerate(blocks[i] for i in streamed):
         slot = slots.slots[position % slots.slot_count]
         for t in (*block.parameters(), *block.buffers()):
             assert t.is_cuda and slot.data_ptr() <= t.data_ptr() < slot.data_ptr() + slot.numel()
