@@ -307,4 +307,4 @@ def test_a_streamed_step_with_a_stored_prefix_equals_the_whole_models(model, pla
     for a, b in zip(expected, got):
         assert torch.equal(a, b)
     key = next(iter(engine.graphs.entries))
-    assert key.streaming == (2, LAYERS - 2, 2) and key.placement == placement and key.kv_format == "native"
+    assert key.streaming == (streamed_indices(LAYERS, LAYERS - 2), 2) and key.placement == placement and key.kv_format == "native"
