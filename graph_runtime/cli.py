@@ -271,8 +271,11 @@ def cmd_generate(args) -> int:
     check_heads(args.gpus, models.transformer.config.num_attention_heads, "--gpus")
     from .loaded import LoadedTransformer
 
+    from .encoding.placed import CLI_PLACEMENTS
+
     generator = QwenImageGenerator(models, gpus=args.gpus,
-                                   loaded=LoadedTransformer(models.transformer, attention=args.attention))
+                                   loaded=LoadedTransformer(models.transformer, attention=args.attention),
+                                   text_encoder_placement=CLI_PLACEMENTS[args.text_encoder_placement])
     for run in range(args.repeat):
         result = generator.generate(
             args.prompt, negative_prompt=args.negative, cfg=args.cfg, images=checked.images, width=args.width,
@@ -400,6 +403,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefix-placement", choices=["auto", "gpu", "int8", "host", "recompute"], default="auto",
                      help="where the prefix K/V live: auto (the memory budget picks the first that fits), gpu, int8, "
                           "host (pinned memory) or recompute (no cache) (default: auto)")
+    gen.add_argument("--text-encoder-placement", choices=["auto", "offload", "gpu", "streamed", "cpu"],
+                     default="auto",
+                     help="where the text encoder encodes, as the loader nodes' text_encoder_placement: auto (the "
+                          "memory plan's choice for the free memory), offload (gpu while encoding, then offload), "
+                          "gpu (always gpu), streamed (streamed by layer: two of its layers on the GPU at a time) or "
+                          "cpu; on --device cpu all run on the CPU (default: auto)")
     gen.add_argument("--compile", choices=["blocks", "off"], default="off",
                      help="blocks: also torch.compile the transformer blocks on CUDA (the same step time, and a "
                           "compile on the first prompt: docs/performance.md) (default: off)")
