@@ -45,7 +45,9 @@ class QwenImageGenerator:
         self.models = models
         self.gpus = gpus
         self.encoder = PromptEncoder(models.text_encoder, models.processor)
-        self.placed = PlacedTextEncoder(models.text_encoder, self.encoder.device, text_encoder_placement)
+        # The encode runs where the transformer is (the text encoder may wait on the host between encodes).
+        self.placed = PlacedTextEncoder(models.text_encoder, next(models.transformer.parameters()).device,
+                                        text_encoder_placement)
         # The transformer's owner (engine, graphs, LoRA state, ranks); one per loaded model: pass it when another
         # object already owns this transformer.
         self.loaded = loaded if loaded is not None else LoadedTransformer(models.transformer)
