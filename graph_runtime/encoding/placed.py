@@ -11,7 +11,8 @@ import torch
 
 from .. import free_memory
 from ..memory import plan as plans
-from .streamed import streamed_by_layer
+from ..placement import PinnedWeights
+from .streamed import layer_stream
 
 logger = logging.getLogger("kvgraph")
 
@@ -33,8 +34,13 @@ class PlacedTextEncoder:
             raise ValueError(f"unknown text encoder placement {placement!r}")
         self.module, self.device, self.placement = module, torch.device(device), placement
         self.last: str | None = None  # the placement the last encode ran
+        self._pinned: PinnedWeights | None = None  # the host copy layers stream from (made on the first such encode)
         if self.device.type != "cpu" and placement not in (plans.TE_GPU, plans.TE_AUTO):
-            self.module.to("cpu")  # the host holds it until an encode needs it
+            self._move("cpu")  # the host holds it until an encode needs it
+
+    def _move(self, device) -> None:
+        self.module.to(device)
+        self._pinned = None  # the module's tensors are new ones: a host copy made before no longer backs them
 
     def resolve(self, tokens: int) -> str:
         """The placement an encode of about `tokens` runs: the set one, or for `auto` the memory plan's for what the
@@ -51,6 +57,18 @@ class PlacedTextEncoder:
                     self.device, tokens)
         return planned
 
+    def _stream(self):
+        """The (not started) layer stream of one encode, or None (logged) where the encoder cannot stream (no host
+        copy to take layers from, no decoder layers): it then loads whole, as the nodes do."""
+        if self._pinned is None:  # pinned: each layer's upload overlaps the layer before (streamed.py)
+            self._pinned = PinnedWeights(self.module, self.device, log=False)
+        weights = self._pinned if self._pinned.fallback_reason is None else None
+        try:
+            return layer_stream(self.module, self.device, weights)
+        except TypeError as exc:
+            logger.warning("the text encoder cannot stream by layer (%s); it loads whole for this encode", exc)
+            return None
+
     @contextlib.contextmanager
     def encoding(self, tokens: int):
         """Inside: the encoder placed for one encode of about `tokens`; yields the device the encode computes on.
@@ -60,18 +78,23 @@ class PlacedTextEncoder:
             yield self.device
             return
         if placement == plans.TE_CPU:
-            self.module.to("cpu")
+            self._move("cpu")
             yield torch.device("cpu")
             return
-        if placement == plans.TE_STREAMED and _bytes_on(self.module, self.device) == 0:
-            with streamed_by_layer(self.module, self.device) as stream:
-                yield stream.device
+        # An encoder already on the device (`auto` before its first offload) encodes whole there, as the nodes do.
+        stream = self._stream() if placement == plans.TE_STREAMED and _bytes_on(self.module, self.device) == 0 else None
+        if stream is not None:
+            running = stream.start()
+            try:
+                yield running.device
+            finally:
+                running.stop()  # every weight back on the host copy, no hook left
             return
-        self.module.to(self.device)
+        self._move(self.device)
         try:
             yield self.device
         finally:
             if placement != plans.TE_GPU:
                 # The encoder leaves the device once the prompt is encoded: the transformer and its graphs get it.
-                self.module.to("cpu")
+                self._move("cpu")
                 torch.cuda.empty_cache()
