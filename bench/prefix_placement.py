@@ -14,6 +14,9 @@ The bound is ComfyUI's INT8 ConvRot W8A8 Linears (comfy-kitchen) with a bf16 pre
 same weights: the int8 prefix passes when every block and the step are within it. The host prefix's output is also
 compared with the gpu prefix's (bit-equal: the same values, moved).
 
+`--card GB` adds the int8 and host rows on an emulated card, the transformer loaded as the memory planner plans it
+there (prefix_card.py), against the uncapped gpu row.
+
 Results go to `bench/results/prefix-placement-<time>.md` and `.json` with the command that made them. `--tiny --device
 cpu` is a smoke run of this script (eager steps, no graphs, no bound).
 """
