@@ -7,7 +7,6 @@ step."""
 
 from __future__ import annotations
 
-import gc
 import statistics
 
 import torch
@@ -15,6 +14,8 @@ import torch
 from graph_runtime.free_memory import device_free_bytes, emulate_card
 from graph_runtime.loaded import LoadedTransformer
 from graph_runtime.memory import GenerationShape, ModelSizes, plan_memory
+
+from .streaming import unload  # back to nothing on the device: no streamer, no graphs, the weights on the host
 
 GB = 10**9
 CAPPED = ("int8", "host")
@@ -29,15 +30,6 @@ def card_plan(transformer, inputs, placement: str, available: int, mode: str):
     return plan_memory(ModelSizes.of(transformer), shape, available, placements=(placement,))
 
 
-def _unload(loaded: LoadedTransformer, cuda: bool) -> None:
-    loaded.release_graphs("next placement")
-    loaded.stop_streaming()
-    loaded.transformer.to("cpu")
-    gc.collect()
-    if cuda:
-        torch.cuda.empty_cache()
-
-
 def capped_rows(transformer, inputs, card_gb: float, rounds: int, iters: int, device, gpu: dict, gpu_output,
                 prefilled, step_ms) -> dict:
     """Per capped placement: the plan for the card, its replayed step (median over `rounds` of `iters`), the ratio
@@ -49,7 +41,7 @@ def capped_rows(transformer, inputs, card_gb: float, rounds: int, iters: int, de
     rows = {}
     try:
         for placement in CAPPED:
-            _unload(loaded, cuda)
+            unload(loaded, cuda)
             # On the CPU nothing is capped: the plan is made for the card's size, a smoke run of the path.
             emulate_card(device, int(card_gb * GB))
             free = device_free_bytes(device)
@@ -66,11 +58,11 @@ def capped_rows(transformer, inputs, card_gb: float, rounds: int, iters: int, de
             prefix, first = prefilled(engine, inputs, placement, mode)
             times = [step_ms(engine, prefix, inputs, mode, iters) for _ in range(rounds)]
             output = first.output.float()
-            ms = statistics.median(times)
+            ms = round(statistics.median(times), 3)
             rows[placement] = {
                 "card_gb": card_gb, "plan": plan.describe(), "fits": plan.fits,
                 "resident_blocks": plan.resident_blocks, "streamed_blocks": plan.streamed_blocks,
-                "planned_step_ms": round(plan.step_ms, 1), "ms": round(ms, 3), "all_ms": [round(t, 3) for t in times],
+                "planned_step_ms": round(plan.step_ms, 1), "ms": ms, "all_ms": [round(t, 3) for t in times],
                 "vs_gpu": round(ms / gpu["ms"], 3), "first_path": first.path,
                 "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2) if cuda else None,
                 "rel_l2_vs_gpu_prefix": float((output - gpu_output).norm() / gpu_output.norm().clamp_min(1e-30)),
@@ -81,7 +73,7 @@ def capped_rows(transformer, inputs, card_gb: float, rounds: int, iters: int, de
     finally:
         if cuda:
             torch.cuda.set_per_process_memory_fraction(1.0)
-        _unload(loaded, cuda)
+        unload(loaded, cuda)
         transformer.to(device)
     return rows
 

@@ -20,12 +20,17 @@ def test_prefix_placement_option_reaches_the_run_and_equals_the_gpu_prefix(tmp_p
     image as the default placement (the same values, moved: bit-equal on the CPU)."""
     images = {}
     for placement in ("gpu", "host"):
-        out = tmp_path / f"{placement}.png"
-        assert main(["generate", "--out", str(out), "--width", "128", "--height", "128", "--steps", "3",
-                     "--prefix-placement", placement]) == 0
-        assert f'"prefix_placements": {{"{placement}": 1}}' in capsys.readouterr().out
-        images[placement] = Image.open(out).tobytes()
+        images[placement], printed = _small_run(tmp_path, capsys, "--prefix-placement", placement)
+        assert f'"prefix_placements": {{"{placement}": 1}}' in printed
     assert images["gpu"] == images["host"]
+
+
+def _small_run(tmp_path, capsys, option: str, value: str) -> tuple[bytes, str]:
+    """A 128x128 two-step run of the tiny model with `option value`: its image's pixels and what it printed."""
+    out = tmp_path / f"{value}.png"
+    assert main(["generate", "--out", str(out), "--width", "128", "--height", "128", "--steps", "2", option,
+                 value]) == 0
+    return Image.open(out).tobytes(), capsys.readouterr().out
 
 
 def test_text_encoder_placement_option_reaches_the_encode_and_streamed_equals_the_default(tmp_path, capsys):
@@ -34,11 +39,8 @@ def test_text_encoder_placement_option_reaches_the_encode_and_streamed_equals_th
     the loader nodes do there (bit-equal: the same computation)."""
     images = {}
     for choice, ran in (("auto", "gpu while encoding, then offload"), ("streamed", "streamed by layer")):
-        out = tmp_path / f"{choice}.png"
-        assert main(["generate", "--out", str(out), "--width", "128", "--height", "128", "--steps", "2",
-                     "--text-encoder-placement", choice]) == 0
-        assert f"text_encoder_placement {ran}" in capsys.readouterr().out
-        images[choice] = Image.open(out).tobytes()
+        images[choice], printed = _small_run(tmp_path, capsys, "--text-encoder-placement", choice)
+        assert f"text_encoder_placement {ran}" in printed
     assert images["auto"] == images["streamed"]
 
 
