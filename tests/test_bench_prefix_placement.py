@@ -40,6 +40,7 @@ def test_tiny_prefix_placement_bench_on_an_emulated_card_writes_the_plan_and_cap
         assert row["vs_gpu"] == round(row["ms"] / report["speed"]["gpu"]["ms"], 3)
     text = next(tmp_path.glob("prefix-placement-*.md")).read_text()
     assert "## On an emulated 16 GB card" in text and f"- host: {card['host']['plan']}" in text
+    assert f"host prefix on the 16 GB card: {card['host']['vs_gpu']:.3f}x the whole-GPU step" in text
     assert "--card 16" in report["meta"]["command"]
 
 
