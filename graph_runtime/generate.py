@@ -101,7 +101,8 @@ class QwenImageGenerator:
         # Refused here, before anything is allocated, when the whole request (the decoded images included) cannot fit
         # on its device (the GPU, or the CPU's memory).
         budget = check_runtime_request(self.loaded, request, self.models.vae, self.models.text_encoder,
-                                       image_bytes_per_pixel=4 if keep_alpha else 3, stream=self.gpus == 1)
+                                       image_bytes_per_pixel=4 if keep_alpha else 3, stream=self.gpus == 1,
+                                       text_encoder_placement=self.placed.placement)
         if budget is not None:
             # The plan's resident blocks on the device, the others streamed (or all of them there again).
             request.memory_plan = budget.plan
