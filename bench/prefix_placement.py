@@ -14,6 +14,9 @@ The bound is ComfyUI's INT8 ConvRot W8A8 Linears (comfy-kitchen) with a bf16 pre
 same weights: the int8 prefix passes when every block and the step are within it. The host prefix's output is also
 compared with the gpu prefix's (bit-equal: the same values, moved).
 
+`--card GB` adds the int8 and host rows on an emulated card, the transformer loaded as the memory planner plans it
+there (prefix_card.py), against the uncapped gpu row.
+
 Results go to `bench/results/prefix-placement-<time>.md` and `.json` with the command that made them. `--tiny --device
 cpu` is a smoke run of this script (eager steps, no graphs, no bound).
 """
@@ -30,6 +33,7 @@ import torch
 from graph_runtime.decode import DecodeEngine
 from graph_runtime.kernels.kv_int8 import dequantize_rows, quantize_rows
 
+from . import prefix_card
 from .model import build_transformer, fp32_copy
 from .options import standalone_meta, standalone_start, write_results
 from .scenarios import DEFAULT_SCENARIOS, TINY_SCENARIOS, build_inputs
@@ -65,7 +69,8 @@ def h2d_gbps(nbytes: int = 1 << 30) -> float:
     return nbytes / ms / 1e6
 
 
-def speed(transformer, inputs, rounds: int, iters: int, device) -> dict:
+def speed(transformer, inputs, rounds: int, iters: int, device) -> tuple[dict, torch.Tensor]:
+    """The rows of the three placements, and the gpu prefix's first output (what the others are compared with)."""
     mode = "graph" if torch.device(device).type == "cuda" else "eager"
     rows = {p: {"ms": [], "paths": []} for p in PLACEMENTS}
     outputs = {}
@@ -98,7 +103,7 @@ def speed(transformer, inputs, rounds: int, iters: int, device) -> dict:
         copy_ms = result["host"]["prefix_host_bytes"] / bandwidth / 1e6
         result["host"].update(h2d_gbps=round(bandwidth, 2), copy_ms=round(copy_ms, 3),
                               floor_ms=round(max(copy_ms, result["gpu"]["ms"]), 3))
-    return result
+    return result, gpu
 
 
 def _rel(a, b) -> float:
@@ -176,7 +181,7 @@ def quality(transformer, inputs, device) -> dict:
                         "pass": all(r <= 1.0 for r in ratios) and step_ratio <= 1.0}}
 
 
-def markdown(meta: dict, result: dict, judged: dict | None) -> str:
+def markdown(meta: dict, result: dict, judged: dict | None, card: dict | None = None) -> str:
     lines = [f"# Prefix placement benchmark, {meta['date']}", "",
              f"- device: {meta['device']}; torch {meta['torch']}; {meta['layers']} blocks, random {meta['dtype']} "
              f"weights; scenario {meta['scenario']} ({meta['prefix_tokens']} prefix + {meta['target_tokens']} target "
@@ -205,6 +210,7 @@ def markdown(meta: dict, result: dict, judged: dict | None) -> str:
         lines += ["", f"int8 prefix: {v['blocks_within']}/{v['blocks']} blocks within the bound (worst ratio "
                       f"{v['worst_block_ratio']:.3f}), step ratio {v['step_ratio']:.3f}: "
                       + ("PASS" if v["pass"] else "FAIL")]
+    lines += prefix_card.markdown(card or {})
     return "\n".join(lines) + "\n"
 
 
@@ -218,7 +224,13 @@ def main(argv=None) -> int:
     parser.add_argument("--out-dir", default="bench/results")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tiny", action="store_true", help="the tiny 2-block model (a CPU smoke run)")
+    parser.add_argument("--card", type=float, default=None, metavar="GB",
+                        help="also run the int8 and host prefix rows on an emulated card of GB (10^9 bytes), the "
+                             "transformer loaded as the memory planner plans it there; the gpu row stays uncapped "
+                             "(default: none)")
     args = parser.parse_args(argv)
+    if args.card is not None and not args.card > 0:
+        parser.error(f"--card {args.card:g}: expected a card size in GB above 0, e.g. 8, 12, 16 or 24")
     start = standalone_start("bench.prefix_placement", args.device, argv)
     if start is None:
         return 2
@@ -229,7 +241,11 @@ def main(argv=None) -> int:
     transformer = build_transformer(tiny=args.tiny, layers=args.layers, device=args.device, dtype=dtype)
     config = transformer.config
     inputs = build_inputs(scenario, config.context_in_dim, config.in_channels, args.device, dtype)
-    result = speed(transformer, inputs, args.rounds, args.iters, args.device)
+    result, gpu_output = speed(transformer, inputs, args.rounds, args.iters, args.device)
+    card = None
+    if args.card is not None:
+        card = prefix_card.capped_rows(transformer, inputs, args.card, args.rounds, args.iters, args.device,
+                                       result["gpu"], gpu_output, prefilled, step_ms)
     judged = None
     if not args.no_quality and args.device != "cpu":
         judged = quality(transformer, inputs, args.device)
@@ -238,8 +254,8 @@ def main(argv=None) -> int:
                            scenario=scenario.name, prefix_tokens=layout.prefix_len,
                            target_tokens=layout.target_tokens)
     print(json.dumps(result), flush=True)
-    write_results("bench.prefix_placement", args.out_dir, "prefix-placement", markdown(meta, result, judged),
-                  {"meta": meta, "speed": result, "quality": judged})
+    write_results("bench.prefix_placement", args.out_dir, "prefix-placement", markdown(meta, result, judged, card),
+                  {"meta": meta, "speed": result, "quality": judged, "card": card})
     return 0
 
 

@@ -152,9 +152,12 @@ def load_models(args, device: str, precision=None):
         start_preload(torch.device(device))  # Triton's and the CUDA libraries' set-up, while the models load
 
     dtype = _model_dtype(args, device)
+    # The text encoder starts on the host unless it stays on the GPU: a card too small for it (16.3 GB in bf16)
+    # then still loads, and its placement brings it to the GPU for each encode.
+    te_device = device if getattr(args, "text_encoder_placement", "gpu") == "gpu" else "cpu"
     if args.model:
         print(f"model: diffusers folder {args.model} ({args.dtype or dtype}, {device})")
-        return load_pipeline_folder(args.model, dtype=dtype, device=device)
+        return load_pipeline_folder(args.model, dtype=dtype, device=device, text_encoder_device=te_device)
     if args.transformer:
         from .loading.gguf_transformer import int8_while_read
 
@@ -162,7 +165,7 @@ def load_models(args, device: str, precision=None):
         # a GGUF file converted to int8 turns int8 block by block as it is read (the peak stays near the int8
         # model's size), as the loader node does
         early = precision is not None and int8_while_read(args.transformer, precision)
-        text_encoder, processor = load_text_encoder(args.text_encoder, dtype=dtype, device=device,
+        text_encoder, processor = load_text_encoder(args.text_encoder, dtype=dtype, device=te_device,
                                                     tokenizer_dir=args.tokenizer)
         return QwenImageModels(
             transformer=load_transformer(args.transformer, dtype=dtype, device=device,
@@ -176,7 +179,7 @@ def load_models(args, device: str, precision=None):
     parts = build_tiny_components()
     return QwenImageModels(
         transformer=parts["transformer"].to(device, dtype), vae=parts["vae"].to(device, dtype),
-        text_encoder=parts["text_encoder"].to(device, dtype), processor=parts["processor"],
+        text_encoder=parts["text_encoder"].to(te_device, dtype), processor=parts["processor"],
         scheduler_config=dict(parts["scheduler"].config), sources={"model": "tiny built-in"},
     )
 
@@ -271,8 +274,11 @@ def cmd_generate(args) -> int:
     check_heads(args.gpus, models.transformer.config.num_attention_heads, "--gpus")
     from .loaded import LoadedTransformer
 
+    from .encoding.placed import CLI_PLACEMENTS
+
     generator = QwenImageGenerator(models, gpus=args.gpus,
-                                   loaded=LoadedTransformer(models.transformer, attention=args.attention))
+                                   loaded=LoadedTransformer(models.transformer, attention=args.attention),
+                                   text_encoder_placement=CLI_PLACEMENTS[args.text_encoder_placement])
     for run in range(args.repeat):
         result = generator.generate(
             args.prompt, negative_prompt=args.negative, cfg=args.cfg, images=checked.images, width=args.width,
@@ -400,6 +406,12 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--prefix-placement", choices=["auto", "gpu", "int8", "host", "recompute"], default="auto",
                      help="where the prefix K/V live: auto (the memory budget picks the first that fits), gpu, int8, "
                           "host (pinned memory) or recompute (no cache) (default: auto)")
+    gen.add_argument("--text-encoder-placement", choices=["auto", "offload", "gpu", "streamed", "cpu"],
+                     default="auto",
+                     help="where the text encoder encodes, as the loader nodes' text_encoder_placement: auto (the "
+                          "memory plan's choice for the free memory), offload (gpu while encoding, then offload), "
+                          "gpu (always gpu), streamed (streamed by layer: two of its layers on the GPU at a time) or "
+                          "cpu; on --device cpu all run on the CPU (default: auto)")
     gen.add_argument("--compile", choices=["blocks", "off"], default="off",
                      help="blocks: also torch.compile the transformer blocks on CUDA (the same step time, and a "
                           "compile on the first prompt: docs/performance.md) (default: off)")

@@ -12,6 +12,7 @@ import torch
 
 from .comfy_interop.pixels import to_pil
 from .encoding.images import decode_latents, encode_pixels, prepare_references, reference_size
+from .encoding.placed import PlacedTextEncoder
 from .encoding.prompt import PromptEncoder
 from .memory import check_runtime_request
 from .loaded import LoadedTransformer
@@ -36,12 +37,17 @@ class GenerationResult:
 
 class QwenImageGenerator:
     """Holds loaded models (anything with .transformer, .vae, .text_encoder, .processor, .scheduler_config).
-    `gpus` > 1 decodes each image on that many devices (graph_runtime/parallel)."""
+    `gpus` > 1 decodes each image on that many devices (graph_runtime/parallel). `text_encoder_placement`: one of the
+    loader nodes' `text_encoder_placement` choices (encoding/placed.py); `auto` runs the memory plan's."""
 
-    def __init__(self, models, gpus: int = 1, loaded: LoadedTransformer | None = None):
+    def __init__(self, models, gpus: int = 1, loaded: LoadedTransformer | None = None,
+                 text_encoder_placement: str = "auto"):
         self.models = models
         self.gpus = gpus
         self.encoder = PromptEncoder(models.text_encoder, models.processor)
+        # The encode runs where the transformer is (the text encoder may wait on the host between encodes).
+        self.placed = PlacedTextEncoder(models.text_encoder, next(models.transformer.parameters()).device,
+                                        text_encoder_placement)
         # The transformer's owner (engine, graphs, LoRA state, ranks); one per loaded model: pass it when another
         # object already owns this transformer.
         self.loaded = loaded if loaded is not None else LoadedTransformer(models.transformer)
@@ -80,11 +86,13 @@ class QwenImageGenerator:
         start = time.perf_counter()
         refs = prepare_references(images, reference_resolution) if images else []
         vision_images = [r.vision_image for r in refs]
-        positive = self.encoder.encode(prompt, vision_images, device=self.encoder.device)
-        negative = None
-        if negative_prompt is not None and request.cfg > 1.0:
-            negative = self.encoder.encode(negative_prompt, vision_images, device=self.encoder.device,
-                                           name="negative_prompt")
+        texts = [prompt] + ([negative_prompt] if negative_prompt is not None and request.cfg > 1.0 else [])
+        with self.placed.encoding(max(self.encoder.token_bound(t, vision_images) for t in texts)) as device:
+            positive = self.encoder.encode(prompt, vision_images, device=device)
+            negative = None
+            if len(texts) > 1:
+                negative = self.encoder.encode(negative_prompt, vision_images, device=device, name="negative_prompt")
+        timings["text_encoder_placement"] = self.placed.last
         reference_latents = [encode_pixels(self.models.vae, r.vae_pixels) for r in refs]
         timings["encode_ms"] = (time.perf_counter() - start) * 1e3
 
@@ -93,7 +101,8 @@ class QwenImageGenerator:
         # Refused here, before anything is allocated, when the whole request (the decoded images included) cannot fit
         # on its device (the GPU, or the CPU's memory).
         budget = check_runtime_request(self.loaded, request, self.models.vae, self.models.text_encoder,
-                                       image_bytes_per_pixel=4 if keep_alpha else 3, stream=self.gpus == 1)
+                                       image_bytes_per_pixel=4 if keep_alpha else 3, stream=self.gpus == 1,
+                                       text_encoder_placement=self.placed.placement)
         if budget is not None:
             # The plan's resident blocks on the device, the others streamed (or all of them there again).
             request.memory_plan = budget.plan

@@ -20,12 +20,52 @@ def test_prefix_placement_option_reaches_the_run_and_equals_the_gpu_prefix(tmp_p
     image as the default placement (the same values, moved: bit-equal on the CPU)."""
     images = {}
     for placement in ("gpu", "host"):
-        out = tmp_path / f"{placement}.png"
-        assert main(["generate", "--out", str(out), "--width", "128", "--height", "128", "--steps", "3",
-                     "--prefix-placement", placement]) == 0
-        assert f'"prefix_placements": {{"{placement}": 1}}' in capsys.readouterr().out
-        images[placement] = Image.open(out).tobytes()
+        images[placement], printed = _small_run(tmp_path, capsys, "--prefix-placement", placement)
+        assert f'"prefix_placements": {{"{placement}": 1}}' in printed
     assert images["gpu"] == images["host"]
+
+
+def _small_run(tmp_path, capsys, option: str, value: str) -> tuple[bytes, str]:
+    """A 128x128 two-step run of the tiny model with `option value`: its image's pixels and what it printed."""
+    out = tmp_path / f"{value}.png"
+    assert main(["generate", "--out", str(out), "--width", "128", "--height", "128", "--steps", "2", option,
+                 value]) == 0
+    return Image.open(out).tobytes(), capsys.readouterr().out
+
+
+def test_text_encoder_placement_option_reaches_the_encode_and_streamed_equals_the_default(tmp_path, capsys):
+    """`--text-encoder-placement streamed` reaches the encode (the run says which placement ran) and writes the same
+    image as the default: on the CPU there is no GPU to stream to, so the encoder runs whole where its weights are, as
+    the loader nodes do there (bit-equal: the same computation)."""
+    images = {}
+    for choice, ran in (("auto", "gpu while encoding, then offload"), ("streamed", "streamed by layer")):
+        images[choice], printed = _small_run(tmp_path, capsys, "--text-encoder-placement", choice)
+        assert f"text_encoder_placement {ran}" in printed
+    assert images["auto"] == images["streamed"]
+
+
+def test_a_bad_text_encoder_placement_is_refused_naming_the_option_and_the_choices(tmp_path, capsys,
+                                                                                     no_model_loading):
+    """An unknown placement (the node's long spelling included: the shell takes one word) is a usage error that
+    names the option and every choice, before any model loads."""
+    with pytest.raises(SystemExit) as exc:
+        main(["generate", "--out", str(tmp_path / "x.png"), "--text-encoder-placement", "layers"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "--text-encoder-placement" in err and "'layers'" in err
+    assert all(f"'{c}'" in err for c in ("auto", "offload", "gpu", "streamed", "cpu"))
+
+
+def test_the_cli_placement_names_are_the_loader_nodes_choices():
+    """Each one-word choice maps onto one of the placements the memory plan and the loader nodes know, all covered."""
+    from graph_runtime.cli import build_parser
+    from graph_runtime.encoding.placed import CLI_PLACEMENTS
+    from graph_runtime.memory import plan
+
+    action = next(a for a in build_parser()._subparsers._group_actions[0].choices["generate"]._actions
+                  if "--text-encoder-placement" in a.option_strings)
+    assert list(action.choices) == list(CLI_PLACEMENTS)
+    assert sorted(CLI_PLACEMENTS.values()) == sorted((plan.TE_AUTO, *plan.TE_PLACEMENTS))
 
 
 def test_generate_from_a_diffusers_folder_and_from_single_files(tmp_path, tiny_folder, capsys):

@@ -50,8 +50,10 @@ class QwenImageModels:
 
 def load_pipeline_folder(path: str | os.PathLike, dtype: torch.dtype = torch.bfloat16,
                          device: str | torch.device = "cpu",
-                         components: Iterable[str] = COMPONENTS) -> QwenImageModels:
-    """Load the requested components of a diffusers pipeline folder (the text encoder comes with its processor)."""
+                         components: Iterable[str] = COMPONENTS,
+                         text_encoder_device: str | torch.device | None = None) -> QwenImageModels:
+    """Load the requested components of a diffusers pipeline folder (the text encoder comes with its processor, on
+    `text_encoder_device`, default `device`)."""
     from .text_encoder import load_text_encoder
     from .transformer import load_transformer
     from .vae import load_vae
@@ -75,7 +77,8 @@ def load_pipeline_folder(path: str | os.PathLike, dtype: torch.dtype = torch.bfl
     if "vae" in components:
         models.vae = load_vae(root, dtype=dtype, device=device)
     if "text_encoder" in components:
-        models.text_encoder, models.processor = load_text_encoder(root, dtype=dtype, device=device)
+        models.text_encoder, models.processor = load_text_encoder(root, dtype=dtype,
+                                                                device=text_encoder_device or device)
         models.sources["processor"] = str(tokenizer_folder(root).resolve())
     scheduler = read_scheduler_config(root)
     if scheduler is not None:

@@ -405,7 +405,8 @@ def _log_plan(memory_plan, device) -> None:
 
 
 def check_runtime_request(loaded, request, vae=None, text_encoder=None,
-                          image_bytes_per_pixel: int = 3, stream: bool = True) -> MemoryBudget | None:
+                          image_bytes_per_pixel: int = 3, stream: bool = True,
+                          text_encoder_placement: str | None = None) -> MemoryBudget | None:
     """The runtime's own check (no ComfyUI to unload anything), for the whole request: sampling, the VAE decode and
     the decoded images (`image_bytes_per_pixel`: 3 for RGB, 4 for RGBA, kept on the host until the request ends).
 
@@ -414,6 +415,7 @@ def check_runtime_request(loaded, request, vae=None, text_encoder=None,
     plus what its models already hold. Returns the device budget, or None where the device reports no free memory.
     `loaded`: the transformer's owner (graph_runtime/loaded.py), whose graphs count as memory it holds. The budget's
     `plan` says how many blocks stay resident (`stream=False`: all, for several GPUs); `loaded.follow_plan` loads so.
+    `text_encoder_placement`: the one set (encoding/placed.py), noted where the plan would run another.
     """
     transformer = loaded.transformer
     device = next(transformer.parameters()).device
@@ -433,7 +435,8 @@ def check_runtime_request(loaded, request, vae=None, text_encoder=None,
         transformer, request, available, device, vae_dims, others,
         decoded_bytes_per_pixel=image_bytes_per_pixel if on_cpu else 0,
         text_encoder=None if text_encoder is None or others else plans.TextEncoderSize.of(text_encoder),
-        host_available=None if on_cpu else free_memory.host_available_bytes(), stream=stream)
+        host_available=None if on_cpu else free_memory.host_available_bytes(), stream=stream,
+        text_encoder_placement=text_encoder_placement)
     if not on_cpu:
         shape = request_shape(request)
         check_decoded_on_host(shape.width, shape.height, shape.batch, image_bytes_per_pixel)
