@@ -151,19 +151,26 @@ def host_available_bytes() -> int | None:
 EMULATE_CARD_ENV = "KVGRAPH_EMULATE_CARD_GB"
 
 
-def emulated_card_bytes() -> int | None:
-    """The card size `KVGRAPH_EMULATE_CARD_GB` asks to emulate, in bytes (GB = 10^9, as cards are sold), or None
-    when unset or empty."""
-    text = os.environ.get(EMULATE_CARD_ENV, "").strip()
+def gb_setting(name: str, expected: str) -> float | None:
+    """The environment setting `name` as a positive, finite number of GB (the pack's settings in GB: a card's size,
+    a link's rate), or None when unset or empty; anything else is refused naming the setting and `expected`."""
+    text = os.environ.get(name, "").strip()
     if not text:
         return None
     try:
-        gb = float(text)
+        value = float(text)
     except ValueError:
-        gb = -1.0
-    if not gb > 0:
-        raise ValueError(f"{EMULATE_CARD_ENV}={text!r} is invalid: expected a card size in GB, e.g. 8, 12, 16 or 24")
-    return int(gb * 1e9)
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise ValueError(f"{name}={text!r} is invalid: expected {expected}")
+    return value
+
+
+def emulated_card_bytes() -> int | None:
+    """The card size `KVGRAPH_EMULATE_CARD_GB` asks to emulate, in bytes (GB = 10^9, as cards are sold), or None
+    when unset or empty."""
+    gb = gb_setting(EMULATE_CARD_ENV, "a card size in GB, e.g. 8, 12, 16 or 24")
+    return None if gb is None else int(gb * 1e9)
 
 
 def emulate_card(device, card_bytes: int | None = None) -> int | None:

@@ -31,13 +31,13 @@ caller that decides what runs.
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 
 import torch
 
 from ..decode.prefix_store import HOST, PLACEMENTS, STORED, working_slots
 from ..text_encoder_layers import decoder_layer_bytes
+from .. import free_memory
 from ..report import block_sizes
 from .sizes import (
     MARGIN_BYTES, MARGIN_FRACTION, GenerationShape, GiB, MemoryBudget, TransformerDims, VaeDims, estimate, gib,
@@ -94,16 +94,8 @@ STANDARD_LAYER_SHARE = 12.94 / 15.17
 
 def default_bandwidth() -> float:
     """The host-to-device bytes per second plans assume: KVGRAPH_H2D_GB_S where set, else the conservative default."""
-    text = os.environ.get(BANDWIDTH_SETTING, "").strip()
-    if not text:
-        return DEFAULT_H2D_BYTES_PER_S
-    try:
-        value = float(text)
-    except ValueError:
-        value = float("nan")
-    if not value > 0 or value == float("inf"):
-        raise ValueError(f"{BANDWIDTH_SETTING}={text!r}: expected the host-to-device rate in GB/s, a number above 0")
-    return value * 1e9
+    gb = free_memory.gb_setting(BANDWIDTH_SETTING, "the host-to-device rate in GB/s, a number above 0")
+    return DEFAULT_H2D_BYTES_PER_S if gb is None else gb * 1e9
 
 
 @dataclass(frozen=True)
