@@ -18,6 +18,7 @@ from graph_runtime.decode import eligibility as why
 from graph_runtime.decode.prefix_store import PLACEMENTS, PrefixStore, check_placement, store_bytes
 from graph_runtime.errors import InputError
 from graph_runtime.memory import budget as budgets
+from graph_runtime.memory import plan as plans
 from graph_runtime.kernels.kv_int8 import QMAX, dequantize_rows, quantize_rows
 from tests.test_cached_decode import lamp_request
 from tests.test_graph_manager import RecordingBackend
@@ -228,7 +229,11 @@ def test_auto_keeps_the_prefix_on_the_gpu_where_it_fits_then_int8_then_host_then
     assert totals["gpu"] > totals["int8"] > totals["recompute"] > totals["host"]
 
     def choose(available, host_free=None):
-        return budgets.choose_placement(plan.dims, plan.shape, plan.weights, plan.vae, available, host_free)
+        """What `auto` resolves to with every block resident: the planner's choice, gpu where none fits."""
+        sizes = plans.ModelSizes(plan.dims, (0,) * plan.dims.blocks, plan.weights.get("transformer", 0), plan.vae,
+                                 tuple((k, v) for k, v in plan.weights.items() if k not in ("transformer", "VAE")))
+        chosen = plans.plan_memory(sizes, plan.shape, available, host_free, stream=False)
+        return chosen.prefix_placement if chosen.fits else "gpu"
 
     assert choose(totals["gpu"]) == "gpu"
     assert choose(totals["gpu"] - 1) == "int8"

@@ -107,17 +107,6 @@ PLACEMENT_OPTIONS = {
 }
 
 
-def choose_placement(dims: TransformerDims, shape: GenerationShape, weights: dict[str, int], vae: VaeDims | None,
-                     available: int, host_free: int | None = None) -> str:
-    """What `auto` resolves to with every block resident: the memory planner's choice (plan.py `plan_memory`, the
-    one decider: the fastest placement that fits `available` and, for host, `host_free` when known; recompute only
-    where no kept prefix fits); gpu when none fits (the refusal then names them all)."""
-    sizes = plans.ModelSizes(dims, (0,) * dims.blocks, weights.get("transformer", 0), vae,
-                             tuple((k, v) for k, v in weights.items() if k not in ("transformer", "VAE")))
-    chosen = plans.plan_memory(sizes, shape, available, host_free, stream=False)
-    return chosen.prefix_placement if chosen.fits else GPU
-
-
 def largest_fitting_batch(dims, shape, weights, vae, available: int, price=None) -> int:
     """The largest smaller batch that fits (the budget grows with the batch), or 1 when none does."""
     low, high = 1, shape.batch - 1
