@@ -46,6 +46,8 @@ ALL_PATHS = [
     # Not in the default set: the graph and int8 paths with SDPA pinned, to measure what FlashAttention-3 gives.
     PathSpec("graph-sdpa", attention="sdpa"),
     PathSpec("int8-sdpa", precision="int8", attention="sdpa"),
+    # Not in the default set: int8 with FlashAttention-3 bf16 (`auto` runs FP8 attention under int8 Linears on Hopper).
+    PathSpec("int8-fa3", precision="int8", attention="fa3"),
     PathSpec("compile+graph", compile=True),
     # Not in the default set: the same path with inductor's own code where our kernels would run, to measure them.
     PathSpec("compile+graph-inductor-only", compile=True, kernels=False),

@@ -14,6 +14,7 @@ import torch
 from graph_runtime.free_memory import device_free_bytes, emulate_card
 from graph_runtime.loaded import LoadedTransformer
 from graph_runtime.memory import GenerationShape, ModelSizes, plan_memory
+from graph_runtime.memory.plan import default_bandwidth
 
 from .streaming import unload  # back to nothing on the device: no streamer, no graphs, the weights on the host
 
@@ -27,7 +28,8 @@ def card_plan(transformer, inputs, placement: str, available: int, mode: str):
     side = int(layout.target_tokens ** 0.5) * 16  # the scenarios are square
     shape = GenerationShape(width=side, height=side, prefix_tokens=(layout.prefix_len,), decode_mode=mode,
                             prefix_placement=placement)
-    return plan_memory(ModelSizes.of(transformer), shape, available, placements=(placement,))
+    return plan_memory(ModelSizes.of(transformer), shape, available, placements=(placement,),
+                       bandwidth=default_bandwidth(next(transformer.parameters()).device))
 
 
 def capped_rows(transformer, inputs, card_gb: float, rounds: int, iters: int, device, gpu: dict, gpu_output,

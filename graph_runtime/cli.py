@@ -416,10 +416,11 @@ def build_parser() -> argparse.ArgumentParser:
                      help="blocks: also torch.compile the transformer blocks on CUDA (the same step time, and a "
                           "compile on the first prompt: docs/performance.md) (default: off)")
     gen.add_argument("--attention", choices=list(ATTENTION_CHOICES), default="auto",
-                     help="the decode step's attention: auto (FlashAttention-3 bf16 on Hopper where the fa3 extra is "
-                          "installed, else SDPA), sdpa, fa3, or fp8 (FlashAttention-3's FP8 forward over e4m3 K/V "
-                          "in the graph entries; opt-in, where it cannot run it falls back to auto's choice, logged "
-                          "and counted: docs/performance.md) (default: auto)")
+                     help="the decode step's attention: auto (FlashAttention-3 on Hopper where the fa3 extra is "
+                          "installed, in FP8 under int8 Linears, else bf16; SDPA elsewhere), sdpa, fa3 (bf16), or "
+                          "fp8 (FlashAttention-3's FP8 forward over e4m3 K/V in the graph entries; where it cannot "
+                          "run it falls back to auto's choice, logged and counted: docs/performance.md) "
+                          "(default: auto)")
     gen.add_argument("--reference-resolution", type=int, default=1024,
                      help="references are resized to about N x N px (default: 1024)")
     gen.add_argument("--dtype", choices=sorted(DTYPES), default=None,

@@ -86,13 +86,14 @@ PRECISION_TOOLTIP = (
 
 ATTENTION_TOOLTIP = (
     "The decode step's attention kernel (the Linears' precision is the 'precision' input). 'auto' (default): "
-    "FlashAttention-3 bf16 on a Hopper GPU (compute capability 9.0) where the [fa3] extra is installed (pip install "
-    "comfyui-kv-graph[fa3]), else PyTorch's SDPA; the same results within bf16 rounding. 'sdpa': always SDPA. 'fa3': "
-    "as auto, but a fallback to SDPA is logged as a warning. 'fp8': FlashAttention-3's FP8 forward over e4m3 "
-    "q/k/v with per-head scales, faster attention (docs/performance.md); it needs Hopper and the [fa3] extra, and "
-    "elsewhere runs what auto picks, with the reason logged once and shown in the KV-Graph status. Opt-in: its "
-    "error is larger than bf16's and is not judged per model, so check your images. Changing it keeps the loaded "
-    "weights: the decode step is rebuilt (graphs captured again) at the next run. Only 'auto' with gpus above 1.")
+    "FlashAttention-3 on a Hopper GPU (compute capability 9.0) where the [fa3] extra is installed (pip install "
+    "comfyui-kv-graph[fa3]), else PyTorch's SDPA; with INT8 Linears it attends in FP8 (as 'fp8', which stays within "
+    "the INT8 error those weights already have), else in bf16 (SDPA's results within bf16 rounding). 'sdpa': always "
+    "SDPA. 'fa3': FlashAttention-3 bf16 whatever the Linears, a fallback to SDPA logged as a warning. 'fp8': "
+    "FlashAttention-3's FP8 forward over e4m3 q/k/v with per-head scales, faster attention (docs/performance.md); it "
+    "needs Hopper and the [fa3] extra, and elsewhere runs what auto picks, with the reason logged once and shown in "
+    "the KV-Graph status. Changing it keeps the loaded weights: the decode step is rebuilt (graphs captured again) "
+    "at the next run. Only 'auto' with gpus above 1.")
 
 
 def _attention_input():

@@ -275,3 +275,63 @@ def test_a_stored_prefix_entry_keeps_native_kv_and_its_own_key(hopper, monkeypat
     keys = {p: make_key(step, "cond", 1, layout, torch.bfloat16, cuda, placement=p) for p in ("gpu", "host")}
     assert (keys["gpu"].kv_format, keys["host"].kv_format) == ("fp8", "native") and keys["gpu"] != keys["host"]
     assert keys["host"].describe()["kv_format"] == "native"
+
+
+def _wide_heads(head_dim: int):
+    """The tiny architecture with heads of `head_dim` channels (two of them), bf16."""
+    rope = (head_dim // 4, 3 * head_dim // 8, 3 * head_dim // 8)
+    return random_tiny_transformer(dict(TINY_TRANSFORMER, attention_head_dim=head_dim, axes_dims_rope=rope)).to(
+        torch.bfloat16)
+
+
+def test_auto_attends_in_fp8_under_int8_linears_at_128_wide_heads_only(hopper, monkeypatch):
+    """`auto` takes FP8 attention (e4m3 entries, the `fa3-fp8` kernel in graph keys) for a model whose block Linears
+    are INT8 at 128-wide heads, the case measured within the INT8 ConvRot bound over the whole step; the same model
+    with bf16 Linears, or INT8 Linears at 64-wide heads, stays FlashAttention-3 bf16, and none of them counts a
+    fallback. `fa3` keeps bf16 under INT8 Linears."""
+    from graph_runtime.decode.step import prefers_fp8
+    from graph_runtime.fp8.convert import apply_precision
+
+    monkeypatch.setattr(attention, "probe_fp8", lambda forward, device: None)
+    cuda = torch.device("cuda:0")
+
+    def step_of(model, name="auto"):
+        step = DecodeEngine(model, attention=name).step
+        step.attention = AttentionChoice(name, loader=lambda: (_fa3_on_cpu, None),
+                                         prefers_fp8=lambda: prefers_fp8(step.model))
+        return step
+
+    bf16_128, int8_128, int8_64 = _wide_heads(128), _wide_heads(128), _wide_heads(64)
+    apply_precision(int8_128, "int8")
+    apply_precision(int8_64, "int8")
+    assert not prefers_fp8(bf16_128) and prefers_fp8(int8_128) and not prefers_fp8(int8_64)
+    picked = {}
+    for label, model, name in (("bf16-128", bf16_128, "auto"), ("int8-128", int8_128, "auto"),
+                               ("int8-64", int8_64, "auto"), ("int8-128 fa3", int8_128, "fa3")):
+        step = step_of(model, name)
+        picked[label] = (step.attention.pick(cuda, torch.bfloat16).name, step.kv_format(cuda))
+        assert not step.attention.fallbacks, label
+    assert picked == {"bf16-128": ("fa3", "native"), "int8-128": ("fa3-fp8", "fp8"), "int8-64": ("fa3", "native"),
+                      "int8-128 fa3": ("fa3", "native")}
+
+
+def test_auto_fp8_without_its_kernel_runs_what_auto_runs_and_says_why_at_info(hopper, monkeypatch, caplog):
+    """INT8 Linears at 128-wide heads under `auto`: without FlashAttention-3 the step runs SDPA with plain `auto`'s
+    reason (not an FP8 one); with an FA3 build lacking FP8 kernels it runs FA3 bf16, the FP8 reason counted and logged
+    once at info (a warning is for what a user asked for)."""
+    from graph_runtime.decode.step import prefers_fp8
+    from graph_runtime.fp8.convert import apply_precision
+
+    model = _wide_heads(128)
+    apply_precision(model, "int8")
+    cuda = torch.device("cuda:0")
+    missing = AttentionChoice("auto", loader=lambda: (None, attention.NOT_INSTALLED),
+                              prefers_fp8=lambda: prefers_fp8(model))
+    assert missing.pick(cuda, torch.bfloat16).name == "sdpa" and missing.fallbacks == {attention.NOT_INSTALLED: 1}
+    monkeypatch.setattr(attention, "probe_fp8", lambda forward, device: f"{attention.NO_FP8_KERNEL}: none")
+    no_fp8 = AttentionChoice("auto", loader=lambda: (_fa3_on_cpu, None), prefers_fp8=lambda: prefers_fp8(model))
+    with caplog.at_level(logging.INFO, logger="kvgraph"):
+        assert no_fp8.pick(cuda, torch.bfloat16).name == "fa3"
+    reason = f"{attention.FP8_FALLBACK}: {attention.NO_FP8_KERNEL}: none"
+    assert no_fp8.fallbacks == {reason: 1}
+    assert [r.levelno for r in caplog.records if reason in r.getMessage()] == [logging.INFO]

@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from graph_runtime.memory import plan as plans
 from graph_runtime.memory import plan_table
@@ -345,6 +346,24 @@ def test_the_bandwidth_setting_is_read_and_checked(monkeypatch):
         monkeypatch.setenv(plans.BANDWIDTH_SETTING, bad)
         with pytest.raises(ValueError, match=plans.BANDWIDTH_SETTING):
             plans.default_bandwidth()
+
+
+def test_plans_take_the_measured_link_rate_unless_the_setting_names_one(monkeypatch):
+    """A CUDA device's plans assume the rate measured there (link.py); the setting wins over it; a device where
+    nothing is measured (the CPU) keeps the default; the measurement runs once per device."""
+    from graph_runtime.memory import link
+
+    monkeypatch.delenv(plans.BANDWIDTH_SETTING, raising=False)
+    probes = []
+    monkeypatch.setattr(link, "_measured", {})
+    monkeypatch.setattr(link, "_probe", lambda device: probes.append(str(device)) or 42e9)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert plans.default_bandwidth("cuda:0") == 42e9 and plans.default_bandwidth("cuda:0") == 42e9
+    assert probes == ["cuda:0"]
+    assert plans.default_bandwidth("cpu") == plans.DEFAULT_H2D_BYTES_PER_S
+    monkeypatch.setenv(plans.BANDWIDTH_SETTING, "25")
+    assert plans.default_bandwidth("cuda:0") == 25e9
 
 
 def test_a_built_placement_is_planned_and_a_forced_one_is_kept(meta_transformer, monkeypatch):

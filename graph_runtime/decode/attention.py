@@ -10,11 +10,16 @@ FlashAttention-3 has no arbitrary mask: a masked call (the eager padded-text pat
 block-causal mask is run one prefix segment at a time (text causal, an image block over every key up to its end),
 which is exactly the rule the mask encodes.
 
-`fp8` (opt-in, never what `auto` picks) is FlashAttention-3's FP8 forward for the decode step's graph entries: their
-K/V buffers hold e4m3 (`kv_format.py`) and the q/k norm + RoPE kernel writes e4m3 q/k/v itself. Everything that
-attends in bf16 (the prefix pass, an eager step) runs FlashAttention-3's bf16 forward. Where FlashAttention-3 cannot
-run, or its build has no FP8 kernel, `fp8` falls back to what `auto` would pick there (SDPA), logged once and
-counted, with the reason prefixed by `FP8_FALLBACK`.
+`fp8` is FlashAttention-3's FP8 forward for the decode step's graph entries: their K/V buffers hold e4m3
+(`kv_format.py`) and the q/k norm + RoPE kernel writes e4m3 q/k/v itself. Everything that attends in bf16 (the prefix
+pass, an eager step) runs FlashAttention-3's bf16 forward. Where FlashAttention-3 cannot run, or its build has no FP8
+kernel, `fp8` falls back to what `auto` would pick there (SDPA), logged once and counted, with the reason prefixed by
+`FP8_FALLBACK`.
+
+`auto` takes `fp8` for a model whose step `prefers_fp8` (decode/step.py: INT8 Linears at the 128-wide heads where FP8
+attention was measured within the INT8 ConvRot bound over the whole step): a user who loads INT8 weights has accepted
+that bound, and FP8 attention's own error is small beside W8A8's. Any other model keeps FlashAttention-3 bf16 under
+`auto`. Where `auto`'s FP8 cannot run it runs what `auto` runs without it, logged once (info) and counted.
 """
 
 from __future__ import annotations
@@ -49,8 +54,8 @@ FP8_FALLBACK = "FP8 attention runs in bf16"
 NO_FP8_KERNEL = "this FlashAttention-3 build has no FP8 forward"
 
 
-ATTENTION_EXPECTED = ("one of auto (FlashAttention-3 bf16 where it runs, else SDPA), sdpa, fa3, fp8 "
-                      "(FlashAttention-3's FP8 forward on Hopper, opt-in)")
+ATTENTION_EXPECTED = ("one of auto (FlashAttention-3 where it runs, FP8 under INT8 weights, else SDPA), sdpa, fa3, "
+                      "fp8 (fa3: FlashAttention-3 bf16; fp8: its FP8 forward, on Hopper)")
 
 
 def check_attention(value, name: str = "attention") -> str:
@@ -188,15 +193,18 @@ _logged: set[str] = set()  # fallback reasons already logged in this process
 
 class AttentionChoice:
     """One step's kernel per (device, dtype), chosen at its first use and kept. `requested`: "auto" (FA3 where it
-    runs), "sdpa", "fa3" (the same as auto, but a fallback is logged as a warning), or "fp8" (FA3 with e4m3 K/V in
+    runs, its FP8 forward where `prefers_fp8` says so), "sdpa", "fa3" (the same as auto, but a fallback is logged as a warning), or "fp8" (FA3 with e4m3 K/V in
     the graph entries; a fallback is a warning too). Fallbacks are counted in `fallbacks` (reason -> devices),
     which the engine's statistics read."""
 
-    def __init__(self, requested: str = "auto", loader=_load_fa3):
+    def __init__(self, requested: str = "auto", loader=_load_fa3, prefers_fp8=None):
+        """`prefers_fp8`: a callable saying, at the first choice on a device, whether `auto` takes FP8 attention for
+        this model (the step's rule); None: it never does."""
         if requested not in ATTENTION_CHOICES:
             raise ValueError(f"attention {requested!r} is invalid: expected one of {', '.join(ATTENTION_CHOICES)}")
         self.requested = requested
         self._loader = loader
+        self._prefers_fp8 = prefers_fp8
         self._chosen: dict[tuple, object] = {}
         self.fallbacks: Counter = Counter()
 
@@ -207,7 +215,7 @@ class AttentionChoice:
         key = (str(device), dtype)
         backend = self._chosen.get(key)
         if backend is None:
-            backend, reason = choose(device, dtype, self.requested, self._loader)
+            backend, reason = self._choose(device, dtype)
             self._chosen[key] = backend
             if reason is not None:
                 self.fallbacks[reason] += 1
@@ -220,12 +228,21 @@ class AttentionChoice:
                 logger.info("KV-Graph: attention runs on %s on %s.", _KERNEL_NAMES[backend.name], device)
         return backend
 
+    def _choose(self, device, dtype):
+        if self.requested != AUTO or self._prefers_fp8 is None or not self._prefers_fp8():
+            return choose(device, dtype, self.requested, self._loader)
+        backend, reason = choose(device, dtype, FP8, self._loader)
+        if backend.name == SDPA:  # no FlashAttention-3 at all: what plain `auto` says about it
+            reason = reason.removeprefix(f"{FP8_FALLBACK}: ")
+        return backend, reason
+
     def count_fallback(self, reason: str, device) -> None:
         """Count (and log once per process) a fallback decided after the kernel was chosen."""
         self.fallbacks[reason] += 1
         if reason not in _logged:
             _logged.add(reason)
-            logger.warning("KV-Graph: on %s: %s.", device, reason)
+            logger.log(logging.INFO if self.requested == AUTO else logging.WARNING, "KV-Graph: on %s: %s.", device,
+                       reason)
 
     def chosen(self) -> dict:
         """`{device: kernel name}` of every choice made so far (for the statistics)."""

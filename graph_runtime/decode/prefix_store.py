@@ -81,6 +81,10 @@ def release_host_cache() -> None:
     freed blocks cached, so a dropped host prefix (gigabytes) would otherwise stay locked in this process."""
     empty = getattr(torch._C, "_host_emptyCache", None)
     if empty is not None and torch.cuda.is_available():
+        # A freed pinned block whose last copy's event has not completed stays cached through emptyCache; the copies
+        # that used a dropped prefix are done once the device is (never while a graph is being captured).
+        if not torch.cuda.is_current_stream_capturing():
+            torch.cuda.synchronize()
         empty()
 
 

@@ -361,6 +361,18 @@ FP8_HEAD_DIMS = (64, 128, 256)
 FP8_HEAD_DIM = f"FP8 attention runs in bf16: its kernels take head widths {', '.join(map(str, FP8_HEAD_DIMS))}"
 
 
+# Where `auto` takes FP8 attention: INT8 Linears (a model whose weights already sit at the INT8 ConvRot bound) and the
+# head width the whole step was measured within that bound at (the published model's); a tiny 64-wide model landed at
+# the bound itself, so other widths keep bf16 attention unless a user asks for `fp8`.
+AUTO_FP8_HEAD_DIM = 128
+
+
+def prefers_fp8(model) -> bool:
+    """Whether `auto` takes FP8 attention for `model` (attention.py)."""
+    return (model is not None and model.config.attention_head_dim == AUTO_FP8_HEAD_DIM
+            and precision_of(model) == "int8")
+
+
 def _fp8_kv_reason(model, device: torch.device) -> str | None:
     """Why this model's entries cannot keep e4m3 K/V on `device`, or None."""
     if device.type == "cuda" and model.config.attention_head_dim not in FP8_HEAD_DIMS:
@@ -377,8 +389,9 @@ class DecodeStep(torch.nn.Module):
     def __init__(self, transformer: torch.nn.Module, kernels: bool = True, block_factory=TargetDecodeBlock,
                  attention: str = "auto"):
         """`block_factory(block, kernels)` wraps each diffusers block (sequence parallelism passes its own).
-        `attention`: "auto" (FlashAttention-3 where it runs, else SDPA), "sdpa", "fa3", or "fp8" (FlashAttention-3's
-        FP8 forward over e4m3 K/V in the graph entries where it runs, else what "auto" picks) (attention.py)."""
+        `attention`: "auto" (FlashAttention-3 where it runs, its FP8 forward where `prefers_fp8`, else SDPA),
+        "sdpa", "fa3", or "fp8" (FlashAttention-3's FP8 forward over e4m3 K/V in the graph entries where it runs, else
+        what "auto" picks) (attention.py)."""
         super().__init__()
         # A weak reference: the transformer holds this step (through its engine), and the weights must not be
         # registered twice under this module.
@@ -387,7 +400,7 @@ class DecodeStep(torch.nn.Module):
         self.blocks = torch.nn.ModuleList(block_factory(b, kernels) for b in transformer.transformer_blocks)
         self.kernels = kernels
         self.compiled = False
-        self.attention = AttentionChoice(attention)
+        self.attention = AttentionChoice(attention, prefers_fp8=lambda: prefers_fp8(self.model))
 
     @property
     def model(self):

@@ -309,7 +309,7 @@ def plan_request(transformer, plan: RequestPlan, available: int, device, text_en
     is the host, so every block stays resident and the prefix in its memory."""
     placements = plans.PREFIX_PLACEMENTS if placements is None else tuple(placements)
     sizes = _model_sizes(transformer, plan, text_encoder)
-    bandwidth = plans.default_bandwidth() if bandwidth is None else bandwidth
+    bandwidth = plans.default_bandwidth(device) if bandwidth is None else bandwidth
     if torch.device(device).type != "cuda":
         # The host is the device: a host prefix gains nothing there, so `auto` chooses among the others.
         on_host = tuple(p for p in placements if p != HOST) if len(placements) > 1 else placements

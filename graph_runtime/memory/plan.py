@@ -38,6 +38,7 @@ import torch
 from ..decode.prefix_store import HOST, PLACEMENTS, STORED, working_slots
 from ..text_encoder_layers import decoder_layer_bytes
 from .. import free_memory
+from . import link
 from ..report import block_sizes
 from .sizes import (
     MARGIN_BYTES, MARGIN_FRACTION, GenerationShape, GiB, MemoryBudget, TransformerDims, VaeDims, estimate, gib,
@@ -92,10 +93,14 @@ INT8_TEXT_ENCODER_FRACTION = 8.8 / 15.2
 STANDARD_LAYER_SHARE = 12.94 / 15.17
 
 
-def default_bandwidth() -> float:
-    """The host-to-device bytes per second plans assume: KVGRAPH_H2D_GB_S where set, else the conservative default."""
+def default_bandwidth(device=None) -> float:
+    """The host-to-device bytes per second plans assume: KVGRAPH_H2D_GB_S where set, else the rate measured on
+    `device` (a CUDA device: link.py), else the conservative default."""
     gb = free_memory.gb_setting(BANDWIDTH_SETTING, "the host-to-device rate in GB/s, a number above 0")
-    return DEFAULT_H2D_BYTES_PER_S if gb is None else gb * 1e9
+    if gb is not None:
+        return gb * 1e9
+    measured = None if device is None else link.measured_h2d_bytes_per_s(device)
+    return DEFAULT_H2D_BYTES_PER_S if measured is None else measured
 
 
 @dataclass(frozen=True)

@@ -39,18 +39,30 @@ def test_a_streamed_plan_runs_within_its_bytes_and_a_bigger_card_loads_whole_aga
         plan = budget.plan
         print(plan.describe())
         assert plan.fits and plan.streamed_blocks > 0
+        # The step estimate's link rate is this device's, measured (a pinned copy runs 10-60 GB/s on PCIe and SXM
+        # hosts; outside 1-1000 GB/s the probe measured something else).
+        from graph_runtime.memory import link
+
+        assert plan.bandwidth == link.measured_h2d_bytes_per_s("cuda") and 1e9 < plan.bandwidth < 1e12
         loaded.follow_plan("cuda", plan)
         assert loaded.streaming is not None and loaded.streaming.resident_blocks == plan.resident_blocks
         gc.collect()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+        start = torch.cuda.memory_allocated()
         result = sample(loaded.engine, request)
+        sampled = torch.cuda.max_memory_allocated()
+        held = torch.cuda.memory_allocated()
         images = decode_latents(vae, result.latents, loaded.engines())
         peak = torch.cuda.max_memory_allocated()
-    print(f"streamed: peak allocated {peak / GB:.2f} GB, plan {plan.gpu_bytes / GB:.2f} GB; stats {result.stats}")
+    parts = {label: round(n / 2**20) for label, n in plan.as_dict()["gpu_parts"].items()}
+    measured = (f"MiB: loaded {start / 2**20:.0f}, sampling peak {sampled / 2**20:.0f}, held after sampling "
+                f"{held / 2**20:.0f} (graph pool {loaded.engine.pool_bytes() / 2**20:.0f}), whole peak "
+                f"{peak / 2**20:.0f}; plan {plan.gpu_bytes / 2**20:.0f}: {parts}")
+    print(f"streamed: {measured}; stats {result.stats}")
     assert torch.isfinite(result.latents).all() and torch.isfinite(images).all()
-    assert peak <= plan.gpu_bytes
-    assert result.stats["replays"] == 0 and sum(result.stats["eager_steps"].values()) > 0
+    assert peak <= plan.gpu_bytes, measured
+    assert result.stats["captures"] == 1 and result.stats["replays"] > 0 and not result.stats["eager_steps"]
 
     with emulated_card(40 * GB):
         whole = budgets.check_runtime_request(loaded, request, vae).plan
