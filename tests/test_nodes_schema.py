@@ -148,11 +148,12 @@ def test_single_file_loader_schemas(comfy_env, node_id, name_input, folder_defau
 @pytest.mark.parametrize("node_id", ["KVGraphLoadTransformer", "KVGraphLoadDiffusers"])
 def test_attention_input_is_an_optional_combo_defaulting_to_auto(comfy_env, node_id):
     """Both loaders offer the four kernels, optional with `auto` as default (a workflow saved before the input
-    existed validates and runs auto), and the tooltip says what each is and the terms of `fp8`."""
+    existed validates and runs auto), and the tooltip says what each is and when `auto` attends in FP8."""
     attention = inputs_by_id(comfy_env, node_id)["attention"]
     assert attention.optional and attention.default == "auto"
     assert list(attention.options) == ["auto", "sdpa", "fa3", "fp8"]
-    for words in ("SDPA", "FlashAttention-3", "Hopper", "[fa3]", "logged", "Opt-in", "not judged per model"):
+    for words in ("SDPA", "FlashAttention-3", "Hopper", "[fa3]", "logged", "with INT8 Linears it attends in FP8",
+                  "INT8 error"):
         assert words in attention.tooltip, words
 
 
