@@ -4,6 +4,8 @@ Run where ComfyUI 0.33.0 and a CUDA GPU are (skipped elsewhere, with the reason)
 
     KVGRAPH_E2E_DEVICE=cuda COMFYUI_DIR=... COMFYUI_PYTHON=... python -m pytest -q -rs tests/e2e/test_comfyui_lowvram.py
 
+The test chooses each server's memory mode itself; KVGRAPH_E2E_ARGS adds arguments to both (not a memory mode).
+
 Invariants:
 - Under `--lowvram`, ComfyUI told to leave all but about CARD_GB of the card alone (`--reserve-vram`) and the pack's
   budget capped to an emulated CARD_GB card (KVGRAPH_EMULATE_CARD_GB), every example workflow finishes with its
@@ -22,6 +24,8 @@ which the status shows as loaded bytes below the model's bytes, and the log as t
 
 from __future__ import annotations
 
+import os
+import shlex
 import sys
 from pathlib import Path
 
@@ -30,7 +34,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 
 from comfy_server import (  # noqa: E402
-    DEVICE_VARIABLE, ComfyServer, e2e_device, load_api_workflow, prepare_base,
+    ARGS_VARIABLE, DEVICE_VARIABLE, ComfyServer, device_args, e2e_device, load_api_workflow, prepare_base,
 )
 
 REPO = Path(__file__).resolve().parents[2]
@@ -56,10 +60,10 @@ def reserve_gb(card_gb: float) -> float:
 
 
 def start(comfyui_install, base: Path, *args: str, env: dict | None = None) -> ComfyServer:
+    """A server on the GPU with `args` (its memory mode), then KVGRAPH_E2E_ARGS (e.g. --disable-dynamic-vram)."""
     comfyui_dir, python = comfyui_install
-    device = e2e_device()
-    chosen = ["--cuda-device", device.partition(":")[2]] if ":" in device else []
-    return ComfyServer(comfyui_dir, python, base, device_arguments=[*chosen, *args], env=env).start(timeout=300)
+    arguments = [*device_args(args=""), *args, *shlex.split(os.environ.get(ARGS_VARIABLE, ""))]
+    return ComfyServer(comfyui_dir, python, base, device_arguments=arguments, env=env).start(timeout=300)
 
 
 def sampler_of(name: str) -> str:
