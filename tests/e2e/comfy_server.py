@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shlex
 import signal
 import socket
 import subprocess
@@ -29,6 +30,12 @@ SMALL = 128  # output / reference resolution for end-to-end runs
 # PyPI, unpacked: its comfyui_frontend_package/static folder); passed to ComfyUI as --front-end-root.
 FRONTEND_ROOT_VARIABLE = "KVGRAPH_FRONTEND_ROOT"
 LORA_FILE = "qwen_image_2.1_lora.safetensors"  # the LoRA example's file: a tiny random LoRA for the tiny model
+# The device the server runs on: unset or "cpu" starts ComfyUI with --cpu (the default, for CI); "cuda" or "cuda:N"
+# starts it on that GPU. KVGRAPH_E2E_ARGS adds ComfyUI arguments (split as a shell would), e.g. "--lowvram
+# --reserve-vram 60". The server inherits this environment, so the pack's own settings (KVGRAPH_EMULATE_CARD_GB,
+# graph_runtime/free_memory.py) reach it too.
+DEVICE_VARIABLE = "KVGRAPH_E2E_DEVICE"
+ARGS_VARIABLE = "KVGRAPH_E2E_ARGS"
 
 
 def prepare_base(base: Path, pack_folder: str = PACK_FOLDER, reference_images: bool = True) -> Path:
@@ -72,6 +79,28 @@ def frontend_args() -> list[str]:
     return ["--front-end-root", str(Path(root).resolve())]
 
 
+def e2e_device() -> str:
+    """The device KVGRAPH_E2E_DEVICE names: "cpu" (also when unset or empty), "cuda" or "cuda:N"."""
+    device = os.environ.get(DEVICE_VARIABLE, "").strip() or "cpu"
+    kind, _, index = device.partition(":")
+    if kind not in ("cpu", "cuda") or (kind == "cpu" and index) or (index and not index.isdigit()):
+        raise ValueError(f"{DEVICE_VARIABLE}={device!r} is invalid: expected cpu, cuda or cuda:N")
+    return device
+
+
+def device_args(device: str | None = None, args: str | None = None) -> list[str]:
+    """ComfyUI's arguments for `device` (default `e2e_device()`) followed by `args` (default KVGRAPH_E2E_ARGS):
+    --cpu on the CPU; on a GPU nothing, or --cuda-device N for cuda:N."""
+    device = e2e_device() if device is None else device
+    args = os.environ.get(ARGS_VARIABLE, "") if args is None else args
+    if device == "cpu":
+        chosen = ["--cpu"]
+    else:
+        index = device.partition(":")[2]
+        chosen = ["--cuda-device", index] if index else []
+    return chosen + shlex.split(args)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -79,19 +108,24 @@ def free_port() -> int:
 
 
 class ComfyServer:
-    def __init__(self, comfyui_dir: str, python: str, base: Path, extra_args=(), log_path: Path | None = None):
+    def __init__(self, comfyui_dir: str, python: str, base: Path, extra_args=(), log_path: Path | None = None,
+                 device_arguments: list[str] | None = None, env: dict | None = None):
+        """`device_arguments`: ComfyUI's device and memory arguments (default `device_args()`: --cpu unless
+        KVGRAPH_E2E_DEVICE says otherwise); `env`: variables set for the server on top of this environment."""
         self.dir, self.python, self.base = Path(comfyui_dir), python, base
+        self.env = dict(env or {})
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.client_id = f"kvgraph-e2e-{uuid.uuid4().hex[:8]}"
         self.log_path = log_path or base / f"comfyui-{self.port}.log"
-        self.args = [python, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+        device_arguments = device_args() if device_arguments is None else list(device_arguments)
+        self.args = [python, "main.py", *device_arguments, "--listen", "127.0.0.1", "--port", str(self.port),
                      "--base-directory", str(base), "--disable-auto-launch", "--database-url", "sqlite:///:memory:",
                      *frontend_args(), *extra_args]
         self.process = None
 
     def start(self, timeout: float = 120.0) -> "ComfyServer":
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", PYTHONUNBUFFERED="1", **self.env)
         self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(self.args, cwd=self.dir, env=env, stdout=self._log, stderr=subprocess.STDOUT,
                                         start_new_session=True)
