@@ -100,6 +100,8 @@ def test_warm_worker_runs_both_paths_and_their_images_agree():
     assert all(r["total_ms"] >= r["steps_ms"] > 0 for r in worker.runs)
     assert {r["steps_run"] for r in worker.runs} == {4}
     assert worker.result()["params_billion"]["transformer"] > 0
+    # The shared text encoder stays where diffusers' pipeline reads it between ours' encodes.
+    assert worker.generators["ours"].placed.placement == "always gpu"
 
 
 def _first(cache, first_ms, second_ms):

@@ -401,3 +401,27 @@ def test_a_host_prefix_the_host_cannot_hold_is_refused_before_anything_is_alloca
         budgets.check_sampling_request(tiny_models.transformer, request, budgets.Available(1 << 40), "cuda:0",
                                        host_free=16)
     assert "prefix_placement int8" in str(info.value) and "prefix_placement host" not in str(info.value)
+
+
+def test_dropped_host_entries_are_gone_before_the_pinned_cache_is_emptied(monkeypatch):
+    """PyTorch's pinned-memory allocator hands back only blocks no tensor uses: when the graph manager drops host
+    entries, no reference to any of them may be left (not even the loop's last one) by the time it empties that
+    cache, or their pinned rows stay locked in the process after the release."""
+    import weakref
+
+    from graph_runtime.decode import graphs as graphs_module
+    from graph_runtime.decode.stats import DecodeStats
+
+    class HostEntry:
+        host_bytes = 1 << 20
+
+    manager = graphs_module.DecodeGraphs("test", backend=None, stats=DecodeStats())
+    dropped = [HostEntry(), HostEntry()]
+    alive = [weakref.ref(e) for e in dropped]
+    for i, entry in enumerate(dropped):
+        manager.entries[("key", i)] = entry
+    del dropped, entry
+    seen = []
+    monkeypatch.setattr(graphs_module, "release_host_cache", lambda: seen.append([ref() is None for ref in alive]))
+    manager.release()
+    assert seen == [[True, True]]

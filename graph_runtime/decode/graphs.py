@@ -342,12 +342,13 @@ class DecodeGraphs:
             entry = self.entries.pop(key, None)
             pinned = pinned or getattr(entry, "host_bytes", 0) > 0
             self.owners.forget(key)
-        if pinned:
-            release_host_cache()
+        entry = None  # the last dropped entry's pinned rows are freed now, not when this returns: the cache below
         if not any(isinstance(e, DecodeGraphEntry) and e.holds_graph for e in self.entries.values()):
             reset = getattr(self.backend, "reset_pool", None)
             if reset is not None:
                 reset()
+        if pinned:
+            release_host_cache()  # after the drop: a pinned block still in use is not handed back
 
     # -- reporting and release -------------------------------------------------------------------------------------
 
