@@ -10,11 +10,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import free_memory
 from .comfy_interop.pixels import to_pil
 from .encoding.images import decode_latents, encode_pixels, prepare_references, reference_size
 from .encoding.placed import PlacedTextEncoder
 from .encoding.prompt import PromptEncoder
 from .memory import check_runtime_request
+from .memory import plan as plans
+from .memory.plan import TE_AUTO
+from .memory.sizes import VaeDims
 from .loaded import LoadedTransformer
 from .parallel import sample_on_devices
 from .sampling.sampler import SamplingRequest, check_schedule, sample
@@ -56,6 +60,25 @@ class QwenImageGenerator:
     def engine(self):
         return self.loaded.engine
 
+    def _sampling_beside(self, request, references: int, tokens: int) -> tuple[int, int] | None:
+        """For the text encoder's `auto`: what the request's sampling needs on the device (its memory plan, before
+        the prompt is encoded: the token bound stands for the prompt) and what of that the transformer and the VAE
+        already hold there; None where the device is the host, or another placement is set."""
+        transformer = self.loaded.transformer
+        device = next(transformer.parameters()).device
+        if self.placed.placement != TE_AUTO or device.type == "cpu":
+            return None
+        free = free_memory.device_free_bytes(device)
+        if free is None:
+            return None
+        vae = self.models.vae
+        shape = plans.request_shape(request.latent_width * 16, request.latent_height * 16, request.batch_size,
+                                    request.cfg > 1.0, references, prompt_tokens=tokens)
+        held = sum(t.numel() * t.element_size() for m in (transformer, vae)
+                   for t in (*m.parameters(), *m.buffers()) if t.device == device)
+        sizes = plans.ModelSizes.of(transformer, VaeDims.of(vae))
+        return plans.plan_memory(sizes, shape, free + held).gpu_bytes, held
+
     def generate(self, prompt: str, negative_prompt: str | None = None, cfg: float = 1.0, images=(),
                  width: int | None = None, height: int | None = None, steps: int = 40, seed: int = 0,
                  sigma_preset: str = "dynamic", decode_mode: str = "auto", compile: bool = False,
@@ -87,7 +110,9 @@ class QwenImageGenerator:
         refs = prepare_references(images, reference_resolution) if images else []
         vision_images = [r.vision_image for r in refs]
         texts = [prompt] + ([negative_prompt] if negative_prompt is not None and request.cfg > 1.0 else [])
-        with self.placed.encoding(max(self.encoder.token_bound(t, vision_images) for t in texts)) as device:
+        tokens = max(self.encoder.token_bound(t, vision_images) for t in texts)
+        beside = self._sampling_beside(request, len(refs), tokens)
+        with self.placed.encoding(tokens, beside) as device:
             positive = self.encoder.encode(prompt, vision_images, device=device)
             negative = None
             if len(texts) > 1:

@@ -42,19 +42,25 @@ class PlacedTextEncoder:
         self.module.to(device)
         self._pinned = None  # the module's tensors are new ones: a host copy made before no longer backs them
 
-    def resolve(self, tokens: int) -> str:
+    def resolve(self, tokens: int, beside: tuple[int, int] | None = None) -> str:
         """The placement an encode of about `tokens` runs: the set one, or for `auto` the memory plan's for what the
-        device has free plus what the encoder already holds there."""
+        device has free plus what the encoder already holds there. `beside`: `(the request's sampling bytes, what of
+        them its models already hold on the device)`: where the encoder fits beside the sampling it stays on the
+        device between prompts (`always gpu`) instead of leaving after each encode."""
         if self.placement != plans.TE_AUTO:
             return self.placement
         free = free_memory.device_free_bytes(self.device)
         if free is None:  # the CPU: the weights are there already, nothing to place
             return plans.TE_OFFLOAD
         size = plans.TextEncoderSize.of(self.module)
-        planned = plans.text_encoder_placement(size, tokens, free + _bytes_on(self.module, self.device))
+        available = free + _bytes_on(self.module, self.device)
+        sampling = None
+        if beside is not None:
+            sampling, held = beside
+            available += held
+        planned = plans.text_encoder_placement(size, tokens, available, sampling)
         logger.info("text encoder placement auto runs '%s' (%.2f GiB of %.2f GiB on %s for %d tokens)", planned,
-                    size.gpu_bytes(planned, tokens) / 2**30, (free + _bytes_on(self.module, self.device)) / 2**30,
-                    self.device, tokens)
+                    size.gpu_bytes(planned, tokens) / 2**30, available / 2**30, self.device, tokens)
         return planned
 
     def _stream(self):
@@ -70,10 +76,11 @@ class PlacedTextEncoder:
             return None
 
     @contextlib.contextmanager
-    def encoding(self, tokens: int):
-        """Inside: the encoder placed for one encode of about `tokens`; yields the device the encode computes on.
-        On the CPU every placement runs whole where the weights are, as the loader nodes do (nothing to stream)."""
-        placement = self.last = self.resolve(tokens)
+    def encoding(self, tokens: int, beside: tuple[int, int] | None = None):
+        """Inside: the encoder placed for one encode of about `tokens` (`beside`: as `resolve`'s); yields the device
+        the encode computes on. On the CPU every placement runs whole where the weights are, as the loader nodes do
+        (nothing to stream)."""
+        placement = self.last = self.resolve(tokens, beside)
         if self.device.type == "cpu":
             yield self.device
             return
