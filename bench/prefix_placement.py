@@ -32,6 +32,7 @@ import torch
 
 from graph_runtime.decode import DecodeEngine
 from graph_runtime.kernels.kv_int8 import dequantize_rows, quantize_rows
+from graph_runtime.memory.link import copy_rate
 
 from . import prefix_card
 from .model import build_transformer, fp32_copy
@@ -62,11 +63,8 @@ def step_ms(engine, prefix, inputs, mode: str, iters: int) -> float:
 
 
 def h2d_gbps(nbytes: int = 1 << 30) -> float:
-    """Pinned host-to-device copy bandwidth (GB/s, 10^9 bytes), the host prefix's floor."""
-    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    ms = device_ms(lambda: dst.copy_(src, non_blocking=True), "cuda", iters=5)
-    return nbytes / ms / 1e6
+    """Pinned host-to-device copy bandwidth (GB/s, 10^9 bytes), the host prefix's floor (memory/link.py's way)."""
+    return copy_rate("cuda", nbytes, 5) / 1e9
 
 
 def speed(transformer, inputs, rounds: int, iters: int, device) -> tuple[dict, torch.Tensor]:

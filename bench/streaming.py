@@ -35,6 +35,7 @@ import torch
 from graph_runtime.decode import TokenLayout
 from graph_runtime.free_memory import emulate_card
 from graph_runtime.loaded import LoadedTransformer
+from graph_runtime.memory.link import copy_rate
 from graph_runtime.streaming import DEFAULT_SLOTS, plan_stream, plan_with
 
 from .model import build_transformer
@@ -54,11 +55,9 @@ def quantize_blocks(transformer) -> None:
 
 
 def h2d_gbps(device, mib: int, iters: int = 10) -> float:
-    """Host-to-device bandwidth in GB/s: a page-locked buffer of `mib` MiB copied to the device (median)."""
-    host = torch.empty(mib << 20, dtype=torch.uint8, pin_memory=True)
-    target = torch.empty_like(host, device=device)
-    ms = device_ms(lambda: target.copy_(host, non_blocking=True), device, iters=iters)
-    return (mib << 20) / (ms / 1e3) / GB
+    """Host-to-device bandwidth in GB/s: a page-locked buffer of `mib` MiB copied to the device (median), measured
+    as the memory plans measure it (graph_runtime/memory/link.py)."""
+    return copy_rate(device, mib << 20, iters) / GB
 
 
 class Request:

@@ -15,7 +15,7 @@ from .comfy_interop.pixels import to_pil
 from .encoding.images import decode_latents, encode_pixels, prepare_references, reference_size
 from .encoding.placed import PlacedTextEncoder
 from .encoding.prompt import PromptEncoder
-from .memory import check_runtime_request
+from .memory import bytes_on, check_runtime_request
 from .memory import plan as plans
 from .memory.plan import TE_AUTO
 from .memory.sizes import VaeDims
@@ -74,8 +74,7 @@ class QwenImageGenerator:
         vae = self.models.vae
         shape = plans.request_shape(request.latent_width * 16, request.latent_height * 16, request.batch_size,
                                     request.cfg > 1.0, references, prompt_tokens=tokens)
-        held = sum(t.numel() * t.element_size() for m in (transformer, vae)
-                   for t in (*m.parameters(), *m.buffers()) if t.device == device)
+        held = bytes_on(transformer, device) + bytes_on(vae, device)
         sizes = plans.ModelSizes.of(transformer, VaeDims.of(vae))
         return plans.plan_memory(sizes, shape, free + held).gpu_bytes, held
 

@@ -10,6 +10,7 @@ import logging
 import torch
 
 from .. import free_memory
+from ..memory import bytes_on
 from ..memory import plan as plans
 from ..placement import PinnedWeights
 from .streamed import layer_stream
@@ -19,10 +20,6 @@ logger = logging.getLogger("kvgraph")
 # A shell's one-word names for the loader nodes' `text_encoder_placement` choices.
 CLI_PLACEMENTS = {"auto": plans.TE_AUTO, "offload": plans.TE_OFFLOAD, "gpu": plans.TE_GPU,
                   "streamed": plans.TE_STREAMED, "cpu": plans.TE_CPU}
-
-
-def _bytes_on(module: torch.nn.Module, device: torch.device) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters() if p.device == device)
 
 
 class PlacedTextEncoder:
@@ -53,7 +50,7 @@ class PlacedTextEncoder:
         if free is None:  # the CPU: the weights are there already, nothing to place
             return plans.TE_OFFLOAD
         size = plans.TextEncoderSize.of(self.module)
-        available = free + _bytes_on(self.module, self.device)
+        available = free + bytes_on(self.module, self.device)
         sampling = None
         if beside is not None:
             sampling, held = beside
@@ -89,7 +86,7 @@ class PlacedTextEncoder:
             yield torch.device("cpu")
             return
         # An encoder already on the device (`auto` before its first offload) encodes whole there, as the nodes do.
-        stream = self._stream() if placement == plans.TE_STREAMED and _bytes_on(self.module, self.device) == 0 else None
+        stream = self._stream() if placement == plans.TE_STREAMED and bytes_on(self.module, self.device) == 0 else None
         if stream is not None:
             running = stream.start()
             try:

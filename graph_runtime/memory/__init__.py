@@ -16,7 +16,8 @@ that module.
 from .. import free_memory as free  # noqa: F401 - what a new allocation can get (graph_runtime/free_memory.py)
 from . import budget, plan, sizes  # noqa: F401 - the modules, for callers that reach one by name
 from .budget import (  # noqa: F401
-    Available, MemoryBudgetError, RequestPlan, alternatives, check, check_decoded_on_host, check_runtime_request,
+    Available, MemoryBudgetError, RequestPlan, alternatives, bytes_on, check, check_decoded_on_host,
+    check_runtime_request,
     check_sampling_request, largest_fitting_batch, largest_fitting_size, plan_request,
     request_shape,
 )

@@ -358,7 +358,7 @@ def _refuse(transformer, plan: RequestPlan, memory_plan, available: Available, d
                             plan=memory_plan)
 
 
-def _bytes_on(module, device) -> int:
+def bytes_on(module, device) -> int:
     """The bytes of the module's weights that are on `device` now."""
     device = torch.device(device)
     seen, total = set(), 0
@@ -372,7 +372,7 @@ def _bytes_on(module, device) -> int:
 
 def _host_bytes(module) -> int:
     """The module's weights in host memory now (a streamed load repacks them rather than copying them)."""
-    return _bytes_on(module, "cpu")
+    return bytes_on(module, "cpu")
 
 
 # The plans logged lately, so each new one is logged once rather than on every request.
@@ -417,7 +417,7 @@ def check_runtime_request(loaded, request, vae=None, text_encoder=None,
         others["text encoder"] = module_bytes(text_encoder)  # its placement keeps it on the GPU: it competes
     models = [m for m in (transformer, vae) if m is not None] + ([text_encoder] if others else [])
     # Tensor by tensor: a streamed transformer holds only its resident blocks there.
-    resident = sum(_bytes_on(m, device) for m in models)
+    resident = sum(bytes_on(m, device) for m in models)
     available = Available(free, (("of its models", resident), ("of graphs", graph_bytes_held(loaded.engines()))))
     vae_dims = VaeDims.of(vae) if vae is not None else None
     budget = check_sampling_request(

@@ -35,29 +35,36 @@ def measured_h2d_bytes_per_s(device) -> float | None:
         return _measured[key]
 
 
+def copy_rate(device, nbytes: int, copies: int) -> float:
+    """Pinned host-to-device bytes per second on `device`: the median of `copies` timed copies of `nbytes` (also
+    what the benchmarks report as the link's rate)."""
+    device = torch.device(device)
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    stream = torch.cuda.Stream(device)
+    times = []
+    with torch.cuda.stream(stream):
+        for _ in range(copies):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(stream)
+            target.copy_(host, non_blocking=True)
+            end.record(stream)
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+    del host, target
+    from ..decode.prefix_store import release_host_cache
+
+    release_host_cache()  # the measurement's pinned buffer is not kept locked
+    return nbytes / (sorted(times)[len(times) // 2] / 1e3)
+
+
 def _probe(device: torch.device) -> float | None:
     try:
-        host = torch.empty(PROBE_BYTES, dtype=torch.uint8, pin_memory=True)
-        target = torch.empty(PROBE_BYTES, dtype=torch.uint8, device=device)
-        stream = torch.cuda.Stream(device)
-        times = []
-        with torch.cuda.stream(stream):
-            for _ in range(PROBE_COPIES):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record(stream)
-                target.copy_(host, non_blocking=True)
-                end.record(stream)
-                end.synchronize()
-                times.append(start.elapsed_time(end))
-        del host, target
+        rate = copy_rate(device, PROBE_BYTES, PROBE_COPIES)
     except RuntimeError as exc:  # pinned memory refused, the device out of memory: plans keep the default rate
         logger.info("KV-Graph: the host-to-device rate could not be measured on %s (%s); plans assume the default.",
                     device, f"{type(exc).__name__}: {exc}"[:200])
         return None
-    from ..decode.prefix_store import release_host_cache
-
-    release_host_cache()  # the probe's pinned buffer is not kept locked
-    rate = PROBE_BYTES / (sorted(times)[len(times) // 2] / 1e3)
     logger.info("KV-Graph: host-to-device rate on %s: %.1f GB/s (pinned), what plans assume for streamed bytes.",
                 device, rate / 1e9)
     return rate
