@@ -200,6 +200,13 @@ class BlockStreamer:
         return "streamed blocks are copied the eager way (stream slots 0)"
 
     def start(self) -> "BlockStreamer":
+        # Outside inference mode (ComfyUI loads models under `torch.inference_mode()`): the slots, the host copies and
+        # the parameters viewing them are written in place by every later step, pass and LoRA merge, which run
+        # outside it, and an inference tensor refuses in-place writes there.
+        with torch.inference_mode(False):
+            return self._start()
+
+    def _start(self) -> "BlockStreamer":
         blocks = list(self.transformer.transformer_blocks)
         streamed_at = set(self.plan.streamed)
         # Streamed blocks first: if they were on the device (a whole load before), their memory is free before the

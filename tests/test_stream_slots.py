@@ -308,3 +308,19 @@ def test_a_streamed_step_with_a_stored_prefix_equals_the_whole_models(model, pla
         assert torch.equal(a, b)
     key = next(iter(engine.graphs.entries))
     assert key.streaming == (streamed_indices(LAYERS, LAYERS - 2), 2) and key.placement == placement and key.kv_format == "native"
+
+
+def test_a_streamer_started_under_inference_mode_runs_steps_outside_it(model):
+    """ComfyUI loads models under `torch.inference_mode()` and the sampler steps outside it: a streamer started in
+    the loader's mode must still let every step copy blocks into their slots (an inference tensor refuses in-place
+    writes outside inference mode), and compute what the whole model computes."""
+    inputs = _inputs(model)
+    whole = copy.deepcopy(model)  # engines hold their model weakly
+    expected, _ = _generate(DecodeEngine(whole), *inputs)
+    streamed = copy.deepcopy(model)
+    with torch.inference_mode():
+        BlockStreamer(streamed, "cpu", plan_with(streamed, 1, 2)).start()
+    with torch.inference_mode(False):
+        got, _ = _generate(DecodeEngine(streamed), *inputs)
+    for a, b in zip(expected, got):
+        assert torch.equal(a, b)
