@@ -275,6 +275,24 @@ def test_cpu_only_machine_reports_no_cuda(tiny_models, generator):
     assert out.reason == why.NO_CUDA and engine.graphs.stats.eager_steps[why.NO_CUDA] == 1
 
 
+def test_the_cuda_malloc_async_allocator_keeps_steps_eager_for_a_counted_reason(tiny_models, generator, monkeypatch,
+                                                                               caplog):
+    """Under cudaMallocAsync (ComfyUI's --cuda-malloc) a capture that runs Triton kernels fails and its aborted
+    allocations fault the process when freed: the engine never tries one there. Each step is eager for that reason,
+    counted, and said once in the log (the judgement comes before any device check, so CUDA is faked here)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    engine = DecodeEngine(tiny_models.transformer)
+    prefix, latents = _request(generator, "a red cube", engine=engine)
+    with caplog.at_level(logging.INFO, logger="kvgraph"):
+        outs = [engine.decode_step(prefix, latents, torch.full((1,), t)) for t in (0.6, 0.3)]
+    assert [o.reason for o in outs] == [why.ASYNC_ALLOCATOR] * 2
+    assert engine.graphs.stats.eager_steps[why.ASYNC_ALLOCATOR] == 2 and engine.graphs.stats.captures == 0
+    assert sum(why.ASYNC_ALLOCATOR in r.getMessage() for r in caplog.records) == 1
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    assert why.static_reason(tiny_models.transformer) == why.WEIGHTS_OFF_GPU  # the next check: CPU weights
+
+
 def test_unknown_decode_mode_is_rejected(engine, generator):
     prefix, latents = _request(generator, "a red cube", engine=engine)
     with pytest.raises(ValueError, match="decode mode 'fast' is invalid"):

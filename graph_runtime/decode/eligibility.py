@@ -18,6 +18,8 @@ from ..stream_slots import SlotBlock, streamer_of
 
 # Reason strings double as statistics keys, so they are stable, short and human-readable.
 NO_CUDA = "no CUDA"
+ASYNC_ALLOCATOR = ("the CUDA allocator is cudaMallocAsync (ComfyUI's --cuda-malloc), under which a capture that runs "
+                   "Triton kernels fails")
 MODE_EAGER = "decode mode is eager"
 # A partial load's blocks in device slots (stream_slots.py) are on the device at fixed addresses: not this.
 WEIGHTS_OFF_GPU = "weights are not all on the CUDA device (offloaded or lowvram)"
@@ -46,6 +48,11 @@ def static_reason(transformer: torch.nn.Module, params=None) -> str | None:
     the module structure change). `params`: the model's parameters when the caller has already listed them."""
     if not torch.cuda.is_available():
         return NO_CUDA
+    if torch.cuda.get_allocator_backend() == "cudaMallocAsync":
+        # Memory allocated inside a capture is a graph allocation, not yet mapped: Triton's launcher asks the
+        # driver for each pointer's device address, is refused and raises, and the aborted capture's frees then
+        # fault the process. The pack's prestartup_script.py keeps ComfyUI on the native allocator for this.
+        return ASYNC_ALLOCATOR
     if _has_offload_hooks(transformer):
         return OFFLOAD_HOOKS
     # The set of devices, collected by a C-level map (a meta tensor's device type is "meta").
