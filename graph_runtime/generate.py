@@ -17,7 +17,6 @@ from .encoding.placed import PlacedTextEncoder
 from .encoding.prompt import PromptEncoder
 from .memory import bytes_on, check_runtime_request
 from .memory import plan as plans
-from .memory.plan import TE_AUTO
 from .memory.sizes import VaeDims
 from .loaded import LoadedTransformer
 from .parallel import sample_on_devices
@@ -66,7 +65,7 @@ class QwenImageGenerator:
         already hold there; None where the device is the host, or another placement is set."""
         transformer = self.loaded.transformer
         device = next(transformer.parameters()).device
-        if self.placed.placement != TE_AUTO or device.type == "cpu":
+        if self.placed.placement != plans.TE_AUTO or device.type == "cpu":
             return None
         free = free_memory.device_free_bytes(device)
         if free is None:

@@ -342,7 +342,9 @@ class DecodeGraphs:
             entry = self.entries.pop(key, None)
             pinned = pinned or getattr(entry, "host_bytes", 0) > 0
             self.owners.forget(key)
-        entry = None  # the last dropped entry's pinned rows are freed now, not when this returns: the cache below
+        # The loop's last entry is dropped here, not when this returns, so the pinned rows it held are already freed
+        # when the host cache is emptied below.
+        entry = None
         if not any(isinstance(e, DecodeGraphEntry) and e.holds_graph for e in self.entries.values()):
             reset = getattr(self.backend, "reset_pool", None)
             if reset is not None:

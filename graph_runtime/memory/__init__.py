@@ -17,8 +17,7 @@ from .. import free_memory as free  # noqa: F401 - what a new allocation can get
 from . import budget, plan, sizes  # noqa: F401 - the modules, for callers that reach one by name
 from .budget import (  # noqa: F401
     Available, MemoryBudgetError, RequestPlan, alternatives, bytes_on, check, check_decoded_on_host,
-    check_runtime_request,
-    check_sampling_request, largest_fitting_batch, largest_fitting_size, plan_request,
+    check_runtime_request, check_sampling_request, largest_fitting_batch, largest_fitting_size, plan_request,
     request_shape,
 )
 from .plan import MemoryPlan, ModelSizes, TextEncoderSize, plan_memory  # noqa: F401

@@ -9,6 +9,8 @@ import threading
 
 import torch
 
+from ..decode.prefix_store import release_host_cache
+
 logger = logging.getLogger("kvgraph")
 
 PROBE_BYTES = 64 << 20
@@ -52,8 +54,6 @@ def copy_rate(device, nbytes: int, copies: int) -> float:
             end.synchronize()
             times.append(start.elapsed_time(end))
     del host, target
-    from ..decode.prefix_store import release_host_cache
-
     release_host_cache()  # the measurement's pinned buffer is not kept locked
     return nbytes / (sorted(times)[len(times) // 2] / 1e3)
 
