@@ -37,9 +37,9 @@ def keep_native_allocator(environ=os.environ, argv=sys.argv, modules=sys.modules
     changed = []
     for name in CONF_VARIABLES:
         conf = environ.get(name)
-        if conf is None or without_async_entry(conf) == conf:
+        rest = None if conf is None else without_async_entry(conf)
+        if rest == conf:
             continue
-        rest = without_async_entry(conf)
         if rest:
             environ[name] = rest
         else:
